@@ -1,0 +1,54 @@
+"""What every karma command shares: argument types and the error boundary.
+
+Bad input is a `KarmaError`: the command prints `PROG: error: MESSAGE` and exits 2, with no
+traceback unless --debug. Anything else is a bug in karma: a one-line message that says so
+and asks for --debug, exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Callable
+
+from karma.errors import KarmaError
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer, e.g. 8")
+    return value
+
+
+def run_cli(prog: str, body: Callable[[argparse.Namespace], int],
+            parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse `argv`, run `body(args)` inside the error boundary, return the exit code."""
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks and library warnings")
+    args = parser.parse_args(argv)
+    try:
+        if args.debug:
+            return body(args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return body(args)
+    except KarmaError as e:
+        if args.debug:
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the boundary: never a bare traceback
+        if args.debug:
+            raise
+        print(f"{prog}: internal error: {type(e).__name__}: {e}\n"
+              f"(this is a bug in karma; rerun with --debug for the traceback and report it)",
+              file=sys.stderr)
+        return 1

@@ -1,0 +1,82 @@
+"""The block-graph IR: a model file traced on the meta device and grouped into blocks.
+
+    from karma.ir import build_block_graph
+    graph = build_block_graph(load_model_file("examples/gpt.py"), batch_size=8)
+    print(graph.table())
+"""
+
+from __future__ import annotations
+
+import torch
+
+from karma.errors import IRError
+from karma.ir.blocks import find_units, group_nodes
+from karma.ir.graph import Block, BlockGraph, Edge
+from karma.ir.measure import measure_blocks, saved_bytes
+from karma.ir.trace import trace
+from karma.modelfile import ModelFile
+
+__all__ = ["Block", "BlockGraph", "Edge", "build_block_graph"]
+
+
+def build_block_graph(mf: ModelFile, batch_size: int | None = None,
+                      blocks_regex: str | None = None, model_name: str | None = None) -> BlockGraph:
+    """Trace the model file's model on the meta device and measure its blocks."""
+    batch_size = batch_size or mf.default_batch_size
+    traced = trace(mf, batch_size)
+    gm = traced.gm
+    _drop_guards(gm)
+    specs = group_nodes(gm, find_units(traced.model, blocks_regex))
+    try:
+        measured = measure_blocks(gm, specs, traced.inputs)
+    except Exception as e:  # noqa: BLE001 - name the stage that failed
+        raise IRError(f"measuring the blocks of {mf.path} on the meta device failed: "
+                      f"{type(e).__name__}: {str(e)[:300]}") from e
+
+    params = dict(gm.named_parameters())  # unique parameters, first name of each
+    try:
+        output = measured.output
+        _, loss_act_bytes = saved_bytes(
+            mf.loss_fn, output.detach().requires_grad_(True), traced.targets)
+    except Exception as e:  # noqa: BLE001 - user code
+        raise IRError(f"{mf.path}: loss_fn(output, targets) failed on the model's output: "
+                      f"{type(e).__name__}: {e}") from e
+
+    blocks = tuple(
+        Block(
+            index=i,
+            name=spec.name,
+            modules=spec.modules,
+            params=spec.params,
+            shared_params=spec.shared_params,
+            param_bytes=sum(_nbytes(params[p]) for p in spec.params),
+            act_bytes=fig.act_bytes,
+            out_bytes=fig.out_bytes,
+            fwd_flops=fig.fwd_flops,
+            bwd_flops=fig.bwd_flops,
+        )
+        for i, (spec, fig) in enumerate(zip(specs, measured.blocks))
+    )
+    edges = tuple(Edge(src, dst, nbytes) for (src, dst), nbytes in sorted(measured.edges.items()))
+    return BlockGraph(
+        model=model_name or str(mf.path),
+        batch_size=batch_size,
+        total_param_bytes=sum(_nbytes(p) for p in params.values()),
+        input_bytes=sum(_nbytes(t) for t in traced.inputs),
+        loss_act_bytes=loss_act_bytes,
+        blocks=blocks,
+        edges=edges,
+        tracer=traced.tracer,
+    )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _drop_guards(gm: torch.fx.GraphModule) -> None:
+    """torch.export inserts an input-guard call (`_guards_fn`); it is not part of the model."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards"):
+            gm.graph.erase_node(node)
+    gm.recompile()

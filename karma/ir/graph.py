@@ -1,0 +1,145 @@
+"""The block graph: karma's one picture of a model.
+
+A *block* is the unit of every decision the planner makes: a contiguous run of the model's
+forward (a transformer layer, a ResNet bottleneck, the embedding "head", the output "tail").
+Blocks are listed in execution order; edges carry the tensors that flow between them,
+long skips (block i -> block j > i+1) included.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import networkx as nx
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of the forward pass, with everything the planner needs to cost it."""
+
+    index: int
+    name: str  # e.g. "h.3", "layer2.1", "head", "tail"; a repeated call gets "NAME#k"
+    modules: tuple[str, ...]  # the outermost modules whose calls make up the block
+    params: tuple[str, ...]  # parameters this block owns (first user of a shared one)
+    shared_params: tuple[str, ...]  # parameters it uses that an earlier block owns
+    param_bytes: int  # bytes of the parameters it owns
+    act_bytes: int  # bytes autograd saves for backward (parameters and buffers excluded)
+    out_bytes: int  # bytes of the tensors the block returns
+    fwd_flops: int
+    bwd_flops: int
+
+    def __post_init__(self) -> None:
+        for field in ("param_bytes", "act_bytes", "out_bytes", "fwd_flops", "bwd_flops"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"block {self.name}: {field} = {getattr(self, field)} < 0")
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Tensors made by block `src` and used by block `dst` (src < dst)."""
+
+    src: int
+    dst: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class BlockGraph:
+    """A model's blocks in execution order and the tensors between them."""
+
+    model: str  # the model file's path as given
+    batch_size: int
+    total_param_bytes: int  # unique parameter bytes of the whole model
+    input_bytes: int  # bytes of the model's inputs (one batch)
+    loss_act_bytes: int  # bytes the loss function saves for backward
+    blocks: tuple[Block, ...]
+    edges: tuple[Edge, ...]
+    tracer: str  # "torch.export" or "torch.fx"
+
+    def __post_init__(self) -> None:
+        owned = sum(b.param_bytes for b in self.blocks)
+        if owned != self.total_param_bytes:
+            raise ValueError(
+                f"blocks own {owned} parameter bytes but the model has {self.total_param_bytes}"
+            )
+        for e in self.edges:
+            if not 0 <= e.src < e.dst < len(self.blocks):
+                raise ValueError(f"edge {e} does not go forward between blocks")
+
+    def digraph(self) -> nx.DiGraph:
+        """The blocks as a networkx DiGraph (nodes are block indices, edges carry `bytes`)."""
+        g = nx.DiGraph()
+        for b in self.blocks:
+            g.add_node(b.index, name=b.name)
+        for e in self.edges:
+            g.add_edge(e.src, e.dst, bytes=e.bytes)
+        return g
+
+    def to_json_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "total_param_bytes": self.total_param_bytes,
+            "input_bytes": self.input_bytes,
+            "loss_act_bytes": self.loss_act_bytes,
+            "tracer": self.tracer,
+            "blocks": [
+                {
+                    "name": b.name,
+                    "modules": list(b.modules),
+                    "param_bytes": b.param_bytes,
+                    "act_bytes": b.act_bytes,
+                    "out_bytes": b.out_bytes,
+                    "fwd_flops": b.fwd_flops,
+                    "bwd_flops": b.bwd_flops,
+                }
+                for b in self.blocks
+            ],
+            "edges": [asdict(e) for e in self.edges],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_json_dict(), indent=2)
+
+    def table(self) -> str:
+        """A fixed-width table, identical from run to run for the same model and batch."""
+        mib = 1024 * 1024
+        w = max([16] + [len(b.name) for b in self.blocks])
+        head = (
+            f"{'#':>3}  {'block':<{w}} {'params MiB':>11} {'acts MiB':>10} {'out MiB':>9}"
+            f" {'fwd GFLOP':>10} {'bwd GFLOP':>10}  modules"
+        )
+        lines = [
+            f"model {self.model}  batch {self.batch_size}  traced with {self.tracer}",
+            head,
+            "-" * len(head),
+        ]
+        for b in self.blocks:
+            mods = ", ".join(b.modules)
+            if len(mods) > 48:
+                mods = mods[:45] + "..."
+            lines.append(
+                f"{b.index:>3}  {b.name:<{w}} {b.param_bytes / mib:>11.2f} {b.act_bytes / mib:>10.2f}"
+                f" {b.out_bytes / mib:>9.2f} {b.fwd_flops / 1e9:>10.2f} {b.bwd_flops / 1e9:>10.2f}"
+                f"  {mods}"
+            )
+        total_act = sum(b.act_bytes for b in self.blocks)
+        total_fwd = sum(b.fwd_flops for b in self.blocks)
+        total_bwd = sum(b.bwd_flops for b in self.blocks)
+        lines.append("-" * len(head))
+        lines.append(
+            f"{'':>3}  {'total':<{w}} {self.total_param_bytes / mib:>11.2f} {total_act / mib:>10.2f}"
+            f" {'':>9} {total_fwd / 1e9:>10.2f} {total_bwd / 1e9:>10.2f}"
+        )
+        lines.append(
+            f"inputs {self.input_bytes / mib:.2f} MiB; loss saves {self.loss_act_bytes / mib:.2f} MiB"
+        )
+        skips = [e for e in self.edges if e.dst > e.src + 1]
+        lines.append(
+            f"edges: {len(self.edges)} ({len(skips)} long skips"
+            + (": " + ", ".join(f"{e.src}->{e.dst}" for e in skips[:8]) if skips else "")
+            + (", ..." if len(skips) > 8 else "")
+            + ")"
+        )
+        return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""Measure each block on the meta device: saved bytes, output bytes, FLOPs, and edges.
+
+The traced graph is split into one sub-module per block (`torch.fx.passes.split_module`).
+A forward of the split module on meta tensors records what flows between blocks. Then each
+block runs again on its own, with autograd, on fresh meta inputs: a counting saved-tensors
+hook gives the bytes autograd saves for backward (parameters and buffers excluded, each
+storage counted once), and `FlopCounterMode` counts forward and backward FLOPs.
+
+[Note: fused attention on the meta device] On meta tensors `scaled_dot_product_attention`
+takes its math path, which saves the T x T attention matrix; the fused kernels that CPUs and
+GPUs run save only the output and a log-sum-exp. Measuring the math path would overstate a
+transformer layer's activations several times, so SDPA calls are rerouted to the fused CPU
+kernel's meta implementation while measuring (whose saved tensors match the GPU's flash
+kernel up to a few bytes of RNG state).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx.passes.split_module import split_module
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    register_flop_formula,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+from karma.ir.blocks import BlockSpec
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class BlockFigures:
+    act_bytes: int
+    out_bytes: int
+    fwd_flops: int
+    bwd_flops: int
+
+
+@dataclass(frozen=True)
+class Measured:
+    blocks: tuple[BlockFigures, ...]
+    edges: dict[tuple[int, int], int]  # (src, dst) -> bytes
+    output: object  # the model's output on meta tensors
+
+
+def measure_blocks(gm: torch.fx.GraphModule, specs: list[BlockSpec],
+                   inputs: tuple[torch.Tensor, ...]) -> Measured:
+    _reroute_sdpa(gm)
+    block_of = {node: i for i, spec in enumerate(specs) for node in spec.nodes}
+    split = split_module(gm, gm, lambda n: block_of[n.name], keep_original_order=True)
+
+    probe = _Probe(split)
+    with torch.no_grad():
+        flat_out = probe.run(*inputs)
+    skip = {s.untyped_storage()._cdata for s in (*split.parameters(), *split.buffers())}
+
+    figures = []
+    for i in range(len(specs)):
+        args, from_block = probe.args[i]
+        figures.append(_measure_one(getattr(split, f"submod_{i}"), args, from_block, skip))
+    output = flat_out[0] if isinstance(flat_out, (tuple, list)) and len(flat_out) == 1 else flat_out
+    return Measured(tuple(figures), probe.edges, output)
+
+
+def saved_bytes(fn, *args, skip: set[int] = frozenset()) -> tuple[object, int]:
+    """Run fn(*args) with autograd; return its result and the bytes autograd saved for it."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in skip:
+            seen[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn(*args)
+    return result, sum(seen.values())
+
+
+def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
+                 skip: set[int]) -> BlockFigures:
+    fresh = [
+        a.detach().requires_grad_(True) if fb and _differentiable(a) else a
+        for a, fb in zip(args, from_block)
+    ]
+    with FlopCounterMode(display=False) as fwd_counter:
+        out, act_bytes = saved_bytes(submod, *fresh, skip=skip)
+    outs = [o for o in _tensors(out)]
+    out_bytes = sum({o.untyped_storage()._cdata: o.untyped_storage().nbytes() for o in outs}.values())
+    grads_for = [o for o in outs if o.requires_grad]
+    with FlopCounterMode(display=False) as bwd_counter:
+        if grads_for:
+            torch.autograd.backward(grads_for, [torch.ones_like(o) for o in grads_for])
+    return BlockFigures(act_bytes, out_bytes, fwd_counter.get_total_flops(),
+                        bwd_counter.get_total_flops())
+
+
+class _Probe(torch.fx.Interpreter):
+    """Runs the split module once, recording each block's arguments and the edges."""
+
+    def __init__(self, split: torch.fx.GraphModule):
+        super().__init__(split)
+        self.args: dict[int, tuple[list, list[bool]]] = {}
+        self.edges: dict[tuple[int, int], int] = {}
+        self._block_of_node: dict[torch.fx.Node, int] = {}
+
+    def run_node(self, n: torch.fx.Node):
+        result = super().run_node(n)
+        if n.op == "call_module" and n.target.startswith("submod_"):
+            dst = int(n.target.removeprefix("submod_"))
+            self._block_of_node[n] = dst
+            values, from_block = [], []
+            per_src: dict[int, dict[int, int]] = {}
+            for arg in n.args:
+                value = self.env[arg] if isinstance(arg, torch.fx.Node) else arg
+                src = self._source_block(arg)
+                values.append(value)
+                from_block.append(src is not None)
+                if src is not None:
+                    for t in _tensors(value):
+                        s = t.untyped_storage()
+                        per_src.setdefault(src, {})[s._cdata] = s.nbytes()
+            self.args[dst] = (values, from_block)
+            for src, storages in per_src.items():
+                self.edges[(src, dst)] = sum(storages.values())
+        elif n.op == "call_function" and n.target is operator.getitem:
+            src = self._source_block(n.args[0])
+            if src is not None:
+                self._block_of_node[n] = src
+        return result
+
+    def _source_block(self, arg) -> int | None:
+        return self._block_of_node.get(arg) if isinstance(arg, torch.fx.Node) else None
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _differentiable(t) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+# --- fused attention while measuring (see [Note: fused attention on the meta device]) ---
+
+def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                scale=None, enable_gqa=False):
+    if query.device.type != "meta" or enable_gqa or dropout_p > 0.0:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            scale=scale, enable_gqa=enable_gqa)
+    return aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+def _reroute_sdpa(gm: torch.fx.GraphModule) -> None:
+    targets = {aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention}
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in targets:
+            node.target = _fused_sdpa
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+@register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu, get_raw=True)
+def _sdpa_cpu_flop(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+@register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward, get_raw=True)
+def _sdpa_cpu_backward_flop(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)

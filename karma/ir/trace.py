@@ -1,0 +1,125 @@
+"""Trace a model file's model on the meta device into one flat torch.fx graph.
+
+torch.export (training IR, non-strict) first; a module-level torch.fx trace is the fallback.
+Nothing is allocated: the model and its example batch are built under `torch.device("meta")`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.fx
+
+from karma.errors import IRError, ModelFileError
+from karma.modelfile import ModelFile
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced model: the graph, the meta model it came from, and a meta batch."""
+
+    gm: torch.fx.GraphModule  # every node carries meta["nn_module_stack"]
+    model: torch.nn.Module  # the original model, on the meta device, in training mode
+    inputs: tuple[torch.Tensor, ...]  # meta tensors
+    targets: object  # meta tensors
+    tracer: str  # "torch.export" or "torch.fx"
+
+
+def build_meta(mf: ModelFile, batch_size: int) -> tuple[torch.nn.Module, tuple, object]:
+    """build_model() and example_batch() on the meta device."""
+    with torch.device("meta"):
+        try:
+            model = mf.build_model()
+        except Exception as e:  # noqa: BLE001 - user code
+            raise ModelFileError(
+                f"{mf.path}: build_model() raised {type(e).__name__}: {e}{_location(e, mf.path)}"
+            ) from e
+        if not isinstance(model, torch.nn.Module):
+            raise ModelFileError(
+                f"{mf.path}: build_model() returned {type(model).__name__}, not a "
+                "torch.nn.Module; return the model"
+            )
+        inputs, targets = mf.checked_example_batch(batch_size)
+    for t in inputs:
+        if t.device.type != "meta":
+            raise ModelFileError(
+                f"{mf.path}: example_batch made a tensor on {t.device}, not on the meta device; "
+                "make inputs with factory functions (torch.randn, torch.randint, ...) and no "
+                "device= argument, so that they follow the default device"
+            )
+    model.train()
+    return model, inputs, targets
+
+
+def trace(mf: ModelFile, batch_size: int) -> Traced:
+    model, inputs, targets = build_meta(mf, batch_size)
+    try:
+        with _quiet_torch_logs():
+            ep = torch.export.export(model, inputs, strict=False)
+        return Traced(ep.module(), model, inputs, targets, "torch.export")
+    except Exception as export_error:  # noqa: BLE001 - fall back, then report the first error
+        try:
+            with _quiet_torch_logs():
+                gm = torch.fx.symbolic_trace(model)
+        except Exception:  # noqa: BLE001
+            raise _untraceable(mf.path, export_error) from export_error
+        return Traced(gm, model, inputs, targets, "torch.fx")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """torch.export logs and prints its failures at length; karma reports them in one line.
+
+    (With --debug the command shows the exception's full traceback instead.)
+    """
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _untraceable(path: Path, e: BaseException) -> IRError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    where = _location(e, path)
+    hint = (
+        "the model's forward has Python control flow that depends on tensor values "
+        "(e.g. `if (x < 0).any():`); make the branch not depend on data, e.g. with torch.where"
+        if "data-dependent" in str(e).lower() or "guard" in str(e).lower()
+        else "make the forward traceable by torch.export (see its error above)"
+    )
+    return IRError(f"cannot trace the model in {path}: {first[:300]}{where}; {hint}")
+
+
+def _location(e: BaseException, path: Path) -> str:
+    """' (at FILE:LINE: `code`)' for the innermost place in `path` that led to `e`."""
+    path = Path(path).resolve()
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path]
+    if frames:
+        f = frames[-1]
+        return f" (at {f.filename}:{f.lineno}: `{(f.line or '').strip()}`)"
+    # torch.export reports the user's frames in its message
+    matches = re.findall(rf'File "?({re.escape(str(path))})"?, line (\d+)', str(e))
+    if matches:
+        file, line = matches[-1]
+        code = _line_of(Path(file), int(line))
+        return f" (at {file}:{line}: `{code}`)"
+    return ""
+
+
+def _line_of(path: Path, lineno: int) -> str:
+    try:
+        return path.read_text().splitlines()[lineno - 1].strip()
+    except (OSError, IndexError):
+        return ""

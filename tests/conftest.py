@@ -1,0 +1,48 @@
+"""Shared test helpers: load example model files with their size chosen by environment."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from karma.modelfile import ModelFile, load_model_file
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+MODELS = Path(__file__).resolve().parent / "models"
+
+# Small sizes of the examples, for real CPU runs in tests.
+SMALL_ENV = {
+    "mlp": {"KARMA_MLP_WIDTH": "64", "KARMA_MLP_DEPTH": "4", "KARMA_MLP_IN": "32"},
+    "gpt": {"KARMA_GPT": "tiny"},
+    "resnet": {"KARMA_RESNET": "tiny"},
+    "hf_gpt2": {"KARMA_HF_GPT2": "tiny"},
+}
+
+
+def load_example(name: str, monkeypatch: pytest.MonkeyPatch, **env: str) -> ModelFile:
+    """Load examples/NAME.py with its small size (or the environment given)."""
+    for key, value in {**SMALL_ENV.get(name, {}), **env}.items():
+        monkeypatch.setenv(key, value)
+    return load_model_file(EXAMPLES / f"{name}.py")
+
+
+@pytest.fixture
+def example(monkeypatch):
+    return lambda name, **env: load_example(name, monkeypatch, **env)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+__all__ = ["EXAMPLES", "MODELS", "ROOT", "load_example", "os"]
