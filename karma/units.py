@@ -11,9 +11,7 @@ from decimal import Decimal
 
 from karma.errors import KarmaError
 
-_SIZE = re.compile(
-    r"(?P<number>\d+(?:\.\d+)?)\s*(?:(?P<unit>[KMGT])(?:i?B|i)?|B)?", re.IGNORECASE
-)
+_SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?:(?P<unit>[KMGT])(?:i?B|i)?|B)?", re.IGNORECASE)
 _UNIT_POWER = {"K": 1, "M": 2, "G": 3, "T": 4}
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -33,9 +31,7 @@ def parse_size(text: str, what: str | None = None) -> int:
         if number == number.to_integral_value():
             return int(number)
     prefix = f"{what} " if what else ""
-    raise KarmaError(
-        f"{prefix}{text!r} is not a size; use a number with K, M, G or T, e.g. 16G"
-    )
+    raise KarmaError(f"{prefix}{text!r} is not a size; use a number with K, M, G or T, e.g. 16G")
 
 
 def format_number(x: float) -> str:

@@ -42,6 +42,7 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
         raise IRError(f"{mf.path}: loss_fn(output, targets) failed on the model's output: "
                       f"{type(e).__name__}: {e}") from e
 
+    owner = {p: i for i, spec in enumerate(specs) for p in spec.params}
     blocks = tuple(
         Block(
             index=i,
@@ -49,6 +50,7 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
             modules=spec.modules,
             params=spec.params,
             shared_params=spec.shared_params,
+            shared_from=_shared_from(spec.shared_params, owner, params),
             param_bytes=sum(_nbytes(params[p]) for p in spec.params),
             act_bytes=fig.act_bytes,
             out_bytes=fig.out_bytes,
@@ -68,6 +70,14 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
         edges=edges,
         tracer=traced.tracer,
     )
+
+
+def _shared_from(names: tuple[str, ...], owner: dict[str, int],
+                 params: dict[str, torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    per_owner: dict[int, int] = {}
+    for name in names:
+        per_owner[owner[name]] = per_owner.get(owner[name], 0) + _nbytes(params[name])
+    return tuple(sorted(per_owner.items()))
 
 
 def _nbytes(t: torch.Tensor) -> int:

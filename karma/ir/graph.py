@@ -23,6 +23,7 @@ class Block:
     modules: tuple[str, ...]  # the outermost modules whose calls make up the block
     params: tuple[str, ...]  # parameters this block owns (first user of a shared one)
     shared_params: tuple[str, ...]  # parameters it uses that an earlier block owns
+    shared_from: tuple[tuple[int, int], ...]  # (owner block, bytes) of those parameters
     param_bytes: int  # bytes of the parameters it owns
     act_bytes: int  # bytes autograd saves for backward (parameters and buffers excluded)
     out_bytes: int  # bytes of the tensors the block returns

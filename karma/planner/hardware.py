@@ -1,0 +1,312 @@
+"""Hardware profiles: the numbers the planner knows about one machine.
+
+A profile is a frozen dataclass of plain numbers; the planner reads it and never touches CUDA.
+Built-in profiles live in `profiles/*.yaml`, with the source of every number in a comment;
+`karma-profile -o FILE` measures this machine and writes a file in the same format, which
+`load_hardware(FILE)` reads back. Rates are per second and in bytes or FLOPs (1 GB/s = 1e9 B/s);
+sizes are whole bytes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from decimal import Decimal
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from karma.errors import KarmaError
+from karma.units import format_bytes, format_number, format_seconds, parse_size
+
+DTYPES = ("fp32", "bf16")
+"""The dtypes a profile gives a matmul rate for, in the order a profile file lists them."""
+
+DEVICE_KINDS = ("cuda", "cpu")
+FORMAT_VERSION = 1
+"""The `version:` key of a profile file; bump it when a field changes meaning."""
+
+_BYTE_FIELDS = ("device_mem_bytes", "host_mem_bytes", "pinned_mem_bytes")
+_FLOAT_FIELDS = (
+    "mem_bytes_per_s",
+    "h2d_bytes_per_s",
+    "d2h_bytes_per_s",
+    "host_optim_bytes_per_s",
+    "net_bytes_per_s",
+    "net_latency_s",
+)
+_HOW_TO_FIX = "fix it in the profile, or measure this machine with karma-profile -o FILE"
+
+
+class FlopRates(Mapping[str, float]):
+    """Achievable dense matmul rate per dtype, in FLOP/s: read-only {"fp32": ..., "bf16": ...}.
+
+    A Mapping rather than a dict so that a frozen `Hardware` stays immutable and hashable;
+    unlike `types.MappingProxyType` it also pickles, deep-copies and survives
+    `dataclasses.asdict`.
+    """
+
+    __slots__ = ("_rates",)
+
+    def __init__(self, rates: Mapping[str, float]) -> None:
+        self._rates = dict(rates)
+
+    def __getitem__(self, dtype: str) -> float:
+        try:
+            return self._rates[dtype]
+        except KeyError:
+            raise KeyError(
+                f"no matmul rate for dtype {dtype!r}; profiles give one for {', '.join(DTYPES)}"
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rates)
+
+    def __len__(self) -> int:
+        return len(self._rates)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._rates.items())))
+
+    def __repr__(self) -> str:
+        return f"FlopRates({self._rates!r})"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the planner needs to know about one machine (one device plus its host).
+
+    On a "cpu" machine the device is the CPU with its RAM, and the offload tier ("host") is a
+    file on local disk mapped with `torch.from_file`: h2d means file tier -> RAM, d2h the reverse.
+    """
+
+    name: str
+    device_kind: str  # "cuda" or "cpu"
+    device_mem_bytes: int  # nominal device memory (for cpu: the RAM budget default)
+    flops_per_s: Mapping[str, float]  # achievable dense matmul FLOP/s per dtype (a FlopRates)
+    mem_bytes_per_s: float  # device memory bandwidth, bytes read + written per second
+    h2d_bytes_per_s: float  # host -> device copy bandwidth (pinned); cpu: file tier -> RAM
+    d2h_bytes_per_s: float  # device -> host copy bandwidth (pinned); cpu: RAM -> file tier
+    host_mem_bytes: int  # host memory the offload tier may use (cpu: the file tier's disk space)
+    pinned_mem_bytes: int  # pinned host memory the runtime may allocate (<= host_mem_bytes)
+    host_optim_bytes_per_s: float  # host AdamW throughput, fp32 parameter bytes stepped per second
+    net_bytes_per_s: float  # per-rank network bandwidth for all-reduce
+    net_latency_s: float  # per-message network latency
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise KarmaError(
+                f"hardware name {self.name!r} must be a non-empty string, e.g. 'a100-80g'"
+            )
+        if self.device_kind not in DEVICE_KINDS:
+            raise KarmaError(
+                f"hardware {self.name!r}: device_kind {self.device_kind!r} is not known; "
+                f"use 'cuda' or 'cpu'"
+            )
+        for field_name in _BYTE_FIELDS:
+            _check_bytes(self.name, field_name, getattr(self, field_name))
+        object.__setattr__(self, "flops_per_s", _checked_flops(self.name, self.flops_per_s))
+        for field_name in _FLOAT_FIELDS:
+            value = _positive_float(self.name, field_name, getattr(self, field_name))
+            object.__setattr__(self, field_name, value)
+        if self.pinned_mem_bytes > self.host_mem_bytes:
+            raise KarmaError(
+                f"hardware {self.name!r}: pinned_mem_bytes {self.pinned_mem_bytes} "
+                f"({format_bytes(self.pinned_mem_bytes)}) is more than host_mem_bytes "
+                f"{self.host_mem_bytes} ({format_bytes(self.host_mem_bytes)}); pinned memory is "
+                f"part of host memory, so lower pinned_mem_bytes to at most host_mem_bytes"
+            )
+
+
+def _check_bytes(hw_name: str, field_name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise KarmaError(
+            f"hardware {hw_name!r}: {field_name} must be a positive whole number of bytes, "
+            f"got {value!r}; {_HOW_TO_FIX}"
+        )
+
+
+def _positive_float(hw_name: str, field_name: str, value: object) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise KarmaError(
+            f"hardware {hw_name!r}: {field_name} must be a positive number, got {value!r}; "
+            f"{_HOW_TO_FIX}"
+        )
+    return float(value)
+
+
+def _checked_flops(hw_name: str, rates: object) -> FlopRates:
+    if not isinstance(rates, Mapping):
+        raise KarmaError(
+            f"hardware {hw_name!r}: flops_per_s must map each dtype to FLOP/s, e.g. "
+            f"{{fp32: 1.95e+13, bf16: 2.5e+14}}, got {rates!r}"
+        )
+    missing = [dtype for dtype in DTYPES if dtype not in rates]
+    unknown = [dtype for dtype in rates if dtype not in DTYPES]
+    if missing or unknown:
+        problem = f"lacks {missing}" if missing else f"has unknown dtypes {unknown}"
+        raise KarmaError(
+            f"hardware {hw_name!r}: flops_per_s {problem}; give exactly {', '.join(DTYPES)}"
+        )
+    return FlopRates(
+        {dtype: _positive_float(hw_name, f"flops_per_s.{dtype}", rates[dtype]) for dtype in DTYPES}
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def builtin_names() -> list[str]:
+    """Names of the built-in profiles (the stems of profiles/*.yaml), sorted."""
+    directory = resources.files(__package__) / "profiles"
+    return sorted(p.name[: -len(".yaml")] for p in directory.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_hardware(name_or_path: str) -> Hardware:
+    """A built-in profile by name ("a100-80g") or a profile YAML file by path."""
+    builtins = builtin_names()
+    if name_or_path in builtins:
+        resource = resources.files(__package__) / "profiles" / f"{name_or_path}.yaml"
+        return hardware_from_yaml(resource.read_text(encoding="utf-8"), f"built-in {name_or_path}")
+    path = Path(name_or_path)
+    if not path.is_file():
+        if path.suffix in (".yaml", ".yml") or "/" in name_or_path or path.exists():
+            raise KarmaError(
+                f"hardware file '{name_or_path}' does not exist or is not a file; give a "
+                f"built-in name ({', '.join(builtins)}) or a YAML file "
+                f"(karma-profile -o FILE writes one)"
+            )
+        close = difflib.get_close_matches(name_or_path, builtins, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise KarmaError(
+            f"unknown hardware '{name_or_path}'{hint}; use one of {', '.join(builtins)} "
+            f"or a YAML file (karma-profile -o FILE writes one)"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise KarmaError(f"cannot read hardware file '{path}': {e}") from e
+    return hardware_from_yaml(text, str(path))
+
+
+def hardware_from_yaml(text: str, source: str = "<text>") -> Hardware:
+    """Parse a profile written by `dump_hardware` or by hand; `source` names it in errors."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise KarmaError(
+            f"{source} is not valid YAML ({e}); karma-profile -o FILE writes a valid profile"
+        ) from e
+    keys = ["version", *(f.name for f in fields(Hardware))]
+    if not isinstance(data, dict):
+        raise KarmaError(
+            f"{source}: a hardware profile is a mapping with keys {', '.join(keys)}, "
+            f"got {type(data).__name__}; karma-profile -o FILE writes one"
+        )
+    missing = [key for key in keys if key not in data]
+    if missing:
+        raise KarmaError(
+            f"{source}: missing key {', '.join(map(repr, missing))}; a hardware profile needs "
+            f"all of {', '.join(keys)}"
+        )
+    unknown = [key for key in data if key not in keys]
+    if unknown:
+        raise KarmaError(
+            f"{source}: unknown key {', '.join(map(repr, unknown))}; the keys are {', '.join(keys)}"
+        )
+    if data["version"] != FORMAT_VERSION:
+        raise KarmaError(
+            f"{source}: version {data['version']!r} is not supported; this karma reads "
+            f"version {FORMAT_VERSION} (re-run karma-profile -o FILE to write a current profile)"
+        )
+    values = {key: _coerce(source, key, data[key]) for key in keys[1:]}
+    try:
+        return Hardware(**values)
+    except KarmaError as e:
+        raise KarmaError(f"{source}: {e}") from None
+
+
+def _coerce(source: str, key: str, value: object) -> object:
+    """Accept what people write by hand: "16G" for bytes, "12e12" (a string to YAML) for rates."""
+    if key in _BYTE_FIELDS and isinstance(value, str):
+        return parse_size(value, what=f"{source}: {key}")
+    if key in _FLOAT_FIELDS:
+        return _float_text(source, key, value)
+    if key == "flops_per_s" and isinstance(value, dict):
+        return {dtype: _float_text(source, f"flops_per_s.{dtype}", v) for dtype, v in value.items()}
+    return value
+
+
+def _float_text(source: str, key: str, value: object) -> object:
+    if not isinstance(value, str):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise KarmaError(f"{source}: {key} {value!r} is not a number; write e.g. 1.2e+13") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+_HEADER = "# karma hardware profile; each field is described in karma/planner/hardware.py"
+_COMMENT_COLUMN = 36
+_PLAIN_STRING = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def dump_hardware(hw: Hardware) -> str:
+    """YAML for `hw`: fixed key order, plain types, a unit comment per number.
+
+    `hardware_from_yaml(dump_hardware(hw)) == hw` holds exactly: floats are written with the
+    shortest digits that read back to the same float.
+    """
+    lines = [_HEADER, f"version: {FORMAT_VERSION}"]
+    for f in fields(Hardware):
+        value = getattr(hw, f.name)
+        if f.name == "flops_per_s":
+            lines.append("flops_per_s:")
+            for dtype in DTYPES:
+                tflops = f"{format_number(value[dtype] / 1e12)} TFLOP/s"
+                lines.append(_with_comment(f"  {dtype}: {_yaml_float(value[dtype])}", tflops))
+        elif f.name in _BYTE_FIELDS:
+            lines.append(_with_comment(f"{f.name}: {value}", format_bytes(value)))
+        elif f.name == "net_latency_s":
+            lines.append(_with_comment(f"{f.name}: {_yaml_float(value)}", format_seconds(value)))
+        elif f.name in _FLOAT_FIELDS:
+            rate = f"{format_number(value / 1e9)} GB/s"
+            lines.append(_with_comment(f"{f.name}: {_yaml_float(value)}", rate))
+        else:
+            lines.append(f"{f.name}: {_yaml_string(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _with_comment(line: str, comment: str) -> str:
+    return f"{line.ljust(_COMMENT_COLUMN - 1)} # {comment}"
+
+
+def _yaml_string(text: str) -> str:
+    if _PLAIN_STRING.fullmatch(text) and yaml.safe_load(text) == text:
+        return text
+    return json.dumps(text)  # a JSON string is a valid YAML double-quoted scalar
+
+
+def _yaml_float(x: float) -> str:
+    """Shortest round-tripping text for `x` that YAML 1.1 reads as a float (2.5e+14, 0.5).
+
+    PyYAML only reads exponent forms with a dot and a signed exponent as floats ("1e9" is a
+    string to it), so large and small values are written as mantissa-dot-digits e+NN.
+    """
+    if x != 0 and not 1e-3 <= abs(x) < 1e6:
+        mantissa, exponent = f"{Decimal(repr(x)).normalize():E}".split("E")
+        if "." not in mantissa:
+            mantissa += ".0"
+        return f"{mantissa}e{int(exponent):+d}"
+    text = repr(x)
+    return text if "." in text else text + ".0"

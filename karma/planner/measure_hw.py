@@ -1,0 +1,253 @@
+"""Measure this machine and return its `Hardware` profile (what `karma-profile` runs).
+
+This module imports torch (it is the measuring tool); the solver only reads the numbers it
+returns. Each number is the median of a few timed repeats after a warm-up, rounded to three
+significant digits; the whole run takes about 10 s on a 2-core machine (quick=True: about 2 s).
+CUDA is called only when a CUDA device is asked for, or found when `device` is None.
+
+Timings follow the process's thread settings, as training would: on a small VM, OpenMP's
+default passive wait can add a scheduler tick (~4 ms) to every parallel op, which slows
+AdamW(foreach) tenfold or more; OMP_WAIT_POLICY=ACTIVE or one thread avoids it.
+
+What is and is not measured:
+- matmul rate per dtype, at a size that takes long enough to time (PyTorch's defaults: TF32 off);
+- device memory bandwidth from a large copy, counting bytes read plus bytes written;
+- copy bandwidth: on CUDA pinned host <-> device; on the CPU, RAM <-> a file-backed tensor
+  (`torch.from_file(shared=True)`) in the temporary directory, i.e. the CPU backend's offload
+  tier, at page-cache speed;
+- host optimizer rate: torch.optim.AdamW(foreach=True).step() on fp32 parameters;
+- memory: MemAvailable from /proc/meminfo (on the CPU the file tier's size is the free disk
+  space of the temporary directory);
+- not the network: a single machine cannot; net_* get defaults to edit by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from karma.errors import KarmaError
+from karma.planner.hardware import Hardware
+
+_GiB = 1024**3
+_MiB = 1024**2
+
+# Network defaults (not measured): InfiniBand-class for GPU machines, as the built-in GPU
+# profiles; a modest Ethernet link for CPU machines.
+_NET_DEFAULTS = {"cuda": (12.5e9, 5e-6), "cpu": (1e9, 50e-6)}
+
+
+class _Sizes(NamedTuple):
+    """How big and how often to measure, per device kind and quick flag."""
+
+    matmul_s: float  # grow the matmul until one takes this long ...
+    matmul_max_n: int  # ... or reaches this size
+    copy_bytes: int  # device-to-device copy
+    transfer_bytes: int  # host <-> device (CPU: RAM <-> file tier) copy
+    optim_numel: int  # fp32 parameters stepped by AdamW
+    repeats: int  # timed runs per measurement; the median is kept
+
+
+_PLANS = {
+    ("cpu", False): _Sizes(0.1, 2048, 256 * _MiB, 256 * _MiB, 32 * _MiB, 5),
+    ("cpu", True): _Sizes(0.05, 1024, 64 * _MiB, 64 * _MiB, 4 * _MiB, 5),
+    # On CUDA the largest sizes keep an H200 busy for a millisecond or more per repeat.
+    ("cuda", False): _Sizes(0.005, 8192, _GiB, 256 * _MiB, 32 * _MiB, 10),
+    ("cuda", True): _Sizes(0.005, 4096, 256 * _MiB, 64 * _MiB, 4 * _MiB, 5),
+}
+
+
+def measure_local(
+    device: str | None = None,
+    quick: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Hardware:
+    """Measure `device` ("cuda", "cuda:N" or "cpu"; default: CUDA if present) and its host.
+
+    `log`, if given, is called with a short line before each measurement.
+    """
+    dev = _resolve_device(device)
+    plan = _PLANS[dev.type, quick]
+    say = log or (lambda line: None)
+    flops = {}
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        say(f"matmul {dtype_name}")
+        rate = _matmul_flops_per_s(dtype, dev, plan.matmul_s, plan.matmul_max_n, plan.repeats)
+        flops[dtype_name] = _round3(rate)
+    say("device memory bandwidth")
+    mem_bytes_per_s = _round3(_copy_bytes_per_s(dev, plan.copy_bytes, plan.repeats))
+    host_mem = _mem_available_bytes()
+    if dev.type == "cuda":
+        say("pinned host <-> device copies")
+        h2d, d2h = _pinned_copy_bytes_per_s(dev, plan.transfer_bytes, plan.repeats)
+        name = "local-" + _slug(torch.cuda.get_device_name(dev))
+        device_mem = torch.cuda.get_device_properties(dev).total_memory
+        tier_bytes, pinned = host_mem, host_mem // 2
+    else:
+        say("RAM <-> file tier copies")
+        h2d, d2h, tier_bytes = _file_tier_bytes_per_s(plan.transfer_bytes, plan.repeats)
+        name, device_mem, pinned = "local-cpu", host_mem, tier_bytes
+    say("host optimizer (AdamW foreach)")
+    optim = _round3(_host_optim_bytes_per_s(plan.optim_numel, plan.repeats))
+    net_bytes_per_s, net_latency_s = _NET_DEFAULTS[dev.type]
+    return Hardware(
+        name=name,
+        device_kind=dev.type,
+        device_mem_bytes=device_mem,
+        flops_per_s=flops,
+        mem_bytes_per_s=mem_bytes_per_s,
+        h2d_bytes_per_s=_round3(h2d),
+        d2h_bytes_per_s=_round3(d2h),
+        host_mem_bytes=tier_bytes,
+        pinned_mem_bytes=pinned,
+        host_optim_bytes_per_s=optim,
+        net_bytes_per_s=net_bytes_per_s,
+        net_latency_s=net_latency_s,
+    )
+
+
+def _resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cuda", "cpu"):
+        raise KarmaError(f"device {device!r} is not supported; use 'cuda', 'cuda:N' or 'cpu'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise KarmaError(
+            f"device {device!r} was asked for but PyTorch sees no CUDA device "
+            f"(torch {torch.__version__}); measure the CPU with device 'cpu' or install a "
+            f"CUDA build"
+        )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise KarmaError(
+            f"device {device!r} does not exist; this machine has {torch.cuda.device_count()} "
+            f"CUDA device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
+    return dev
+
+
+def _median_seconds(fn: Callable[[], object], dev: torch.device, repeats: int) -> float:
+    """Median wall time of `fn` over `repeats` runs, after one untimed warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            # Events on the current stream time the device work, not the Python launch.
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_flops_per_s(
+    dtype: torch.dtype, dev: torch.device, target_s: float, max_n: int, repeats: int
+) -> float:
+    """FLOP/s of an n x n matmul, n doubled from 256 until one takes `target_s` (or max_n).
+
+    Growing n keeps a slow dtype (bf16 on a CPU without bf16 units) from taking minutes.
+    """
+    n = 256
+    while n < max_n and _matmul_seconds(n, dtype, dev, repeats=1) < target_s:
+        n *= 2
+    return 2 * n**3 / _matmul_seconds(n, dtype, dev, repeats)
+
+
+def _matmul_seconds(n: int, dtype: torch.dtype, dev: torch.device, repeats: int) -> float:
+    a = torch.randn(n, n, dtype=dtype, device=dev)
+    b = torch.randn(n, n, dtype=dtype, device=dev)
+    out = torch.empty(n, n, dtype=dtype, device=dev)
+    return _median_seconds(lambda: torch.mm(a, b, out=out), dev, repeats)
+
+
+def _copy_bytes_per_s(dev: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes read plus bytes written per second by a device-to-device copy."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    dst = torch.zeros_like(src)
+    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), dev, repeats)
+
+
+def _pinned_copy_bytes_per_s(dev: torch.device, nbytes: int, repeats: int) -> tuple[float, float]:
+    """(host -> device, device -> host) bytes per second between pinned memory and `dev`."""
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    device_buf = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    h2d = nbytes / _median_seconds(lambda: device_buf.copy_(host, non_blocking=True), dev, repeats)
+    d2h = nbytes / _median_seconds(lambda: host.copy_(device_buf, non_blocking=True), dev, repeats)
+    return h2d, d2h
+
+
+def _file_tier_bytes_per_s(nbytes: int, repeats: int) -> tuple[float, float, int]:
+    """(file -> RAM, RAM -> file) bytes per second, and free bytes, for the CPU offload tier."""
+    with tempfile.TemporaryDirectory(prefix="karma-profile-") as directory:
+        to_ram, to_file = _file_copy_bytes_per_s(
+            os.path.join(directory, "tier.bin"), nbytes, repeats
+        )
+        free_bytes = shutil.disk_usage(directory).free
+    return to_ram, to_file, free_bytes
+
+
+def _file_copy_bytes_per_s(path: str, nbytes: int, repeats: int) -> tuple[float, float]:
+    # The mapping is released when this returns, before the caller removes the file.
+    tier = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    ram = torch.ones(nbytes, dtype=torch.uint8)
+    cpu = torch.device("cpu")
+    to_ram = nbytes / _median_seconds(lambda: ram.copy_(tier), cpu, repeats)
+    to_file = nbytes / _median_seconds(lambda: tier.copy_(ram), cpu, repeats)
+    return to_ram, to_file
+
+
+def _host_optim_bytes_per_s(numel: int, repeats: int) -> float:
+    """fp32 parameter bytes stepped per second by AdamW(foreach=True) on the CPU.
+
+    The parameters are split into 8 tensors, as a model's are split into layers; the warm-up
+    step creates the optimizer state.
+    """
+    params = [torch.nn.Parameter(torch.randn(numel // 8)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    seconds = _median_seconds(optimizer.step, torch.device("cpu"), repeats)
+    return 4 * (numel // 8) * 8 / seconds
+
+
+def _mem_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError) as e:
+        raise KarmaError(
+            "cannot tell how much host memory is available (no /proc/meminfo); write "
+            "host_mem_bytes into the profile by hand"
+        ) from e
+
+
+def _round3(x: float) -> float:
+    """`x` to three significant digits: measurements are not more precise than that."""
+    return float(f"{x:.3g}")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
