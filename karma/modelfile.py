@@ -192,3 +192,22 @@ def load_model_file(path: str | Path) -> ModelFile:
         default_batch_size=batch_size,
         user_batches=getattr(module, "batches", None),
     )
+
+
+def optimizer_state_factor(mf: ModelFile) -> int:
+    """How many parameter-sized state tensors the model file's optimizer keeps (AdamW: 2).
+
+    Found by stepping the optimizer once on a small parameter, so that any optimizer works.
+    """
+    param = torch.nn.Parameter(torch.zeros(7, 3))
+    try:
+        opt = mf.make_optimizer([param])
+        param.grad = torch.ones_like(param)
+        opt.step()
+    except Exception as e:  # noqa: BLE001 - user code
+        raise ModelFileError(
+            f"{mf.path}: make_optimizer(params) failed on a test parameter: "
+            f"{type(e).__name__}: {e}{_user_frame(e, mf.path)}") from e
+    state = opt.state.get(param, {})
+    return sum(1 for v in state.values()
+               if isinstance(v, torch.Tensor) and v.shape == param.shape)

@@ -1,17 +1,28 @@
-"""karma-plan: turn a model file into a block graph (and, with the planner, a schedule).
+"""karma-plan: plan out-of-core training of a model file into a schedule.
 
-    karma-plan examples/gpt.py --print-ir
-    KARMA_GPT=xl karma-plan examples/gpt.py --print-ir --batch-size 8 --json
+    karma-plan examples/gpt.py --gpu-mem 16G -o schedule.yaml
+    KARMA_GPT=xl karma-plan examples/gpt.py --hardware v100-16g --gpu-mem 16G --json
+    karma-plan examples/gpt.py --print-ir            # the block graph only
+
+Exit codes: 0 planned; 2 bad input; 3 no plan fits the budget (the message gives the smallest
+--gpu-mem that would).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
 
 from karma.cli.common import positive_int, run_cli
 from karma.errors import KarmaError
 from karma.ir import build_block_graph
-from karma.modelfile import load_model_file
+from karma.modelfile import load_model_file, optimizer_state_factor
+from karma.units import format_bytes, format_seconds, parse_size
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,25 +32,193 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model", help="a model file: a Python file defining build_model() and "
                                  "example_batch(batch_size)")
-    p.add_argument("--print-ir", action="store_true",
-                   help="print the block graph (blocks, sizes, FLOPs, edges) and exit")
+    p.add_argument("--gpu-mem", metavar="SIZE",
+                   help="device memory budget, e.g. 16G (with --hardware cpu: the budget of "
+                        "the process's private memory)")
+    p.add_argument("--hardware", default="v100-16g", metavar="NAME|FILE",
+                   help="a built-in profile (v100-16g, a100-40g, a100-80g, h100-80g, "
+                        "h200-141g, cpu) or a file from karma-profile (default: v100-16g)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="samples per step and rank (default: the model file's BATCH_SIZE, or 8)")
+    p.add_argument("--world-size", type=positive_int, default=1, help="ranks (default 1)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--strategy", default="ilp",
+                   help="ilp (default) or a baseline: keep_all, recompute_all, swap_all, "
+                        "offload_all, greedy")
+    p.add_argument("--seed", type=int, default=0, help="training seed recorded in the schedule")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
+                   help="ILP time limit in seconds (default 60)")
+    p.add_argument("--gap", type=float, default=0.01,
+                   help="relative optimality gap at which the ILP stops (default 0.01)")
     p.add_argument("--blocks", metavar="REGEX", default=None,
                    help="module paths whose calls are blocks, e.g. 'h\\.\\d+' "
                         "(default: every call of a repeated layer)")
+    p.add_argument("--profile-blocks", action="store_true",
+                   help="time each block's forward and backward on this machine's device "
+                        "instead of estimating them from FLOPs")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the schedule YAML here")
+    p.add_argument("--print-ir", action="store_true",
+                   help="print the block graph (blocks, sizes, FLOPs, edges) and exit")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return p
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from karma.planner.hardware import load_hardware
+    from karma.planner.pipeline import STRATEGIES, PlanRequest, make_schedule
+    from karma.planner.plan import InfeasiblePlan
+    from karma.schedule import ModelRef
+
+    if not args.print_ir:  # check the cheap things before tracing
+        if args.gpu_mem is None:
+            raise KarmaError("--gpu-mem is required to plan, e.g. --gpu-mem 16G "
+                             "(or use --print-ir to see the block graph)")
+        capacity = parse_size(args.gpu_mem, "--gpu-mem")
+        if capacity <= 0:
+            raise KarmaError(f"--gpu-mem {args.gpu_mem!r} must be more than zero, e.g. 16G")
+        if args.strategy not in STRATEGIES:
+            raise KarmaError(f"--strategy {args.strategy!r} is not a strategy; use one of "
+                             f"{', '.join(STRATEGIES)}")
+        if args.time_limit <= 0 or not 0 <= args.gap < 1:
+            raise KarmaError("--time-limit must be positive and --gap in [0, 1), e.g. 60 and 0.01")
+        hardware = load_hardware(args.hardware)
+        if args.output:
+            _check_writable(Path(args.output))
+
     mf = load_model_file(args.model)
     graph = build_block_graph(mf, args.batch_size, args.blocks, model_name=args.model)
     if args.print_ir:
         print(graph.to_json() if args.json else graph.table())
         return 0
-    raise KarmaError("planning is not available in this version; use --print-ir to see the "
-                     "block graph")
+
+    model = ModelRef(
+        path=args.model,
+        sha256=mf.sha256,
+        ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
+        env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_"))),
+    )
+    measured_s = _profile(mf, graph.batch_size, args.blocks, hardware) \
+        if args.profile_blocks else None
+    request = PlanRequest(
+        capacity_bytes=capacity, hardware=hardware, batch_size=graph.batch_size,
+        dtype=args.dtype, world_size=args.world_size, seed=args.seed, strategy=args.strategy,
+        time_limit_s=args.time_limit, gap=args.gap,
+        optim_state_factor=optimizer_state_factor(mf), measured_s=measured_s,
+    )
+    try:
+        report = make_schedule(graph, model, request)
+    except InfeasiblePlan as e:
+        if args.json:
+            print(json.dumps({"feasible": False, "capacity_bytes": capacity,
+                              "min_capacity_bytes": e.min_capacity_bytes}, indent=2))
+        raise InfeasiblePlan(
+            f"{e}. Try --gpu-mem {_ceil_gib(e.min_capacity_bytes)}"
+            + (" or a smaller --batch-size" if graph.batch_size > 1 else ""),
+            e.min_capacity_bytes) from e
+
+    if args.output:
+        from karma.schedule import dump_schedule
+
+        _write_atomic(Path(args.output), dump_schedule(report.schedule))
+    print(json.dumps(_summary_json(report), indent=2) if args.json
+          else _summary_text(report, hardware.name, args.output))
+    return 0
+
+
+def _profile(mf, batch_size: int, blocks: str | None, hardware) -> list[tuple[float, float]]:
+    import torch
+
+    from karma.ir.timing import profile_blocks
+
+    if hardware.device_kind == "cuda":
+        if not torch.cuda.is_available():
+            raise KarmaError(
+                f"--profile-blocks times blocks on this machine, which has no GPU, so it cannot "
+                f"stand for --hardware {hardware.name}; drop --profile-blocks or plan for "
+                "--hardware cpu")
+        return profile_blocks(mf, batch_size, blocks, device="cuda")
+    return profile_blocks(mf, batch_size, blocks, device="cpu")
+
+
+def _summary_json(report) -> dict:
+    ev, s = report.chosen, report.schedule
+    return {
+        "feasible": True,
+        "strategy": ev.plan.strategy,
+        "status": ev.plan.status,
+        "iteration_s": ev.iteration_s,
+        "peak_device_bytes": ev.peak_device_bytes,
+        "stage_peak_bytes": ev.stage_peak_bytes,
+        "capacity_bytes": ev.capacity_bytes,
+        "lower_bound_s": ev.sim.lower_bound_s,
+        "solve_s": ev.plan.solve_s,
+        "scaling_efficiency": s.predicted.scaling_efficiency,
+        "world_size": s.config.world_size,
+        "decisions": ev.plan.counts(),
+        "baselines": {
+            name: {"feasible": b.feasible, "iteration_s": b.iteration_s,
+                   "peak_device_bytes": b.peak_device_bytes}
+            for name, b in report.baselines.items()
+        },
+    }
+
+
+def _summary_text(report, hardware_name: str, output: str | None) -> str:
+    ev, s = report.chosen, report.schedule
+    c = ev.plan.counts()
+    cap = ev.capacity_bytes
+    lines = [
+        f"model {s.model.path}: {len(s.blocks)} blocks, batch {s.config.batch_size}, "
+        f"{s.config.dtype}, {s.config.world_size} rank(s) on {hardware_name}, "
+        f"budget {format_bytes(cap)}",
+        f"plan: {ev.plan.strategy} ({ev.plan.status}"
+        + (f", solved in {ev.plan.solve_s:.2f} s" if ev.plan.strategy == "ilp" else "") + ")"
+        + (f"; {ev.plan.note}" if ev.plan.status == "fallback" else ""),
+        f"decisions: {c['keep']} keep, {c['swap']} swap, {c['recompute']} recompute; "
+        f"{c['streamed_weights']} streamed weights; {c['host_optimizer']} on the host optimizer",
+        f"predicted iteration {format_seconds(ev.iteration_s)} (lower bound "
+        f"{format_seconds(ev.sim.lower_bound_s)}, {ev.iteration_s / ev.sim.lower_bound_s:.2f}x)",
+        f"predicted peak {format_bytes(ev.peak_device_bytes)} of {format_bytes(cap)} "
+        f"({100 * ev.peak_device_bytes / cap:.0f}%)",
+    ]
+    if s.config.world_size > 1:
+        lines.append(f"scaling efficiency against one rank: "
+                     f"{100 * s.predicted.scaling_efficiency:.1f}%")
+    lines += ["", f"{'strategy':<15} {'fits':<5} {'iteration':>10} {'peak':>11}"]
+    rows = [("ilp", ev)] if ev.plan.strategy == "ilp" or ev.plan.status == "fallback" else []
+    rows += list(report.baselines.items())
+    for name, e in rows:
+        mark = " *" if e.plan.choices == ev.plan.choices and name == ev.plan.strategy else ""
+        lines.append(f"{name + mark:<15} {'yes' if e.feasible else 'no':<5} "
+                     f"{format_seconds(e.iteration_s):>10} {format_bytes(e.peak_device_bytes):>11}")
+    if output:
+        lines += ["", f"wrote {output} ({len(s.ops)} operations); inspect it with "
+                      f"karma-inspect {output}"]
+    return "\n".join(lines)
+
+
+def _ceil_gib(nbytes: int) -> str:
+    """A --gpu-mem value at least nbytes: 5.6G, 22G."""
+    gib = nbytes / 2**30
+    return f"{math.ceil(gib * 10) / 10:g}G" if gib < 10 else f"{math.ceil(gib)}G"
+
+
+def _check_writable(path: Path) -> None:
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise KarmaError(f"-o {path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise KarmaError(f"-o {path}: directory {parent} is not writable; choose another path")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,4 +226,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

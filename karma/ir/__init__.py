@@ -25,7 +25,6 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
     batch_size = batch_size or mf.default_batch_size
     traced = trace(mf, batch_size)
     gm = traced.gm
-    _drop_guards(gm)
     specs = group_nodes(gm, find_units(traced.model, blocks_regex))
     try:
         measured = measure_blocks(gm, specs, traced.inputs)
@@ -82,11 +81,3 @@ def _shared_from(names: tuple[str, ...], owner: dict[str, int],
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _drop_guards(gm: torch.fx.GraphModule) -> None:
-    """torch.export inserts an input-guard call (`_guards_fn`); it is not part of the model."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_module" and str(node.target).startswith("_guards"):
-            gm.graph.erase_node(node)
-    gm.recompile()

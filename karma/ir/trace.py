@@ -63,7 +63,7 @@ def trace(mf: ModelFile, batch_size: int) -> Traced:
     try:
         with _quiet_torch_logs():
             ep = torch.export.export(model, inputs, strict=False)
-        return Traced(ep.module(), model, inputs, targets, "torch.export")
+        return Traced(_drop_guards(ep.module()), model, inputs, targets, "torch.export")
     except Exception as export_error:  # noqa: BLE001 - fall back, then report the first error
         try:
             with _quiet_torch_logs():
@@ -88,6 +88,15 @@ def _quiet_torch_logs():
             yield
     finally:
         logger.setLevel(level)
+
+
+def _drop_guards(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """torch.export inserts an input-guard call (`_guards_fn`); it is not part of the model."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards"):
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
 
 
 def _untraceable(path: Path, e: BaseException) -> IRError:

@@ -1,0 +1,191 @@
+"""The ILP: the fastest plan that fits, over keep/swap/recompute x weights x optimizer.
+
+One binary per (block, choice) picks each block's fragment (karma/planner/lowering.py); the
+constraints sum those fragments stage by stage exactly as the simulator runs them, so the
+optimum's objective is the simulated iteration time of the schedule it lowers to.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from karma.planner.lowering import (
+    Choice,
+    Stages,
+    buffer_spans,
+    common_fragment,
+    fragment,
+    valid_choices,
+)
+from karma.planner.plan import InfeasiblePlan, Plan
+from karma.planner.problem import Problem
+from karma.schedule import BARRIER_STREAMS
+
+GIB = float(1 << 30)
+
+
+def solve_ilp(problem: Problem, capacity_bytes: int, time_limit_s: float = 60.0,
+              gap: float = 1e-2, start: Plan | None = None) -> Plan:
+    """The plan of least predicted iteration time within `capacity_bytes` of device memory.
+
+    start: a feasible plan to start from (the best baseline): the solver's answer is never
+    slower than it. Raises InfeasiblePlan, with the smallest budget that fits, when nothing
+    fits.
+    """
+    if capacity_bytes <= 0:
+        raise ValueError(f"capacity_bytes = {capacity_bytes} must be positive")
+    solution = _solve(problem, capacity_bytes, time_limit_s, gap, start)
+    if solution.infeasible:
+        need = min_capacity_bytes(problem, time_limit_s)
+        raise InfeasiblePlan(
+            f"no plan fits {capacity_bytes / GIB:.2f} GiB of device memory: even with every "
+            f"activation swapped or recomputed and every weight streamed it needs "
+            f"{need / GIB:.2f} GiB", need)
+    return solution.plan
+
+
+def min_capacity_bytes(problem: Problem, time_limit_s: float = 60.0) -> int:
+    """The smallest device memory any plan fits in (rounded up to a MiB)."""
+    solution = _solve(problem, None, time_limit_s, gap=1e-6)
+    mib = 1 << 20
+    return -(-int(solution.capacity_gib * GIB) // mib) * mib
+
+
+@dataclass(frozen=True)
+class _Solution:
+    plan: Plan
+    infeasible: bool = False
+    capacity_gib: float = 0.0  # the budget the plan needs, when it was minimised
+
+
+def _solve(problem: Problem, capacity_bytes: int | None, time_limit_s: float,
+           gap: float, start: Plan | None = None) -> _Solution:
+    """Formulate and solve. capacity_bytes=None: minimise the device memory instead."""
+    # --- inputs -------------------------------------------------------------------------
+    minimize = "time" if capacity_bytes is not None else "capacity"
+    n = len(problem.blocks)
+    st = Stages(n, problem.world_size)
+    options = {i: valid_choices(problem, i) for i in range(n)}
+    frags = {(i, c): fragment(problem, i, c) for i in range(n) for c in options[i]}
+    common = common_fragment(problem)
+    started = time.perf_counter()
+
+    # --- variables ------------------------------------------------------------------------
+    lp = pulp.LpProblem("karma_plan", pulp.LpMinimize)
+    # x[i, c] = 1 when block i takes choice c                                       (binary)
+    x = {(i, c): pulp.LpVariable(f"x_{i}_{_tag(c)}", cat="Binary")
+         for i in range(n) for c in options[i]}
+    # t[k]: duration of stage k, as long as its busiest barrier stream                 (s)
+    t = [pulp.LpVariable(f"t_{k}", lowBound=0) for k in range(st.update)]
+    # s[k]: start of stage k; s[update] is when the last barrier stage ends            (s)
+    s = [pulp.LpVariable(f"s_{k}", lowBound=0) for k in range(st.update + 1)]
+    # h[i]: when block i's host step ends; u[i]: when its upload ends (blocks n-1..0)  (s)
+    h = {i: pulp.LpVariable(f"h_{i}", lowBound=0) for i in range(n)}
+    u = {i: pulp.LpVariable(f"u_{i}", lowBound=0) for i in range(n)}
+    # m[k]: device memory live in stage k                                            (GiB)
+    m = [pulp.LpVariable(f"m_{k}", lowBound=0) for k in range(st.count)]
+    # iteration: the objective                                                           (s)
+    iteration = pulp.LpVariable("iteration_s", lowBound=0)
+    # cap: device memory budget, a variable only when minimising it                   (GiB)
+    cap = pulp.LpVariable("cap", lowBound=0) if minimize == "capacity" else capacity_bytes / GIB
+
+    def chosen(value) -> pulp.LpAffineExpression:
+        """Sum over blocks and choices of x[i, c] * value(fragment of (i, c))."""
+        return pulp.lpSum(v * x[key] for key, f in frags.items() if (v := value(f)) != 0)
+
+    # [Constraint] every block takes exactly one choice
+    for i in range(n):
+        lp += pulp.lpSum(x[i, c] for c in options[i]) == 1, f"one_choice_{i}"
+
+    # [Constraint] a stage lasts as long as the work on its busiest barrier stream
+    load: dict[tuple[int, str], list] = {}
+    for key, f in frags.items():
+        for o in f.ops:
+            if o.stream in BARRIER_STREAMS and o.stage < st.update:
+                load.setdefault((o.stage, o.stream), []).append((o.dur_s, key))
+    for o in common.ops:
+        load.setdefault((o.stage, o.stream), []).append((o.dur_s, None))
+    for (k, stream), terms in sorted(load.items()):
+        lp += t[k] >= pulp.lpSum(d if key is None else d * x[key] for d, key in terms), \
+            f"stage_{k}_{stream}"
+    # [Constraint] stages run one after another
+    lp += s[0] == 0, "start"
+    for k in range(st.update):
+        lp += s[k + 1] == s[k] + t[k], f"stage_{k}_end"
+
+    # [Constraint] host steps run one at a time, from the last block to the first, each
+    # after the stage that brought its gradients to the host
+    prev_h = None
+    for i in reversed(range(n)):
+        step_s = pulp.lpSum(o.dur_s * x[i, c] for c in options[i]
+                            for o in frags[i, c].ops if o.kind == "host_step")
+        lp += h[i] >= s[st.to_host(i) + 1] + step_s, f"host_after_grads_{i}"
+        if prev_h is not None:
+            lp += h[i] >= prev_h + step_s, f"host_in_order_{i}"
+        prev_h = h[i]
+    # [Constraint] uploads of host-stepped resident weights follow their step, one at a time
+    prev_u = s[st.update]
+    for i in reversed(range(n)):
+        up_s = pulp.lpSum(o.dur_s * x[i, c] for c in options[i]
+                          for o in frags[i, c].ops if o.kind == "upload")
+        lp += u[i] >= prev_u + up_s, f"upload_in_order_{i}"
+        lp += u[i] >= h[i] + up_s, f"upload_after_step_{i}"
+        prev_u = u[i]
+    # [Constraint] the iteration ends when every stream is done
+    lp += iteration >= s[st.update], "end_of_stages"
+    lp += iteration >= h[0], "end_of_host_steps"
+    lp += iteration >= u[0], "end_of_uploads"
+
+    # [Constraint] device memory in every stage stays under capacity (buffers counted from
+    # the stage that allocates them to the stage that frees them)
+    delta: list[list] = [[] for _ in range(st.count + 1)]
+    for key, f in list(frags.items()) + [(None, common)]:
+        for first, last, nbytes in buffer_spans(problem, f):
+            delta[first].append((nbytes / GIB, key))
+            delta[last + 1].append((-nbytes / GIB, key))
+    for k in range(st.count):
+        change = pulp.lpSum(v if key is None else v * x[key] for v, key in delta[k])
+        lp += m[k] == (m[k - 1] if k else 0) + change, f"memory_{k}"
+        lp += m[k] <= cap, f"capacity_{k}"
+
+    # [Constraint] host memory and pinned host memory
+    lp += chosen(lambda f: f.host_bytes / GIB) <= problem.host_mem_bytes / GIB, "host_memory"
+    lp += chosen(lambda f: f.pinned_bytes / GIB) <= problem.pinned_mem_bytes / GIB, "pinned"
+
+    # --- objective --------------------------------------------------------------------------
+    if minimize == "time":
+        lp += iteration
+    else:  # the smallest budget; among those, the fastest (time is far below 1e3 GiB-s)
+        lp += cap + 1e-6 * iteration
+
+    # --- solve ----------------------------------------------------------------------------------
+    if start is not None:
+        for (i, c), var in x.items():
+            var.setInitialValue(1 if start.choices[i] == c else 0)
+    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=1,
+                               warmStart=start is not None,
+                               options=["randomSeed 1", "randomCbcSeed 1", "preprocess off"])
+    lp.solve(solver)
+    solve_s = time.perf_counter() - started
+
+    # --- status -------------------------------------------------------------------------------
+    if lp.status == pulp.LpStatusInfeasible:
+        return _Solution(Plan("ilp", (), status="infeasible", solve_s=solve_s), infeasible=True)
+    if lp.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return _Solution(Plan("ilp", (), status="no-solution", solve_s=solve_s,
+                              note=f"CBC found no solution in {time_limit_s:g} s "
+                                   f"({pulp.LpStatus[lp.status]})"))
+    choices = tuple(
+        next(c for c in options[i] if (x[i, c].value() or 0) > 0.5) for i in range(n)
+    )
+    status = "optimal" if lp.sol_status == pulp.LpSolutionOptimal else "time-limit"
+    plan = Plan("ilp", choices, status=status, solve_s=solve_s,
+                note=f"CBC {status}, objective {iteration.value():.6f} s")
+    return _Solution(plan, capacity_gib=float(pulp.value(cap)))
+
+
+def _tag(c: Choice) -> str:
+    return f"{c.act[0]}{c.weights[0]}{c.optim[0]}"

@@ -1,0 +1,347 @@
+"""Lowering: a plan's per-block choices -> the ordered operations and buffers of a schedule.
+
+Every block contributes a *fragment*: its own operations (forward, backward, and what its
+choice adds: swap-out and swap-in, recompute, weight fetches, gradient copy, optimizer step,
+upload) and the device buffers they fill and free. The ILP sums the same fragments over a
+one-hot choice per block, and the simulator runs the assembled list, so the plan the solver
+optimises and the schedule the simulator checks are the same thing by construction.
+
+Stages (n blocks; see karma/schedule.py for what a stage means):
+
+    0               prologue: fetch block 0's streamed weights
+    1 + j           forward of block j (and the loss after the last); swap-out of block
+                    j-1's activations; prefetch of block j+1's streamed weights
+    1 + n + (n-1-j) backward of block j (after its recompute); swap-in and weight prefetch
+                    for block j-1; gradients of block j+1 to the host (all-reduced first,
+                    one stage earlier, on several ranks)
+    2n + 1 (+1)     epilogue: the last gradients to the host
+    last            update: weights stepped on the host go back to their device buffers
+
+[Note: why fetches are issued one stage ahead] Issuing every copy one stage before its use
+keeps each stage's memory and time additive (a stage lasts as long as its busiest stream),
+which is what makes the ILP exact. Deeper prefetch would hide longer copies behind several
+blocks but make memory depend on pairs of decisions; it is left out on purpose.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from karma.planner.problem import Problem
+from karma.schedule import BARRIER_STREAMS, STREAMS, Buffer, Op
+
+# (activations, weights, optimizer)
+ACT = ("keep", "swap", "recompute")
+
+
+@dataclass(frozen=True, order=True)
+class Choice:
+    """What a plan does with one block."""
+
+    act: str  # keep | swap | recompute
+    weights: str = "resident"  # resident | streamed
+    optim: str = "device"  # device | host
+
+    def __post_init__(self) -> None:
+        if self.act not in ACT or self.weights not in ("resident", "streamed") \
+                or self.optim not in ("device", "host"):
+            raise ValueError(f"not a choice: {self}")
+        if self.weights == "streamed" and self.optim != "host":
+            raise ValueError("streamed weights are stepped on the host")
+
+
+def valid_choices(problem: Problem, i: int) -> list[Choice]:
+    """Choices block i may take: the last block cannot swap (its backward comes next)."""
+    acts = ACT if i < len(problem.blocks) - 1 else ("keep", "recompute")
+    wo = [("resident", "device"), ("resident", "host"), ("streamed", "host")]
+    return [Choice(a, w, o) for a in acts for w, o in wo]
+
+
+@dataclass(frozen=True)
+class Stages:
+    """Stage numbering for n blocks on world_size ranks."""
+
+    n: int
+    world_size: int
+
+    def fwd(self, j: int) -> int:
+        return 1 + j
+
+    def bwd(self, j: int) -> int:
+        return 1 + self.n + (self.n - 1 - j)
+
+    def allreduce(self, j: int) -> int:
+        return self.bwd(j) + 1
+
+    def to_host(self, j: int) -> int:
+        """Stage in which block j's gradients go to the host."""
+        return self.bwd(j) + (2 if self.world_size > 1 else 1)
+
+    @property
+    def update(self) -> int:
+        return self.to_host(0) + 1
+
+    @property
+    def count(self) -> int:
+        return self.update + 1
+
+
+@dataclass
+class ProtoOp:
+    key: tuple  # unique: (kind, block, ...)
+    kind: str
+    block: int
+    stage: int
+    stream: str
+    dur_s: float
+    bytes: int = 0
+    uses: tuple[str, ...] = ()
+    after: tuple[tuple, ...] = ()  # keys of ops it waits for besides the stage barrier
+
+
+@dataclass
+class ProtoBuffer:
+    name: str
+    block: int
+    bytes: int
+    alloc: tuple | None  # key of the op whose start allocates it
+    free: tuple | None  # key of the op whose end frees it
+
+
+@dataclass
+class Fragment:
+    ops: list[ProtoOp] = field(default_factory=list)
+    buffers: list[ProtoBuffer] = field(default_factory=list)
+    host_bytes: int = 0  # host memory it needs
+    pinned_bytes: int = 0  # pinned host memory it needs
+
+    def op(self, *args, **kwargs) -> tuple:
+        o = ProtoOp(*args, **kwargs)
+        self.ops.append(o)
+        return o.key
+
+    def buffer(self, name: str, block: int, nbytes: int, alloc, free) -> None:
+        if nbytes > 0:
+            self.buffers.append(ProtoBuffer(name, block, nbytes, alloc, free))
+
+
+def weight_buffer(block: int, choice: Choice, phase: str, user: int, n: int) -> str:
+    """Name of the device buffer holding `block`'s weights when `user` runs `phase`."""
+    if choice.weights == "resident":
+        return f"w.{block}"
+    suffix = "" if user == block else str(user)
+    if phase == "bwd" and user != n - 1:
+        return f"w.{block}@b{suffix}"
+    return f"w.{block}@f{suffix}"
+
+
+def users_of(problem: Problem, owner: int) -> list[tuple[int, int]]:
+    """(user block, device bytes) of the blocks that use `owner`'s weights, owner excluded."""
+    return [(j, nbytes) for j, b in enumerate(problem.blocks)
+            for o, nbytes in b.shared_from if o == owner]
+
+
+def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
+    """Block i's operations and buffers under choice c."""
+    b = problem.blocks[i]
+    n = len(problem.blocks)
+    st = Stages(n, problem.world_size)
+    f = Fragment()
+    fwd = f.op(("forward", i), "forward", i, st.fwd(i), "compute", b.fwd_s)
+    if c.act == "recompute":
+        f.op(("recompute", i), "recompute", i, st.bwd(i), "compute", b.fwd_s)
+    bwd = f.op(("backward", i), "backward", i, st.bwd(i), "compute", b.bwd_s)
+
+    # activations
+    if c.act == "keep":
+        f.buffer(f"act.{i}", i, b.act_bytes, fwd, bwd)
+    elif c.act == "swap":
+        out = f.op(("swap_out", i), "swap_out", i, st.fwd(i + 1), "d2h",
+                   problem.d2h_s(b.act_bytes), b.act_bytes, uses=(f"act.{i}",))
+        into = f.op(("swap_in", i), "swap_in", i, st.bwd(i + 1), "h2d",
+                    problem.h2d_s(b.act_bytes), b.act_bytes)
+        f.buffer(f"act.{i}", i, b.act_bytes, fwd, out)
+        f.buffer(f"act.{i}@in", i, b.act_bytes, into, bwd)
+        f.host_bytes += b.act_bytes
+        f.pinned_bytes += b.act_bytes
+    else:
+        f.buffer(f"ckpt.{i}", i, b.in_bytes, fwd, bwd)
+        f.buffer(f"act.{i}@re", i, b.act_bytes, ("recompute", i), bwd)
+
+    # weights: this block's, then its copies for later blocks that share them
+    if c.weights == "resident":
+        f.buffer(f"w.{i}", i, b.param_bytes, None, None)
+    else:
+        for user, nbytes in [(i, b.param_bytes)] + users_of(problem, i):
+            _stream_weights(f, problem, st, i, user, nbytes)
+        f.pinned_bytes += b.param_bytes
+
+    # gradients and the optimizer step
+    first_bwd_user = max([i] + [j for j, _ in users_of(problem, i)])
+    grad = f"grad.{i}"
+    if problem.world_size > 1:
+        f.op(("allreduce", i), "allreduce", i, st.allreduce(i), "net", b.allreduce_s,
+             b.param_bytes, uses=(grad,))
+    if c.optim == "device":
+        step_stage = st.allreduce(i) if problem.world_size > 1 else st.bwd(i)
+        step = f.op(("device_step", i), "device_step", i, step_stage, "compute",
+                    b.device_step_s, uses=(grad, f"w.{i}", f"opt.{i}"))
+        f.buffer(f"opt.{i}", i, b.optim_bytes, None, None)
+        f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), step)
+    else:
+        to_host = f.op(("grads_to_host", i), "grads_to_host", i, st.to_host(i), "d2h",
+                       problem.d2h_s(b.param_bytes), b.param_bytes, uses=(grad,))
+        f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), to_host)
+        step = f.op(("host_step", i), "host_step", i, st.to_host(i), "host", b.host_step_s,
+                    after=(("stage_end", st.to_host(i)),))
+        if c.weights == "resident":
+            f.op(("upload", i), "upload", i, st.update, "h2d", problem.h2d_s(b.param_bytes),
+                 b.param_bytes, uses=(f"w.{i}",), after=(step,))
+        f.host_bytes += b.optim_bytes + 2 * b.param_bytes
+        f.pinned_bytes += b.param_bytes
+    return f
+
+
+def _stream_weights(f: Fragment, problem: Problem, st: Stages, owner: int, user: int,
+                    nbytes: int) -> None:
+    """Fetch `owner`'s weights for `user`'s forward, and again for its backward."""
+    n = len(problem.blocks)
+    suffix = "" if user == owner else str(user)
+    fetch_f = f.op(("fetch", owner, user, "fwd"), "fetch", user, st.fwd(user) - 1, "h2d",
+                   problem.h2d_s(nbytes), nbytes)
+    if user == n - 1:  # the last block's backward follows at once: keep the forward copy
+        f.buffer(f"w.{owner}@f{suffix}", owner, nbytes, fetch_f, ("backward", user))
+        return
+    f.buffer(f"w.{owner}@f{suffix}", owner, nbytes, fetch_f, ("forward", user))
+    fetch_b = f.op(("fetch", owner, user, "bwd"), "fetch", user, st.bwd(user + 1), "h2d",
+                   problem.h2d_s(nbytes), nbytes)
+    f.buffer(f"w.{owner}@b{suffix}", owner, nbytes, fetch_b, ("backward", user))
+
+
+def common_fragment(problem: Problem) -> Fragment:
+    """What every plan has: the batch, the loss, and the tensors flowing between blocks."""
+    n = len(problem.blocks)
+    st = Stages(n, problem.world_size)
+    f = Fragment()
+    loss = f.op(("loss", n - 1), "loss", n - 1, st.fwd(n - 1), "compute", problem.loss_s)
+    f.buffer("inputs", 0, problem.input_bytes, None, None)
+    f.buffer("loss", n - 1, problem.loss_act_bytes, loss, ("backward", n - 1))
+    for i, b in enumerate(problem.blocks):
+        last_use = ("forward", i + 1) if i + 1 < n else ("backward", i)
+        f.buffer(f"out.{i}", i, b.out_bytes, ("forward", i), last_use)
+        f.buffer(f"dgrad.{i}", i, b.out_bytes + b.in_bytes, ("backward", i), ("backward", i))
+    return f
+
+
+def buffer_spans(problem: Problem, f: Fragment) -> list[tuple[int, int, int]]:
+    """(first stage, last stage, bytes) of each buffer of a fragment: the stages it is live in.
+
+    A buffer counts in every stage from the one of the op that allocates it to the one of the
+    op that frees it, both included: the ILP's memory bound, never below the simulated peak.
+    """
+    st = Stages(len(problem.blocks), problem.world_size)
+    own = {o.key: o.stage for o in f.ops}
+
+    def stage_of(key: tuple) -> int:
+        if key in own:
+            return own[key]
+        kind, block = key[0], key[1]
+        return st.fwd(block) if kind == "forward" else st.bwd(block)  # always present
+
+    return [(stage_of(b.alloc) if b.alloc is not None else 0,
+             stage_of(b.free) if b.free is not None else st.count - 1, b.bytes)
+            for b in f.buffers]
+
+
+def stage_memory(problem: Problem, choices: list[Choice]) -> list[int]:
+    """Device bytes live in each stage (the ILP's memory model) for these choices."""
+    st = Stages(len(problem.blocks), problem.world_size)
+    delta = [0] * (st.count + 1)
+    frags = [common_fragment(problem)] + [fragment(problem, i, c) for i, c in enumerate(choices)]
+    for f in frags:
+        for first, last, nbytes in buffer_spans(problem, f):
+            delta[first] += nbytes
+            delta[last + 1] -= nbytes
+    live, out = 0, []
+    for k in range(st.count):
+        live += delta[k]
+        out.append(live)
+    return out
+
+
+# --- assembly -------------------------------------------------------------------------
+
+_RANK = {"fetch": 0, "swap_in": 1, "upload": 2, "swap_out": 0, "grads_to_host": 1,
+         "forward": 0, "loss": 1, "recompute": 0, "backward": 1, "device_step": 2,
+         "allreduce": 0, "host_step": 0}
+
+
+def assemble(problem: Problem, choices: list[Choice]) -> tuple[tuple[Op, ...], tuple[Buffer, ...]]:
+    """The schedule's ops (in issue order, with dependencies and uses) and buffers."""
+    frags = [common_fragment(problem)] + [fragment(problem, i, c) for i, c in enumerate(choices)]
+    # Host steps and uploads go from the last block to the first, as the gradients arrive.
+    protos = sorted(
+        (o for fr in frags for o in fr.ops),
+        key=lambda o: (o.stage, STREAMS.index(o.stream), _RANK[o.kind],
+                       -o.block if o.kind == "upload" else o.block, o.key),
+    )
+    id_of = {o.key: k for k, o in enumerate(protos)}
+    ends = _stage_ends(protos)
+    uses_of = _weight_uses(problem, choices)
+    ops = []
+    for k, o in enumerate(protos):
+        # [Note: stage barrier] an op on a barrier stream waits for the end of the stage
+        # before its own; a host step waits only for the end of its gradients' stage.
+        deps = set(ends(o.stage - 1)) if o.stream != "host" else set()
+        for key in o.after:
+            deps.update(ends(key[1]) if key[0] == "stage_end" else (id_of[key],))
+        ops.append(Op(k, o.kind, o.block, o.stage, o.stream, o.dur_s, o.bytes,
+                      tuple(sorted(deps)), o.uses + uses_of.get(o.key, ())))
+    buffers = sorted(
+        (Buffer(pb.name, pb.block, pb.bytes,
+                id_of[pb.alloc] if pb.alloc is not None else None,
+                id_of[pb.free] if pb.free is not None else None)
+         for fr in frags for pb in fr.buffers),
+        key=lambda b: (b.alloc is not None, b.alloc or 0, b.name),
+    )
+    return tuple(ops), tuple(buffers)
+
+
+def _stage_ends(protos: list[ProtoOp]):
+    """ends(s): the last op on each barrier stream among the ops of stages <= s."""
+    snapshots: list[tuple[int, tuple[int, ...]]] = []  # (stage, last ops), stages ascending
+    last_on: dict[str, int] = {}
+    for k, o in enumerate(protos):
+        if o.stream in BARRIER_STREAMS:
+            last_on[o.stream] = k
+        snapshot = tuple(sorted(last_on.values()))
+        if snapshots and snapshots[-1][0] == o.stage:
+            snapshots[-1] = (o.stage, snapshot)
+        else:
+            snapshots.append((o.stage, snapshot))
+    stages = [s for s, _ in snapshots]
+
+    def ends(stage: int) -> tuple[int, ...]:
+        pos = bisect.bisect_right(stages, stage) - 1
+        return snapshots[pos][1] if pos >= 0 else ()
+
+    return ends
+
+
+def _weight_uses(problem: Problem, choices: list[Choice]) -> dict[tuple, tuple[str, ...]]:
+    """Weight buffers each forward, recompute and backward reads, owners' choices applied."""
+    n = len(choices)
+    uses: dict[tuple, tuple[str, ...]] = {}
+    for j, b in enumerate(problem.blocks):
+        owners = [j] + [o for o, _ in b.shared_from]
+        fwd = tuple(weight_buffer(o, choices[o], "fwd", j, n) for o in owners)
+        bwd = tuple(weight_buffer(o, choices[o], "bwd", j, n) for o in owners)
+        uses[("forward", j)] = fwd
+        uses[("recompute", j)] = (f"ckpt.{j}",) + bwd
+        uses[("backward", j)] = (_act_buffer(j, choices[j]),) + bwd
+    return uses
+
+
+def _act_buffer(i: int, c: Choice) -> str:
+    return {"keep": f"act.{i}", "swap": f"act.{i}@in", "recompute": f"act.{i}@re"}[c.act]

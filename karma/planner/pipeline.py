@@ -1,0 +1,127 @@
+"""From a block graph to a schedule: costs, every baseline, the ILP, lowering, simulation.
+
+    report = make_schedule(graph, model_ref, request)
+    report.schedule      # the Schedule to write as YAML
+    report.chosen        # the chosen plan's Evaluation
+    report.baselines     # every baseline's Evaluation, for the side-by-side summary
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from karma.ir.graph import BlockGraph
+from karma.planner.baselines import BASELINES
+from karma.planner.hardware import Hardware, dump_hardware
+from karma.planner.ilp import min_capacity_bytes, solve_ilp
+from karma.planner.plan import Evaluation, InfeasiblePlan, Plan, evaluate
+from karma.planner.problem import Problem, build_problem
+from karma.schedule import BlockEntry, ModelRef, Predicted, Schedule, TrainConfig
+
+STRATEGIES = ("ilp", *BASELINES)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for."""
+
+    capacity_bytes: int  # device memory budget (--gpu-mem)
+    hardware: Hardware
+    batch_size: int
+    dtype: str = "fp32"
+    world_size: int = 1
+    seed: int = 0
+    strategy: str = "ilp"  # "ilp" or a baseline's name
+    time_limit_s: float = 60.0
+    gap: float = 1e-2  # relative optimality gap at which the ILP stops
+    optim_state_factor: int = 2  # fp32 optimizer state tensors per parameter (AdamW: 2)
+    measured_s: Sequence[tuple[float, float]] | None = None  # per-block (fwd, bwd) seconds
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    problem: Problem
+    chosen: Evaluation
+    baselines: dict[str, Evaluation]
+    schedule: Schedule
+    single_rank_iteration_s: float  # the chosen plan on one rank (for scaling efficiency)
+
+
+def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> PlanReport:
+    if request.strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {request.strategy!r}")
+    problem = build_problem(graph, request.hardware, request.dtype, request.world_size,
+                            request.optim_state_factor, request.measured_s)
+    cap = request.capacity_bytes
+    baselines = {name: evaluate(problem, fn(problem, cap), cap) for name, fn in BASELINES.items()}
+    feasible = [e for e in baselines.values() if e.feasible]
+    best = min(feasible, key=lambda e: e.iteration_s) if feasible else None
+
+    if request.strategy != "ilp":
+        chosen = baselines[request.strategy]
+        if not chosen.feasible:
+            need = min_capacity_bytes(problem, request.time_limit_s)
+            raise InfeasiblePlan(
+                f"the {request.strategy} plan needs {chosen.stage_peak_bytes / 2**30:.2f} GiB "
+                f"of device memory, over the {cap / 2**30:.2f} GiB budget (the smallest budget "
+                f"any plan fits in is {need / 2**30:.2f} GiB)", need)
+    else:
+        plan = solve_ilp(problem, cap, request.time_limit_s, request.gap,
+                         start=best.plan if best else None)
+        if not plan.choices:  # no incumbent in time: fall back to the best baseline
+            if best is None:
+                raise InfeasiblePlan(f"the ILP found no plan in {request.time_limit_s:g} s and "
+                                     "no baseline fits; raise --time-limit or --gpu-mem", cap)
+            plan = Plan(best.plan.strategy, best.plan.choices, status="fallback",
+                        solve_s=plan.solve_s, note=f"{plan.note}; using the best baseline, "
+                                                   f"{best.plan.strategy}")
+        chosen = evaluate(problem, plan, cap)
+
+    single = chosen.iteration_s
+    if request.world_size > 1:
+        one = build_problem(graph, request.hardware, request.dtype, 1,
+                            request.optim_state_factor, request.measured_s)
+        single = evaluate(one, chosen.plan, cap).iteration_s
+    schedule = _schedule(graph, model, request, chosen, single)
+    return PlanReport(problem, chosen, baselines, schedule, single)
+
+
+def _schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest, ev: Evaluation,
+              single_rank_s: float) -> Schedule:
+    import yaml
+
+    hardware = yaml.safe_load(dump_hardware(request.hardware))
+    hardware.pop("version", None)
+    blocks = tuple(
+        BlockEntry(
+            index=b.index, name=b.name, modules=b.modules, params=b.params,
+            shared_params=b.shared_params, act=c.act, weights=c.weights, optim=c.optim,
+            param_bytes=b.param_bytes, act_bytes=b.act_bytes,
+        )
+        for b, c in zip(graph.blocks, ev.plan.choices)
+    )
+    sim = ev.sim
+    return Schedule(
+        model=model,
+        config=TrainConfig(batch_size=request.batch_size, dtype=request.dtype,
+                           world_size=request.world_size, seed=request.seed,
+                           capacity_bytes=request.capacity_bytes),
+        hardware=tuple(hardware.items()),
+        strategy=ev.plan.strategy,
+        status=ev.plan.status,
+        solve_s=ev.plan.solve_s,
+        predicted=Predicted(
+            iteration_s=sim.iteration_s,
+            lower_bound_s=sim.lower_bound_s,
+            peak_device_bytes=sim.peak_device_bytes,
+            stage_peak_bytes=ev.stage_peak_bytes,
+            host_bytes=ev.host_bytes,
+            pinned_bytes=ev.pinned_bytes,
+            busy_s=tuple(sim.busy_s.items()),
+            scaling_efficiency=single_rank_s / sim.iteration_s if sim.iteration_s else 1.0,
+        ),
+        blocks=blocks,
+        ops=ev.ops,
+        buffers=ev.buffers,
+    )

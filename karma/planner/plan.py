@@ -1,0 +1,97 @@
+"""A plan (one choice per block) and its evaluation by lowering and simulation.
+
+Every strategy, the ILP and each baseline, returns a `Plan`; `evaluate` lowers it to the
+schedule's operations and simulates them, so all strategies are judged by the same model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from karma.errors import KarmaError
+from karma.planner.lowering import Choice, assemble, fragment, stage_memory
+from karma.planner.problem import Problem
+from karma.planner.simulate import SimResult, simulate
+from karma.schedule import Buffer, Op
+
+
+class InfeasiblePlan(KarmaError):
+    """No plan fits the device memory; the message gives the smallest budget that would."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, min_capacity_bytes: int):
+        super().__init__(message)
+        self.min_capacity_bytes = min_capacity_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A strategy's decision for every block."""
+
+    strategy: str  # ilp | keep_all | recompute_all | swap_all | offload_all | greedy
+    choices: tuple[Choice, ...]
+    status: str = "heuristic"  # optimal | time-limit | heuristic | fallback
+    solve_s: float = 0.0
+    note: str = ""
+
+    def counts(self) -> dict[str, int]:
+        acts = Counter(c.act for c in self.choices)
+        return {
+            "keep": acts["keep"],
+            "swap": acts["swap"],
+            "recompute": acts["recompute"],
+            "streamed_weights": sum(c.weights == "streamed" for c in self.choices),
+            "host_optimizer": sum(c.optim == "host" for c in self.choices),
+        }
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A plan lowered and simulated."""
+
+    plan: Plan
+    ops: tuple[Op, ...]
+    buffers: tuple[Buffer, ...]
+    sim: SimResult
+    capacity_bytes: int
+    stage_peak_bytes: int  # the ILP's memory bound: the largest sum of buffers live in a stage
+    host_bytes: int
+    pinned_bytes: int
+    host_mem_bytes: int
+    pinned_mem_bytes: int
+
+    @property
+    def feasible(self) -> bool:
+        return (self.stage_peak_bytes <= self.capacity_bytes
+                and self.host_bytes <= self.host_mem_bytes
+                and self.pinned_bytes <= self.pinned_mem_bytes)
+
+    @property
+    def iteration_s(self) -> float:
+        return self.sim.iteration_s
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return self.sim.peak_device_bytes
+
+
+def evaluate(problem: Problem, plan: Plan, capacity_bytes: int) -> Evaluation:
+    choices = list(plan.choices)
+    if len(choices) != len(problem.blocks):
+        raise ValueError(f"plan has {len(choices)} choices for {len(problem.blocks)} blocks")
+    ops, buffers = assemble(problem, choices)
+    frags = [fragment(problem, i, c) for i, c in enumerate(choices)]
+    return Evaluation(
+        plan=plan,
+        ops=ops,
+        buffers=buffers,
+        sim=simulate(ops, buffers),
+        capacity_bytes=capacity_bytes,
+        stage_peak_bytes=max(stage_memory(problem, choices)),
+        host_bytes=sum(f.host_bytes for f in frags),
+        pinned_bytes=sum(f.pinned_bytes for f in frags),
+        host_mem_bytes=problem.host_mem_bytes,
+        pinned_mem_bytes=problem.pinned_mem_bytes,
+    )

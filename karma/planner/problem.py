@@ -1,0 +1,137 @@
+"""The planning problem as plain numbers: what each block costs in time and bytes.
+
+`build_problem` turns a BlockGraph (measured on meta tensors in fp32) and a Hardware profile
+into per-block seconds and bytes for the chosen dtype and world size. Everything after this
+point (lowering, simulation, the ILP, the baselines) sees only these numbers.
+
+Compute time is a roofline estimate: FLOPs at the profile's matmul rate plus the bytes a block
+reads and writes at the device's memory bandwidth (elementwise work is memory-bound), unless
+measured times are given (`karma-plan --profile-blocks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from karma.ir.graph import BlockGraph
+from karma.planner.hardware import Hardware
+
+FP32_BYTES = 4
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+# bytes an AdamW step reads and writes per fp32 parameter byte on the device: p, g, m, v
+# read; p, m, v written
+DEVICE_STEP_TRAFFIC = 7
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block's costs. Bytes are device bytes in the training dtype unless named fp32."""
+
+    name: str
+    fwd_s: float
+    bwd_s: float
+    param_bytes: int  # weights it owns, on the device
+    shared_from: tuple[tuple[int, int], ...]  # (owner block, device bytes) it also uses
+    optim_bytes: int  # device optimizer state of its weights (fp32 moments, fp32 master)
+    act_bytes: int  # saved for backward
+    in_bytes: int  # its inputs from earlier blocks (what a recomputed block keeps)
+    out_bytes: int
+    host_step_s: float  # host optimizer step of its weights
+    device_step_s: float  # device optimizer step of its weights
+    allreduce_s: float  # ring all-reduce of its gradients (0 on one rank)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything the planner decides over, as numbers."""
+
+    blocks: tuple[BlockCost, ...]
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    input_bytes: int  # one batch of model inputs, resident all iteration
+    loss_act_bytes: int  # what the loss saves (logits' log-softmax and the like)
+    loss_s: float
+    host_mem_bytes: int
+    pinned_mem_bytes: int
+    world_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not self.blocks:
+            raise ValueError("a problem needs at least one block")
+        if self.world_size < 1:
+            raise ValueError(f"world_size = {self.world_size} < 1")
+
+    def h2d_s(self, nbytes: int) -> float:
+        return nbytes / self.h2d_bytes_per_s
+
+    def d2h_s(self, nbytes: int) -> float:
+        return nbytes / self.d2h_bytes_per_s
+
+
+def ring_allreduce_s(nbytes: int, world_size: int, net_bytes_per_s: float,
+                     net_latency_s: float) -> float:
+    """Ring all-reduce: 2 (N-1)/N of the bytes each way, 2 (N-1) latency-bound steps."""
+    if world_size == 1 or nbytes == 0:
+        return 0.0
+    n = world_size
+    return 2 * (n - 1) / n * nbytes / net_bytes_per_s + 2 * (n - 1) * net_latency_s
+
+
+def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_size: int = 1,
+                  optim_state_factor: int = 2,
+                  measured_s: Sequence[tuple[float, float]] | None = None) -> Problem:
+    """Per-block costs of `graph` on `hw`.
+
+    optim_state_factor: fp32 state tensors per parameter (2 for Adam/AdamW, 1 for SGD with
+    momentum, 0 for plain SGD). measured_s: (forward, backward) seconds per block, replacing
+    the roofline estimate.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
+    scale = DTYPE_BYTES[dtype] / FP32_BYTES  # the IR is measured in fp32
+    flops_per_s = hw.flops_per_s[dtype]
+    in_bytes = [0] * len(graph.blocks)
+    for e in graph.edges:
+        in_bytes[e.dst] += e.bytes
+
+    blocks = []
+    for i, b in enumerate(graph.blocks):
+        param_bytes = int(b.param_bytes * scale)
+        act_bytes, out_bytes = int(b.act_bytes * scale), int(b.out_bytes * scale)
+        traffic = act_bytes + out_bytes + param_bytes
+        if measured_s is not None:
+            fwd_s, bwd_s = measured_s[i]
+        else:
+            fwd_s = b.fwd_flops / flops_per_s + traffic / hw.mem_bytes_per_s
+            bwd_s = b.bwd_flops / flops_per_s + 2 * traffic / hw.mem_bytes_per_s
+        master = b.param_bytes if dtype != "fp32" else 0  # fp32 master weights
+        blocks.append(BlockCost(
+            name=b.name,
+            fwd_s=fwd_s,
+            bwd_s=bwd_s,
+            param_bytes=param_bytes,
+            shared_from=tuple((owner, int(nbytes * scale)) for owner, nbytes in b.shared_from),
+            optim_bytes=optim_state_factor * b.param_bytes + master,
+            act_bytes=act_bytes,
+            in_bytes=int(in_bytes[i] * scale),
+            out_bytes=out_bytes,
+            host_step_s=b.param_bytes / hw.host_optim_bytes_per_s,
+            device_step_s=DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s,
+            allreduce_s=ring_allreduce_s(param_bytes, world_size, hw.net_bytes_per_s,
+                                         hw.net_latency_s),
+        ))
+    loss_act_bytes = int(graph.loss_act_bytes * scale)
+    return Problem(
+        blocks=tuple(blocks),
+        h2d_bytes_per_s=hw.h2d_bytes_per_s,
+        d2h_bytes_per_s=hw.d2h_bytes_per_s,
+        input_bytes=graph.input_bytes,
+        loss_act_bytes=loss_act_bytes,
+        loss_s=3 * loss_act_bytes / hw.mem_bytes_per_s,
+        host_mem_bytes=hw.host_mem_bytes,
+        pinned_mem_bytes=hw.pinned_mem_bytes,
+        world_size=world_size,
+        dtype=dtype,
+    )
