@@ -222,6 +222,12 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `--gpu-mem -1G` would read as an unknown option; glue it so it is checked as a size
+    for k in range(len(argv) - 1):
+        if argv[k] == "--gpu-mem" and argv[k + 1].startswith("-"):
+            argv[k:k + 2] = [f"--gpu-mem={argv[k + 1]}"]
+            break
     return run_cli("karma-plan", _plan, _parser(), argv)
 
 

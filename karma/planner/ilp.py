@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pulp
 
@@ -18,11 +19,13 @@ from karma.planner.lowering import (
     buffer_spans,
     common_fragment,
     fragment,
+    stage_memory,
     valid_choices,
 )
 from karma.planner.plan import InfeasiblePlan, Plan
 from karma.planner.problem import Problem
 from karma.schedule import BARRIER_STREAMS
+from karma.units import format_bytes
 
 GIB = float(1 << 30)
 
@@ -37,21 +40,53 @@ def solve_ilp(problem: Problem, capacity_bytes: int, time_limit_s: float = 60.0,
     """
     if capacity_bytes <= 0:
         raise ValueError(f"capacity_bytes = {capacity_bytes} must be positive")
-    solution = _solve(problem, capacity_bytes, time_limit_s, gap, start)
-    if solution.infeasible:
-        need = min_capacity_bytes(problem, time_limit_s)
-        raise InfeasiblePlan(
-            f"no plan fits {capacity_bytes / GIB:.2f} GiB of device memory: even with every "
-            f"activation swapped or recomputed and every weight streamed it needs "
-            f"{need / GIB:.2f} GiB", need)
-    return solution.plan
+    # CBC compares memory within its feasibility tolerance (about 1e-7 GiB, a hundred
+    # bytes); the answer is checked to the byte and, if over, solved again under a budget
+    # lowered by the excess.
+    limits = Limits(capacity_bytes, problem.host_mem_bytes, problem.pinned_mem_bytes)
+    for _ in range(4):
+        solution = _solve(problem, limits, time_limit_s, gap, start)
+        if solution.infeasible:
+            need = min_capacity_bytes(problem, time_limit_s)
+            raise InfeasiblePlan(
+                f"no plan fits {format_bytes(capacity_bytes)} of device memory: even with every "
+                f"activation swapped or recomputed and every weight streamed it needs "
+                f"{format_bytes(need)}", need)
+        plan = solution.plan
+        if not plan.choices:
+            return plan
+        over = _excess(problem, plan, Limits(capacity_bytes, problem.host_mem_bytes,
+                                             problem.pinned_mem_bytes))
+        if not any(over):
+            return plan
+        limits = Limits(*(lim - (x + 1024 if x > 0 else 0) for lim, x in zip(limits, over)))
+    raise RuntimeError("the ILP's plans kept exceeding the budget by rounding")  # pragma: no cover
+
+
+class Limits(NamedTuple):
+    """Memory limits the ILP plans under, in bytes."""
+
+    device_bytes: int
+    host_bytes: int
+    pinned_bytes: int
+
+
+def _excess(problem: Problem, plan: Plan, limits: Limits) -> tuple[int, int, int]:
+    """Bytes by which `plan` exceeds each limit (0 where it fits), counted exactly."""
+    frags = [fragment(problem, i, c) for i, c in enumerate(plan.choices)]
+    used = (max(stage_memory(problem, list(plan.choices))),
+            sum(f.host_bytes for f in frags), sum(f.pinned_bytes for f in frags))
+    return tuple(max(0, u - lim) for u, lim in zip(used, limits))
 
 
 def min_capacity_bytes(problem: Problem, time_limit_s: float = 60.0) -> int:
     """The smallest device memory any plan fits in (rounded up to a MiB)."""
-    solution = _solve(problem, None, time_limit_s, gap=1e-6)
+    limits = Limits(0, problem.host_mem_bytes, problem.pinned_mem_bytes)
+    solution = _solve(problem, limits, time_limit_s, gap=1e-6, minimize_capacity=True)
     mib = 1 << 20
-    return -(-int(solution.capacity_gib * GIB) // mib) * mib
+    need = max(int(solution.capacity_gib * GIB),
+               max(stage_memory(problem, list(solution.plan.choices))))
+    return -(-need // mib) * mib
 
 
 @dataclass(frozen=True)
@@ -61,11 +96,12 @@ class _Solution:
     capacity_gib: float = 0.0  # the budget the plan needs, when it was minimised
 
 
-def _solve(problem: Problem, capacity_bytes: int | None, time_limit_s: float,
-           gap: float, start: Plan | None = None) -> _Solution:
-    """Formulate and solve. capacity_bytes=None: minimise the device memory instead."""
+def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
+           start: Plan | None = None, minimize_capacity: bool = False) -> _Solution:
+    """Formulate and solve: the fastest plan within `limits`, or with minimize_capacity the
+    plan that needs the least device memory (limits.device_bytes is then ignored)."""
     # --- inputs -------------------------------------------------------------------------
-    minimize = "time" if capacity_bytes is not None else "capacity"
+    minimize = "capacity" if minimize_capacity else "time"
     n = len(problem.blocks)
     st = Stages(n, problem.world_size)
     options = {i: valid_choices(problem, i) for i in range(n)}
@@ -90,7 +126,8 @@ def _solve(problem: Problem, capacity_bytes: int | None, time_limit_s: float,
     # iteration: the objective                                                           (s)
     iteration = pulp.LpVariable("iteration_s", lowBound=0)
     # cap: device memory budget, a variable only when minimising it                   (GiB)
-    cap = pulp.LpVariable("cap", lowBound=0) if minimize == "capacity" else capacity_bytes / GIB
+    cap = pulp.LpVariable("cap", lowBound=0) if minimize == "capacity" \
+        else limits.device_bytes / GIB
 
     def chosen(value) -> pulp.LpAffineExpression:
         """Sum over blocks and choices of x[i, c] * value(fragment of (i, c))."""
@@ -152,8 +189,8 @@ def _solve(problem: Problem, capacity_bytes: int | None, time_limit_s: float,
         lp += m[k] <= cap, f"capacity_{k}"
 
     # [Constraint] host memory and pinned host memory
-    lp += chosen(lambda f: f.host_bytes / GIB) <= problem.host_mem_bytes / GIB, "host_memory"
-    lp += chosen(lambda f: f.pinned_bytes / GIB) <= problem.pinned_mem_bytes / GIB, "pinned"
+    lp += chosen(lambda f: f.host_bytes / GIB) <= limits.host_bytes / GIB, "host_memory"
+    lp += chosen(lambda f: f.pinned_bytes / GIB) <= limits.pinned_bytes / GIB, "pinned"
 
     # --- objective --------------------------------------------------------------------------
     if minimize == "time":

@@ -29,7 +29,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from karma.planner.problem import Problem
-from karma.schedule import BARRIER_STREAMS, STREAMS, Buffer, Op
+from karma.schedule import BARRIER_STREAMS, STREAMS, Buffer, Op, round_seconds
 
 # (activations, weights, optimizer)
 ACT = ("keep", "swap", "recompute")
@@ -94,10 +94,13 @@ class ProtoOp:
     block: int
     stage: int
     stream: str
-    dur_s: float
+    dur_s: float  # rounded as the schedule file writes it, so the file simulates the same
     bytes: int = 0
     uses: tuple[str, ...] = ()
     after: tuple[tuple, ...] = ()  # keys of ops it waits for besides the stage barrier
+
+    def __post_init__(self) -> None:
+        self.dur_s = round_seconds(self.dur_s)
 
 
 @dataclass
@@ -146,6 +149,9 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
     """Block i's operations and buffers under choice c."""
     b = problem.blocks[i]
     n = len(problem.blocks)
+    if c.act == "swap" and i == n - 1:
+        raise ValueError(f"block {i} ({b.name}) is the last block: its backward follows its "
+                         "forward at once, so it cannot swap; keep or recompute it")
     st = Stages(n, problem.world_size)
     f = Fragment()
     fwd = f.op(("forward", i), "forward", i, st.fwd(i), "compute", b.fwd_s)
@@ -208,15 +214,17 @@ def _stream_weights(f: Fragment, problem: Problem, st: Stages, owner: int, user:
     """Fetch `owner`'s weights for `user`'s forward, and again for its backward."""
     n = len(problem.blocks)
     suffix = "" if user == owner else str(user)
+    # a fetch lists the buffer it fills in `uses`: the runtime reads the owner from its name
+    fwd_buf, bwd_buf = f"w.{owner}@f{suffix}", f"w.{owner}@b{suffix}"
     fetch_f = f.op(("fetch", owner, user, "fwd"), "fetch", user, st.fwd(user) - 1, "h2d",
-                   problem.h2d_s(nbytes), nbytes)
+                   problem.h2d_s(nbytes), nbytes, uses=(fwd_buf,))
     if user == n - 1:  # the last block's backward follows at once: keep the forward copy
-        f.buffer(f"w.{owner}@f{suffix}", owner, nbytes, fetch_f, ("backward", user))
+        f.buffer(fwd_buf, owner, nbytes, fetch_f, ("backward", user))
         return
-    f.buffer(f"w.{owner}@f{suffix}", owner, nbytes, fetch_f, ("forward", user))
+    f.buffer(fwd_buf, owner, nbytes, fetch_f, ("forward", user))
     fetch_b = f.op(("fetch", owner, user, "bwd"), "fetch", user, st.bwd(user + 1), "h2d",
-                   problem.h2d_s(nbytes), nbytes)
-    f.buffer(f"w.{owner}@b{suffix}", owner, nbytes, fetch_b, ("backward", user))
+                   problem.h2d_s(nbytes), nbytes, uses=(bwd_buf,))
+    f.buffer(bwd_buf, owner, nbytes, fetch_b, ("backward", user))
 
 
 def common_fragment(problem: Problem) -> Fragment:

@@ -18,6 +18,7 @@ from karma.planner.ilp import min_capacity_bytes, solve_ilp
 from karma.planner.plan import Evaluation, InfeasiblePlan, Plan, evaluate
 from karma.planner.problem import Problem, build_problem
 from karma.schedule import BlockEntry, ModelRef, Predicted, Schedule, TrainConfig
+from karma.units import format_bytes
 
 STRATEGIES = ("ilp", *BASELINES)
 
@@ -63,9 +64,9 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
         if not chosen.feasible:
             need = min_capacity_bytes(problem, request.time_limit_s)
             raise InfeasiblePlan(
-                f"the {request.strategy} plan needs {chosen.stage_peak_bytes / 2**30:.2f} GiB "
-                f"of device memory, over the {cap / 2**30:.2f} GiB budget (the smallest budget "
-                f"any plan fits in is {need / 2**30:.2f} GiB)", need)
+                f"the {request.strategy} plan needs {format_bytes(chosen.stage_peak_bytes)} "
+                f"of device memory, over the {format_bytes(cap)} budget (the smallest budget "
+                f"any plan fits in is {format_bytes(need)})", need)
     else:
         plan = solve_ilp(problem, cap, request.time_limit_s, request.gap,
                          start=best.plan if best else None)

@@ -1,0 +1,94 @@
+"""Planner acceptance table: the ILP against every baseline on big models and tight budgets.
+
+    .venv/bin/python bench/planner_table.py
+
+For GPT-2 XL (batch 8) and ResNet-152 (batch 32), fp32, one rank, on the v100-16g and h100-80g
+profiles, at 30%, 50% and 70% of the keep_all plan's stage peak (the memory in-core training
+needs): the pipeline's steps (build the block graph once per model, build the problem,
+evaluate every baseline, solve the ILP from the best feasible baseline at the default gap,
+0.01) and one markdown row each. "lower bound" is the ILP plan's own bound: its busiest
+stream's busy time, which no schedule of its operations can beat.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from karma.ir import build_block_graph  # noqa: E402
+from karma.modelfile import load_model_file, optimizer_state_factor  # noqa: E402
+from karma.planner.baselines import BASELINES, keep_all  # noqa: E402
+from karma.planner.hardware import load_hardware  # noqa: E402
+from karma.planner.ilp import solve_ilp  # noqa: E402
+from karma.planner.plan import InfeasiblePlan, Plan, evaluate  # noqa: E402
+from karma.planner.problem import Problem, build_problem  # noqa: E402
+
+COMMAND = ".venv/bin/python bench/planner_table.py"
+GIB = 2**30
+HUGE = 2**60  # bytes: a budget nothing reaches
+# (label, model file, environment the file reads at import, batch size)
+MODELS = (
+    ("gpt2-xl", "examples/gpt.py", {"KARMA_GPT": "xl"}, 8),
+    ("resnet-152", "examples/resnet.py", {"KARMA_RESNET": "152"}, 32),
+)
+HARDWARE = ("v100-16g", "h100-80g")
+BUDGET_FRACTIONS = (0.3, 0.5, 0.7)
+COLUMNS = ("model", "hardware", "budget", "ILP iteration s", "status", "solve s",
+           "lower bound s", "ILP/LB", "best baseline", "ILP/best", "keep/swap/recompute/"
+           "streamed/host-opt", "feasible baselines")
+
+
+def row(label: str, hw_name: str, problem: Problem, fraction: float) -> list[str]:
+    """One table row: the baselines and the ILP at `fraction` of keep_all's stage peak."""
+    cap = int(fraction * evaluate(problem, keep_all(problem, HUGE), HUGE).stage_peak_bytes)
+    budget = f"{fraction:.0%} ({cap / GIB:.1f} GiB)"
+    baselines = {name: evaluate(problem, fn(problem, cap), cap) for name, fn in BASELINES.items()}
+    feasible = {name: ev for name, ev in baselines.items() if ev.feasible}
+    best_name = min(feasible, key=lambda name: feasible[name].iteration_s, default=None)
+    best = feasible[best_name] if best_name else None
+    fits = ", ".join(feasible) or "none"
+    best_text = f"{best_name} {best.iteration_s:.3f}" if best else "none"
+    try:
+        plan = solve_ilp(problem, cap, start=best.plan if best else None)
+    except InfeasiblePlan as e:
+        return [label, hw_name, budget, f"infeasible (needs {e.min_capacity_bytes / GIB:.1f} "
+                "GiB)", "infeasible", "", "", "", best_text, "", "", fits]
+    if not plan.choices:  # no incumbent in time: the pipeline falls back to the best baseline
+        plan = Plan(best.plan.strategy, best.plan.choices, status="fallback",
+                    solve_s=plan.solve_s)
+    ev = evaluate(problem, plan, cap)
+    c = plan.counts()
+    counts = "/".join(str(c[k]) for k in ("keep", "swap", "recompute", "streamed_weights",
+                                           "host_optimizer"))
+    lb = ev.sim.lower_bound_s
+    return [
+        label, hw_name, budget, f"{ev.iteration_s:.3f}", plan.status + ("" if ev.feasible
+                                                                          else " (over budget)"),
+        f"{plan.solve_s:.2f}", f"{lb:.3f}", f"{ev.iteration_s / lb:.3f}", best_text,
+        f"{ev.iteration_s / best.iteration_s:.3f}" if best else "", counts, fits,
+    ]
+
+
+def main() -> None:
+    print(f"    {COMMAND}\n")
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + " --- |" * len(COLUMNS))
+    for label, path, env, batch_size in MODELS:
+        os.environ.update(env)  # the example files read their size at import
+        mf = load_model_file(ROOT / path)
+        graph = build_block_graph(mf, batch_size)
+        factor = optimizer_state_factor(mf)
+        for hw_name in HARDWARE:
+            problem = build_problem(graph, load_hardware(hw_name), "fp32", 1, factor)
+            name = f"{label} ({len(problem.blocks)} blocks, batch {batch_size})"
+            for fraction in BUDGET_FRACTIONS:
+                print("| " + " | ".join(row(name, hw_name, problem, fraction)) + " |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()

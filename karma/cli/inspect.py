@@ -1,0 +1,193 @@
+"""karma-inspect: check a schedule file and summarize it.
+
+    karma-inspect schedule.yaml                  # decisions, predictions, per-block table
+    karma-inspect schedule.yaml --plot sched.png # memory timeline and per-stream Gantt chart
+    karma-inspect schedule.yaml --json           # the summary as JSON
+
+The schedule is validated (load_schedule) and its ops re-simulated; a file whose predicted
+iteration time, peak or stream busy times do not match its ops was edited or is corrupt,
+and is rejected (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from karma.cli.common import run_cli
+from karma.planner.simulate import ScheduleError, SimResult, simulate
+from karma.schedule import STREAMS, Schedule, ScheduleFileError, load_schedule, schedule_sha256
+from karma.units import format_bytes, format_number, format_seconds
+
+# [Note: how closely a re-simulation matches] The file holds times to 6 significant digits,
+# good to 5e-6 relative each; a sum of rounded durations (a busy time, the iteration's
+# critical path) is good to another 5e-6. Re-simulated times must match the file's within
+# REL_TOL, which covers both; byte counts are integers and must match exactly.
+REL_TOL = 2e-5
+_CORRUPT = "the schedule was edited or is corrupt; re-plan with karma-plan"
+MIB = 1 << 20
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="karma-inspect",
+        description="Check a schedule written by karma-plan and summarize it.")
+    p.add_argument("schedule", help="a schedule YAML file")
+    p.add_argument("--plot", metavar="PNG", default=None,
+                   help="also draw the memory timeline and streams to this PNG file "
+                        "(needs matplotlib: pip install 'karma[plot]')")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return p
+
+
+def check_predicted(schedule: Schedule, source: str) -> SimResult:
+    """Re-simulate the schedule's ops; raise ScheduleFileError unless `predicted` matches."""
+    try:
+        sim = simulate(schedule.ops, schedule.buffers)
+    except ScheduleError as e:
+        raise ScheduleFileError(f"{source}: {e}; {_CORRUPT}") from None
+    p = schedule.predicted
+    busy = dict(p.busy_s)
+    pairs = [("predicted.iteration_s", p.iteration_s, sim.iteration_s, _show_s, REL_TOL),
+             ("predicted.peak_device_bytes", p.peak_device_bytes, sim.peak_device_bytes,
+              _show_bytes, 0.0)]
+    pairs += [(f"predicted.busy_s.{s}", busy.get(s, 0.0), sim.busy_s[s], _show_s, REL_TOL)
+              for s in STREAMS]
+    for key, written, simulated, show, tol in pairs:
+        if abs(written - simulated) > tol * max(abs(written), abs(simulated)):
+            raise ScheduleFileError(
+                f"{source}: re-simulating its {len(schedule.ops)} ops gives {show(simulated)}, "
+                f"but {key} is {show(written)}; {_CORRUPT}")
+    return sim
+
+
+def _show_s(x: float) -> str:
+    return f"{x:.6g} s ({format_seconds(x)})"
+
+
+def _show_bytes(n: int) -> str:
+    return f"{n} ({format_bytes(n)})"
+
+
+def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
+    """Everything karma-inspect prints, as plain values (the --json output)."""
+    s, c, p = schedule, schedule.config, schedule.predicted
+    hardware = dict(s.hardware)
+    return {
+        "schedule": source,
+        "schedule_sha256": schedule_sha256(s),
+        "model": {"path": s.model.path, "sha256": s.model.sha256,
+                  "ir_sha256": s.model.ir_sha256, "env": dict(s.model.env)},
+        "strategy": s.strategy,
+        "status": s.status,
+        "solve_s": s.solve_s,
+        "config": {"batch_size": c.batch_size, "dtype": c.dtype, "world_size": c.world_size,
+                   "seed": c.seed, "capacity_bytes": c.capacity_bytes},
+        "hardware": hardware.get("name"),
+        "decisions": {
+            "blocks": len(s.blocks),
+            "keep": sum(b.act == "keep" for b in s.blocks),
+            "swap": sum(b.act == "swap" for b in s.blocks),
+            "recompute": sum(b.act == "recompute" for b in s.blocks),
+            "streamed_weights": sum(b.weights == "streamed" for b in s.blocks),
+            "host_optimizer": sum(b.optim == "host" for b in s.blocks),
+        },
+        "predicted": {
+            "iteration_s": p.iteration_s,
+            "lower_bound_s": p.lower_bound_s,
+            "peak_device_bytes": p.peak_device_bytes,
+            "peak_fraction_of_capacity": p.peak_device_bytes / c.capacity_bytes,
+            "stage_peak_bytes": p.stage_peak_bytes,
+            "host_bytes": p.host_bytes,
+            "pinned_bytes": p.pinned_bytes,
+            "scaling_efficiency": p.scaling_efficiency,
+        },
+        "busy_s": dict(p.busy_s),
+        "check": {"ops": len(s.ops), "buffers": len(s.buffers),
+                  "simulated_iteration_s": sim.iteration_s,
+                  "simulated_peak_device_bytes": sim.peak_device_bytes, "matches": True},
+        "blocks": [{"index": b.index, "name": b.name, "act": b.act, "weights": b.weights,
+                    "optim": b.optim, "param_bytes": b.param_bytes, "act_bytes": b.act_bytes}
+                   for b in s.blocks],
+    }
+
+
+def render(info: dict) -> str:
+    """The summary as people read it."""
+    m, c, p, d = info["model"], info["config"], info["predicted"], info["decisions"]
+    env = "".join(f"  {k}={v}" for k, v in m["env"].items())
+    ranks = f"{c['world_size']} rank" + ("s" if c["world_size"] > 1 else "")
+    busy = ", ".join(f"{s} {format_seconds(t)}" for s, t in info["busy_s"].items())
+    lines = [
+        f"schedule    {info['schedule']}  (sha256 {info['schedule_sha256'][:12]}; "
+        f"{info['check']['ops']} ops and {info['check']['buffers']} buffers, re-simulated: "
+        f"they match)",
+        f"model       {m['path']}  sha256 {m['sha256'][:12]}  ir {m['ir_sha256'][:12]}{env}",
+        f"plan        {info['strategy']} ({info['status']}), solved in "
+        f"{format_seconds(info['solve_s'])}",
+        f"config      batch {c['batch_size']}, {c['dtype']}, {ranks}, seed {c['seed']}, "
+        f"capacity {format_bytes(c['capacity_bytes'])}, hardware {info['hardware']}",
+        f"decisions   {d['blocks']} blocks: {d['keep']} keep, {d['swap']} swap, "
+        f"{d['recompute']} recompute; {d['streamed_weights']} streamed weights, "
+        f"{d['host_optimizer']} host optimizer",
+        f"iteration   {format_seconds(p['iteration_s'])} predicted (lower bound "
+        f"{format_seconds(p['lower_bound_s'])})",
+        f"peak        {format_bytes(p['peak_device_bytes'])} of "
+        f"{format_bytes(c['capacity_bytes'])} capacity "
+        f"({100 * p['peak_fraction_of_capacity']:.1f}%); stage bound "
+        f"{format_bytes(p['stage_peak_bytes'])}"
+        + ("  OVER CAPACITY: this schedule will not fit" if p["peak_fraction_of_capacity"] > 1
+           else ""),
+        f"host        {format_bytes(p['host_bytes'])} host memory, "
+        f"{format_bytes(p['pinned_bytes'])} of it pinned",
+        f"busy        {busy}",
+    ]
+    if c["world_size"] > 1:
+        lines.append(f"scaling     {p['scaling_efficiency']:.3f} (one rank's iteration time "
+                     "over this one's)")
+    lines += ["", *_block_table(info["blocks"])]
+    return "\n".join(lines)
+
+
+def _block_table(blocks: list[dict]) -> list[str]:
+    head = ("#", "block", "act", "weights", "optim", "param MiB", "act MiB")
+    rows = [(str(b["index"]), b["name"], b["act"], b["weights"], b["optim"],
+             format_number(b["param_bytes"] / MIB), format_number(b["act_bytes"] / MIB))
+            for b in blocks]
+    widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]
+    right = {0, 5, 6}
+
+    def line(r):
+        cells = (v.rjust(w) if k in right else v.ljust(w)
+                 for k, (v, w) in enumerate(zip(r, widths)))
+        return "  ".join(cells).rstrip()
+
+    return [line(head), *map(line, rows)]
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    source = args.schedule
+    schedule = load_schedule(Path(source), source)
+    sim = check_predicted(schedule, source)
+    info = summary(schedule, sim, source)
+    if args.plot:
+        from karma.plot import plot_schedule
+
+        plot_schedule(schedule, sim, args.plot)
+        info["plot"] = args.plot
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(render(info))
+        if args.plot:
+            print(f"\nwrote {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("karma-inspect", _inspect, _parser(), argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

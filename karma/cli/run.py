@@ -1,0 +1,97 @@
+"""karma-run: train the model a schedule was planned for, by replaying the schedule.
+
+    karma-run schedule.yaml --steps 100 --checkpoint-dir ckpt --report report.json
+    karma-run schedule.yaml --steps 100 --checkpoint-dir ckpt --resume
+
+Each step prints a progress line with the measured step time and peak memory beside the
+schedule's predictions; --report writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+from karma.cli.common import positive_int, run_cli
+from karma.errors import KarmaError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="karma-run", description="Train by replaying a schedule.")
+    p.add_argument("schedule", help="a schedule written by karma-plan -o")
+    p.add_argument("--steps", type=positive_int, default=10, help="train until this step")
+    p.add_argument("--seed", type=int, default=None, help="default: the schedule's seed")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="write DIR/step_N/ checkpoints (the final step always)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="also write a checkpoint every N steps")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir")
+    p.add_argument("--report", type=Path, default=None, help="write a JSON report here")
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    from karma.runtime.train import RunOptions, open_model_file, train
+    from karma.schedule import load_schedule
+    from karma.units import format_bytes, format_seconds
+
+    if args.resume and args.checkpoint_dir is None:
+        raise KarmaError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+    if args.checkpoint_every < 0:
+        raise KarmaError(f"--checkpoint-every {args.checkpoint_every} must be 0 or more")
+    for path in filter(None, (args.checkpoint_dir, args.report and args.report.parent)):
+        _check_writable(Path(path))
+    schedule_path = Path(args.schedule)
+    schedule = load_schedule(schedule_path)
+    mf = open_model_file(schedule, schedule_path)
+    try:
+        report = train(schedule, mf, RunOptions(
+            steps=args.steps, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every, resume=args.resume,
+            log=lambda line: print(line, flush=True)))
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        raise KarmaError(
+            f"ran out of memory while training: {str(e).splitlines()[0][:200]}; the process's "
+            "memory limit is below what the schedule needs (its budget plus about 0.3 GiB for "
+            "Python and PyTorch): re-plan with a smaller --gpu-mem, or raise the limit") from e
+    if report.step_s:
+        median = statistics.median(report.step_s)
+        print(f"done: {len(report.steps)} steps; median step {format_seconds(median)} against "
+              f"{format_seconds(report.predicted_step_s)} predicted; peak "
+              f"{format_bytes(report.peak_device_bytes)} against "
+              f"{format_bytes(report.predicted_peak_device_bytes)} predicted (budget "
+              f"{format_bytes(report.capacity_bytes)})")
+    if args.report:
+        tmp = args.report.with_name(f".{args.report.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(report.to_json(), indent=2))
+        os.replace(tmp, args.report)
+    return 0
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, MemoryError) or "can't allocate memory" in text \
+        or "out of memory" in text.lower()
+
+
+def _check_writable(path: Path) -> None:
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise KarmaError(f"{path} is not writable; choose a directory you can write to")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("karma-run", _run, _parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""A schedule as a picture: device memory over one iteration above a per-stream Gantt chart.
+
+    karma-inspect schedule.yaml --plot schedule.png
+
+matplotlib is optional (`pip install 'karma[plot]'`); it is imported only when plotting.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from karma.errors import KarmaError
+from karma.schedule import OP_KINDS, STREAMS, Schedule
+from karma.units import format_bytes, format_seconds
+
+if TYPE_CHECKING:
+    from karma.planner.simulate import SimResult
+
+# One color per op kind: compute work in blues, oranges and purples, copies in greens and
+# cyans, host and network work in pinks and grays. Fixed, so plots compare at a glance.
+KIND_COLORS = {
+    "forward": "#1f77b4",
+    "loss": "#d62728",
+    "recompute": "#9467bd",
+    "backward": "#ff7f0e",
+    "device_step": "#8c564b",
+    "swap_out": "#2ca02c",
+    "swap_in": "#98df8a",
+    "fetch": "#17becf",
+    "grads_to_host": "#bcbd22",
+    "allreduce": "#7f7f7f",
+    "host_step": "#e377c2",
+    "upload": "#9edae5",
+}
+assert set(KIND_COLORS) == set(OP_KINDS)
+
+_TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
+_BYTE_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1))
+_CAPACITY_OFF_SCALE = 4.0  # capacity above this many times the peak is named, not drawn
+_FIG_WIDTH_IN, _DPI = 13.0, 110
+
+
+def plot_schedule(schedule: Schedule, sim: SimResult, path: str | os.PathLike) -> None:
+    """Draw `schedule` as simulated in `sim` and write it as a PNG to `path`, atomically."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise KarmaError("--plot needs matplotlib: pip install 'karma[plot]'") from None
+
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise KarmaError(f"cannot write the plot to '{path}': directory '{path.parent}' does "
+                         "not exist; create it or give another path")
+
+    end_s = max(sim.iteration_s, 1e-30)
+    t_unit, t_scale = next((u, k) for u, k in _TIME_UNITS if end_s >= k or u == "ns")
+    fig = Figure(figsize=(_FIG_WIDTH_IN, 7.5), dpi=_DPI, layout="constrained")
+    ax_mem, ax_ops = fig.subplots(2, 1, sharex=True, height_ratios=(1.0, 1.15))
+
+    _memory_panel(ax_mem, schedule, sim, end_s, t_scale, Line2D)
+    kinds = _gantt_panel(ax_ops, schedule, sim, end_s, t_scale)
+
+    ax_ops.set_xlim(0, end_s / t_scale * 1.01)
+    ax_ops.set_xlabel(f"time in one iteration ({t_unit})")
+    handles = [Patch(facecolor=KIND_COLORS[k], edgecolor="white", label=k.replace("_", " "))
+               for k in OP_KINDS if k in kinds]
+    ax_ops.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22),
+                  ncol=min(len(handles), 6), frameon=False, fontsize=9,
+                  title="ops (bars labelled with their block)", title_fontsize=9)
+
+    c, p = schedule.config, schedule.predicted
+    ranks = f"{c.world_size} rank" + ("s" if c.world_size > 1 else "")
+    fig.suptitle(
+        f"{schedule.model.path}: {schedule.strategy} ({schedule.status}), batch {c.batch_size}, "
+        f"{c.dtype}, {ranks} — iteration {format_seconds(p.iteration_s)} "
+        f"(lower bound {format_seconds(p.lower_bound_s)}), peak "
+        f"{format_bytes(p.peak_device_bytes)} of {format_bytes(c.capacity_bytes)}",
+        fontsize=11)
+    _save_atomically(fig, path)
+
+
+def _memory_panel(ax, schedule: Schedule, sim: SimResult, end_s: float, t_scale: float,
+                  Line2D) -> None:
+    """(a) allocated device memory over the iteration, the predicted peak and the capacity."""
+    capacity, peak = schedule.config.capacity_bytes, schedule.predicted.peak_device_bytes
+    capacity_drawn = capacity <= _CAPACITY_OFF_SCALE * max(peak, 1)
+    top = max(peak, capacity if capacity_drawn else 0, 1)
+    b_unit, b_scale = next((u, k) for u, k in _BYTE_UNITS if top >= k or u == "B")
+
+    points = list(sim.timeline) or [(0.0, 0)]
+    if points[0][0] > 0:
+        points.insert(0, (0.0, 0))
+    points.append((end_s, points[-1][1]))
+    ts = [t / t_scale for t, _ in points]
+    ys = [b / b_scale for _, b in points]
+    ax.fill_between(ts, ys, step="post", color="#1f77b4", alpha=0.18, linewidth=0)
+    ax.step(ts, ys, where="post", color="#1f77b4", linewidth=1.6, label="allocated (simulated)")
+
+    ax.axhline(peak / b_scale, color="#ff7f0e", linestyle=":", linewidth=1.4,
+               label=f"predicted peak {format_bytes(peak)}")
+    peak_at = next((t for t, b in points if b == sim.peak_device_bytes), None)
+    if peak_at is not None:
+        ax.plot([peak_at / t_scale], [sim.peak_device_bytes / b_scale], "o", color="#ff7f0e",
+                markersize=5)
+    if capacity_drawn:
+        ax.axhline(capacity / b_scale, color="#d62728", linestyle="--", linewidth=1.4,
+                   label=f"capacity {format_bytes(capacity)}")
+    else:
+        ax.add_line(Line2D([], [], color="#d62728", linestyle="--",
+                           label=f"capacity {format_bytes(capacity)} (off scale)"))
+    ax.set_ylim(0, top / b_scale * 1.12)
+    ax.set_ylabel(f"device memory ({b_unit})")
+    ax.set_title("(a) device memory", loc="left", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=9, frameon=False,
+              borderaxespad=0.2)
+
+
+def _gantt_panel(ax, schedule: Schedule, sim: SimResult, end_s: float,
+                 t_scale: float) -> set[str]:
+    """(b) one row per stream, a bar per op from its simulated start to its end."""
+    rows = {stream: k for k, stream in enumerate(STREAMS)}
+    # Bars narrower than a label are left unlabelled: width in points of the axes, roughly.
+    axes_points = _FIG_WIDTH_IN * 72 * 0.86
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    for op in schedule.ops:
+        start, stop = sim.start_s[op.id], sim.end_s[op.id]
+        y = rows[op.stream]
+        bars[(y, op.kind)].append((start / t_scale, (stop - start) / t_scale))
+        label = str(op.block)
+        if (stop - start) / end_s * axes_points > 6.5 * len(label) + 4:
+            ax.text((start + stop) / 2 / t_scale, y, label, ha="center", va="center",
+                    fontsize=8, color="black")
+    for (y, kind), spans in bars.items():
+        ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=KIND_COLORS[kind],
+                       edgecolors="white", linewidth=0.6)
+    busy = dict(schedule.predicted.busy_s)
+    ax.set_yticks(range(len(STREAMS)))
+    ax.set_yticklabels([f"{s}\n{format_seconds(busy.get(s, 0.0))} busy" for s in STREAMS],
+                       fontsize=9)
+    ax.set_ylim(len(STREAMS) - 0.5, -0.5)  # compute on top
+    ax.set_title("(b) streams", loc="left", fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    return {kind for _, kind in bars}
+
+
+def _save_atomically(fig, path: Path) -> None:
+    """Write to a temporary file beside `path`, then rename: readers never see half a PNG."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=_DPI)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise KarmaError(f"cannot write the plot to '{path}': {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,138 @@
+"""Atomic checkpoints: DIR/step_N/{model.pt, optimizer.pt, meta.json}.
+
+A checkpoint is written into a hidden temporary directory, each file to a temporary name that
+is renamed when complete, and the directory is renamed to step_N last: a run killed at any
+moment leaves either a complete checkpoint or none. model.pt is a state_dict with exactly the
+keys of build_model().state_dict() (it loads into a fresh model, with weights_only=True);
+optimizer.pt holds each block's optimizer state and the RNG state; meta.json says what the
+checkpoint is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from karma.errors import KarmaError
+
+FORMAT = "karma-checkpoint-1"
+FILES = ("model.pt", "optimizer.pt", "meta.json")
+
+
+def model_state(model: torch.nn.Module, engine) -> dict[str, torch.Tensor]:
+    """The model's state_dict with each parameter's up-to-date value (host masters included)."""
+    current: dict[str, torch.Tensor] = {}
+    for w in engine.weights:
+        current.update(w.current())
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    state = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.nn.Parameter):
+            value = current[canonical[id(value)]]
+        state[name] = value.detach().clone()
+    return state
+
+
+def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: int) -> Path:
+    from karma.schedule import schedule_sha256
+
+    directory = Path(directory)
+    final = directory / f"step_{step}"
+    tmp = directory / f".step_{step}.tmp{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        _save(tmp / "model.pt", model_state(model, engine))
+        _save(tmp / "optimizer.pt", {
+            "format": FORMAT,
+            "blocks": [w.optimizer.state_dict() if w.optimizer is not None else None
+                       for w in engine.weights],
+            "rng_state": torch.get_rng_state(),
+        })
+        meta = {"format": FORMAT, "step": step, "seed": seed,
+                "schedule_sha256": schedule_sha256(schedule),
+                "model_sha256": schedule.model.sha256, "complete": True}
+        _write(tmp / "meta.json", json.dumps(meta, indent=2).encode())
+        if final.exists():  # a rerun of the same step replaces it
+            old = directory / f".step_{step}.old{os.getpid()}"
+            os.replace(final, old)
+            shutil.rmtree(old)
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise KarmaError(f"cannot write checkpoint {final}: {e.strerror or e}; choose a "
+                         "writable --checkpoint-dir with free space") from e
+    return final
+
+
+def latest_checkpoint(directory: Path | None) -> Path | None:
+    """The newest complete checkpoint in `directory`, or None."""
+    if directory is None or not Path(directory).is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for d in Path(directory).glob("step_*"):
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if meta.get("complete") and all((d / f).is_file() for f in FILES):
+            if best is None or meta["step"] > best[0]:
+                best = (int(meta["step"]), d)
+    return best[1] if best else None
+
+
+def load_checkpoint(path: Path, model, engine) -> int:
+    """Restore model, optimizers and RNG from `path`; return its step."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        values = torch.load(path / "model.pt", weights_only=True)
+        opt = torch.load(path / "optimizer.pt", weights_only=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise KarmaError(f"cannot read checkpoint {path}: {e}; delete it to resume from the "
+                         "one before") from e
+    if opt.get("format") != FORMAT or len(opt["blocks"]) != len(engine.weights):
+        raise KarmaError(f"checkpoint {path} was written for another schedule; resume with "
+                         "the schedule that wrote it")
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(values[name])
+    for w, state in zip(engine.weights, opt["blocks"]):
+        w.load(values)
+        if w.optimizer is not None and state is not None:
+            w.optimizer.load_state_dict(state)
+            w.reset_state_placement()
+    torch.set_rng_state(opt["rng_state"])
+    return int(meta["step"])
+
+
+def _save(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

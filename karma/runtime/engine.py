@@ -1,0 +1,284 @@
+"""The engine: replays a schedule's operations around the model's own forward and backward.
+
+Compute runs where it always does: `model(x)`, `loss_fn`, `loss.backward()` on the calling
+thread. The engine learns where that execution is from hooks (a forward pre-hook on each
+block's modules, a gradient hook on each block's input) and at each such point
+
+1. checks that it is the compute operation the schedule expects next (else DivergedError),
+2. marks the previous compute operation done, which releases what the schedule frees there,
+3. issues every copy and host operation of the stages reached so far to its stream, and
+4. waits for the operation's dependencies (the stage barrier: swap-ins and fetches it needs).
+
+Copy streams and the host optimizer are `StreamWorker`s; each of their operations waits for
+its own dependencies. Recompute blocks run under non-reentrant checkpointing, swap blocks
+under their `SwapStore`'s saved-tensors hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from karma.runtime.host import HostPool
+from karma.runtime.streams import StreamWorker, wait_for
+from karma.runtime.swap import DivergedError, SwapStore
+from karma.runtime.weights import BlockWeights, SharedStorage
+from karma.schedule import Schedule
+
+_WEIGHT_BUFFER = re.compile(r"w\.(\d+)@([fb])(\d*)$")
+
+
+class Engine:
+    """Hooks a model so that each training iteration follows `schedule`."""
+
+    def __init__(self, schedule: Schedule, model: torch.nn.Module, make_optimizer,
+                 pool: HostPool, device: torch.device):
+        self.schedule = schedule
+        self.model = model
+        self.device = device
+        self.pool = pool
+        self.blocks = schedule.blocks
+        if schedule.config.world_size > 1:
+            raise NotImplementedError("data parallelism (--world-size > 1) is not built yet")
+        named = dict(model.named_parameters(remove_duplicate=False))
+        self.param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.shared = SharedStorage()
+        self.weights = [
+            BlockWeights(b.name, [(n, named[n]) for n in b.params], b.weights, b.optim,
+                         make_optimizer, pool, self.shared)
+            for b in self.blocks
+        ]
+        self.swaps = {b.index: SwapStore(b.name, pool, self.param_storages)
+                      for b in self.blocks if b.act == "swap"}
+        self._named = named
+
+        ops = schedule.ops
+        self.compute_ops = [op for op in ops if op.stream == "compute"]
+        self.side_ops = [op for op in ops if op.stream != "compute"]
+        self.releases: dict[int, list[list[torch.nn.Parameter]]] = defaultdict(list)
+        for buf in schedule.buffers:
+            if buf.free is not None and (m := _WEIGHT_BUFFER.match(buf.name)):
+                self.releases[buf.free].append(self._fetch_params(buf.name))
+        self._events: dict[int, threading.Event] = {}
+        self._errors: list = []
+        self.streams = {name: StreamWorker(name, self._events, self._errors)
+                        for name in ("h2d", "d2h", "host")}
+        self._handles: list = []
+        self._restore: list = []
+        self._install_hooks()
+        self._active = False
+
+    # --- one iteration -------------------------------------------------------------------
+
+    def begin_iteration(self) -> None:
+        self._events.clear()
+        for op in self.schedule.ops:
+            self._events[op.id] = threading.Event()
+        self._cursor = 0
+        self._issued = 0  # side ops issued so far (they are issued in list order)
+        self._last_compute: int | None = None
+        self._calls: dict[int, int] = defaultdict(int)
+        self._current_block: int | None = None
+        self._hooks_ctx = None
+        self._active = True
+        self._issue_through(0)  # the prologue's fetches
+
+    def before_loss(self) -> None:
+        self._leave_block()
+        self._arrive("loss", len(self.blocks) - 1)
+
+    def end_iteration(self) -> None:
+        self._arrive("end", -1)
+        wait_for(self._events, [op.id for op in self.schedule.ops], self._errors)
+        for store in self.swaps.values():
+            store.reset()
+        self._active = False
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for module, forward in self._restore:
+            module.forward = forward
+        for s in self.streams.values():
+            s.close()
+
+    # --- hooks -----------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        by_module: dict[str, list[int]] = defaultdict(list)
+        for b in self.blocks:
+            for m in b.modules:
+                by_module[m].append(b.index)
+        modules = dict(self.model.named_modules())
+        for name, blocks in by_module.items():
+            module = modules[name]
+            self._handles.append(module.register_forward_pre_hook(
+                partial(self._on_module, name, blocks)))
+            # [Note: recomputing blocks of several modules] a head or tail block is not one
+            # call: its modules that own parameters are checkpointed one by one, and the
+            # parameter-free ones between them (activations, pooling, often in place) run
+            # as they are, since checkpointing an in-place op's input breaks autograd.
+            single = all(len(self.blocks[i].modules) == 1 for i in blocks)
+            if any(self.blocks[i].act == "recompute" for i in blocks) and (
+                    single or any(True for _ in module.parameters())):
+                self._wrap_recompute(module)
+        self._handles.append(self.model.register_forward_hook(self._on_model_output))
+
+    def _on_module(self, name: str, blocks: list[int], module, args) -> None:
+        if not self._active:
+            return
+        call = self._calls[id(module)]
+        self._calls[id(module)] += 1
+        i = blocks[min(call, len(blocks) - 1)]  # a module called several times: one block a call
+        if i == self._current_block:
+            return  # another module of the block that is running
+        self._leave_block()
+        if i > 0:
+            first = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad),
+                         None)
+            if first is not None:  # its gradient is ready when block i's backward ends
+                first.register_hook(partial(self._on_grad, i - 1))
+        self._arrive("forward", i)
+        self._current_block = i
+        if i in self.swaps:
+            self._hooks_ctx = self.swaps[i].hooks()
+            self._hooks_ctx.__enter__()
+
+    def _on_model_output(self, module, args, output) -> None:
+        if not self._active:
+            return
+        out = output if isinstance(output, torch.Tensor) else next(
+            (t for t in output if isinstance(t, torch.Tensor)), None)
+        if out is not None and out.requires_grad:
+            out.register_hook(partial(self._on_grad, len(self.blocks) - 1))
+
+    def _on_grad(self, block: int, grad):
+        self._arrive("backward", block)
+        return None
+
+    def _leave_block(self) -> None:
+        if self._hooks_ctx is not None:
+            self._hooks_ctx.__exit__(None, None, None)
+            self._hooks_ctx = None
+        self._current_block = None
+
+    def _wrap_recompute(self, module: torch.nn.Module) -> None:
+        forward = module.forward
+        buffers = list(module.buffers())
+
+        def context_fn():
+            return contextlib.nullcontext(), _restore_buffers(buffers)
+
+        def checkpointed(*args, **kwargs):
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn,
+                              **kwargs)
+
+        self._restore.append((module, forward))
+        module.forward = checkpointed
+
+    # --- the schedule's cursor -------------------------------------------------------------
+
+    def _arrive(self, kind: str, block: int) -> None:
+        """Execution reached compute op (kind, block): run everything the schedule puts first."""
+        while True:
+            if self._cursor >= len(self.compute_ops):
+                if kind == "end":
+                    break
+                raise DivergedError(f"{kind} of block {block} ran after the schedule's last "
+                                    "compute operation")
+            op = self.compute_ops[self._cursor]
+            if op.kind == "device_step":
+                self._start(op)
+                self.weights[op.block].device_step()
+                continue
+            if op.kind == "recompute" and kind == "backward" and op.block == block:
+                self._start(op)  # runs inside the backward, when it unpacks
+                continue
+            if kind == "end" and op.kind in ("backward", "recompute"):
+                self._start(op)  # a block whose input needs no gradient: no hook fires
+                continue
+            if (op.kind, op.block) == (kind, block):
+                self._start(op)
+                return
+            name = self.blocks[block].name if block >= 0 else "-"
+            raise DivergedError(
+                f"execution diverged from the schedule: expected {op.kind} of block {op.block} "
+                f"({self.blocks[op.block].name}), but {kind} of block {block} ({name}) ran")
+        self._finish_previous()
+        self._issue_through(float("inf"))
+
+    def _start(self, op) -> None:
+        self._finish_previous()
+        self._issue_through(op.stage)
+        wait_for(self._events, op.deps, self._errors)
+        self._cursor += 1
+        self._last_compute = op.id
+
+    def _finish_previous(self) -> None:
+        if self._last_compute is None:
+            return
+        done = self._last_compute
+        self._last_compute = None
+        for params in self.releases.get(done, ()):
+            self.shared.release(params)
+        self._events[done].set()
+
+    def _issue_through(self, stage: float) -> None:
+        """Hand every side op of stages <= stage to its stream."""
+        while self._issued < len(self.side_ops) and self.side_ops[self._issued].stage <= stage:
+            op = self.side_ops[self._issued]
+            self._issued += 1
+            run = self._action(op)
+            releases = self.releases.get(op.id, ())
+
+            def run_and_release(run=run, releases=releases):
+                run()
+                for params in releases:
+                    self.shared.release(params)
+
+            stream = "h2d" if op.stream == "h2d" else "d2h" if op.stream == "d2h" else "host"
+            self.streams[stream].submit(op.id, run_and_release, op.deps)
+
+    def _action(self, op):
+        w = self.weights[op.block]
+        if op.kind == "fetch":
+            return partial(self.shared.fetch, self._fetch_params(op.uses[0]))
+        if op.kind == "swap_out":
+            return self.swaps[op.block].swap_out
+        if op.kind == "swap_in":
+            return partial(self.swaps[op.block].swap_in, self.device)
+        if op.kind == "grads_to_host":
+            return w.grads_to_host
+        if op.kind == "host_step":
+            return w.host_step
+        if op.kind == "upload":
+            return w.upload
+        raise DivergedError(f"operation {op.id} ({op.kind}) is not supported by this runtime")
+
+    def _fetch_params(self, buffer: str) -> list[torch.nn.Parameter]:
+        """The parameters behind weight buffer `w.OWNER@fUSER` / `w.OWNER@bUSER`."""
+        m = _WEIGHT_BUFFER.match(buffer)
+        if m is None:
+            raise DivergedError(f"fetch of unknown buffer {buffer!r}")
+        owner, user = int(m[1]), int(m[3]) if m[3] else int(m[1])
+        names = self.blocks[owner].params if user == owner else [
+            n for n in self.blocks[user].shared_params if n in set(self.blocks[owner].params)]
+        return [self._named[n] for n in names]
+
+
+@contextlib.contextmanager
+def _restore_buffers(buffers: list[torch.Tensor]):
+    """Recomputing a forward must not update running statistics a second time."""
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved):
+                b.copy_(s)

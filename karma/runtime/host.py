@@ -1,0 +1,124 @@
+"""The host tier: where swapped activations, host master weights, host gradients and host
+optimizer state live.
+
+On the CPU backend the tier is file-backed (`torch.from_file(..., shared=True)` in a temporary
+directory): shared file mappings do not count against the process's private memory, so a
+hard cap on private memory (`prlimit --data`) caps only what the schedule calls device memory.
+On CUDA the tier is pinned host memory. Either way it is a pool carved out of a few large
+arenas sized from the schedule, so that nothing is allocated per tensor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+ALIGN = 64  # bytes
+
+
+class HostPool:
+    """A first-fit allocator over large host arenas (file-backed or pinned)."""
+
+    def __init__(self, initial_bytes: int, kind: str = "file", directory: str | None = None):
+        if kind not in ("file", "pinned", "plain"):
+            raise ValueError(f"host pool kind {kind!r}")
+        self.kind = kind
+        self._dir = tempfile.TemporaryDirectory(prefix="karma-tier-", dir=directory) \
+            if kind == "file" else None
+        self._arenas: list[torch.Tensor] = []
+        self._free: list[list[tuple[int, int]]] = []  # per arena: sorted (offset, size)
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self._grow(max(initial_bytes, 1 << 20))
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(a.numel() for a in self._arenas)
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor of `shape` and `dtype` (uninitialised)."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        arena, offset = self._alloc(max(nbytes, 1))
+        raw = self._arenas[arena][offset:offset + nbytes]
+        t = raw.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        t._karma_slot = (arena, offset, _aligned(max(nbytes, 1)))  # noqa: SLF001
+        return t
+
+    def copy_of(self, t: torch.Tensor) -> torch.Tensor:
+        out = self.empty(t.shape, t.dtype)
+        out.copy_(t)
+        return out
+
+    def free(self, t: torch.Tensor) -> None:
+        arena, offset, size = t._karma_slot  # noqa: SLF001
+        del t._karma_slot  # noqa: SLF001
+        self.used_bytes -= size
+        free = self._free[arena]
+        pos = bisect.bisect(free, (offset, size))
+        free.insert(pos, (offset, size))
+        # merge with neighbours
+        if pos + 1 < len(free) and free[pos][0] + free[pos][1] == free[pos + 1][0]:
+            free[pos] = (offset, free[pos][1] + free[pos + 1][1])
+            del free[pos + 1]
+        if pos > 0 and free[pos - 1][0] + free[pos - 1][1] == free[pos][0]:
+            free[pos - 1] = (free[pos - 1][0], free[pos - 1][1] + free[pos][1])
+            del free[pos]
+
+    def close(self) -> None:
+        self._arenas.clear()
+        self._free.clear()
+        if self._dir is not None:
+            self._dir.cleanup()
+
+    def _alloc(self, nbytes: int) -> tuple[int, int]:
+        size = _aligned(nbytes)
+        for arena, free in enumerate(self._free):
+            for k, (offset, room) in enumerate(free):
+                if room >= size:
+                    if room == size:
+                        del free[k]
+                    else:
+                        free[k] = (offset + size, room - size)
+                    self.used_bytes += size
+                    self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+                    return arena, offset
+        self._grow(max(size, self.capacity_bytes // 2))
+        return self._alloc(nbytes)
+
+    def _grow(self, nbytes: int) -> None:
+        nbytes = _aligned(nbytes)
+        if self.kind == "file":
+            path = Path(self._dir.name) / f"arena{len(self._arenas)}.bin"
+            with open(path, "wb") as f:  # a sparse file: disk is used only where written
+                f.truncate(nbytes)
+            arena = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+            os.unlink(path)  # the mapping stays; the name goes, so nothing is left behind
+        elif self.kind == "pinned":
+            arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            arena = torch.empty(nbytes, dtype=torch.uint8)
+        self._arenas.append(arena)
+        self._free.append([(0, nbytes)])
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def private_bytes() -> int:
+    """This process's private (anonymous) resident memory, from /proc/self/status."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

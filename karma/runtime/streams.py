@@ -1,0 +1,73 @@
+"""Streams that run the schedule's operations off the compute thread, in order.
+
+On the CPU backend a stream is a worker thread with a queue: it plays a CUDA copy stream, so
+swap-outs, prefetches and host optimizer steps really overlap with compute. Each operation
+waits for the completion events of its dependencies, runs, and sets its own event. An
+exception in a worker is kept and raised on the compute thread at its next wait.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class OpFailed(RuntimeError):
+    """An operation on a stream failed; the original error is its __cause__."""
+
+
+class Pending(NamedTuple):
+    """An operation queued on a stream: what to run once its dependencies are done."""
+
+    op_id: int
+    run: Callable[[], None]
+    deps: tuple[threading.Event, ...]
+
+
+class StreamWorker:
+    """One stream: runs its operations one after another on its own thread."""
+
+    def __init__(self, name: str, events: dict[int, threading.Event], errors: list):
+        self.name = name
+        self.busy_s = 0.0
+        self._events = events  # op id -> done event, shared by all streams
+        self._errors = errors  # shared: the first failure stops everything
+        self._queue: queue.Queue[Pending | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"karma-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, op_id: int, run: Callable[[], None], deps: tuple[int, ...]) -> None:
+        self._queue.put(Pending(op_id, run, tuple(self._events[d] for d in deps)))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            for dep in item.deps:
+                while not dep.wait(timeout=1.0):
+                    if self._errors:
+                        break
+            if not self._errors:
+                try:
+                    start = time.perf_counter()
+                    item.run()
+                    self.busy_s += time.perf_counter() - start
+                except BaseException as e:  # noqa: BLE001 - handed to the compute thread
+                    self._errors.append((self.name, item.op_id, e))
+            self._events[item.op_id].set()
+
+
+def wait_for(events: dict[int, threading.Event], deps, errors: list) -> None:
+    """Block the compute thread until `deps` are done; raise a stream's failure if any."""
+    for d in deps:
+        while not events[d].wait(timeout=1.0):
+            if errors:
+                break
+        if errors:
+            name, op_id, e = errors[0]
+            raise OpFailed(f"operation {op_id} on stream {name} failed: {e}") from e

@@ -1,0 +1,98 @@
+"""Swapped activations: one block's saved tensors, out to the host tier and back.
+
+While a swap block runs its forward, a saved-tensors hook packs every tensor autograd saves
+into a `Saved` entry instead of the tensor (parameters and views of parameters pass through:
+weights are not activations). The schedule's swap-out copies the entries to the host tier and
+drops the device tensors; its swap-in copies them back into fresh device tensors before the
+block's backward, which unpacks them.
+
+[Note: one entry per saved storage view] A tensor saved twice (by two ops of the block) is one
+entry with a reference count, so it is copied once each way and freed after its last unpack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from karma.runtime.host import HostPool
+
+
+class DivergedError(RuntimeError):
+    """Execution did not follow the schedule."""
+
+
+@dataclass(eq=False)
+class Saved:
+    """One saved tensor of a swap block, wherever it is now."""
+
+    device: torch.Tensor | None  # on the device: from pack to swap-out, swap-in to last unpack
+    host: torch.Tensor | None  # in the host tier: from swap-out to swap-in
+    refs: int  # unpacks still to come
+
+
+class SwapStore:
+    """The saved tensors of one swap block."""
+
+    def __init__(self, block: str, pool: HostPool, param_storages: set[int]):
+        self.block = block
+        self._pool = pool
+        self._param_storages = param_storages  # _cdata of every parameter's storage
+        self._entries: list[Saved] = []
+        self._by_view: dict[tuple, Saved] = {}
+        self.bytes_out = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor):
+        if t.untyped_storage()._cdata in self._param_storages:
+            return t  # a parameter or a view of one: stays where the weights are
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+               tuple(t.stride()), t.dtype)
+        entry = self._by_view.get(key)
+        if entry is None:
+            entry = Saved(device=t, host=None, refs=0)
+            self._by_view[key] = entry
+            self._entries.append(entry)
+        entry.refs += 1
+        return entry
+
+    def unpack(self, entry):
+        if isinstance(entry, torch.Tensor):
+            return entry
+        t = entry.device
+        if t is None:
+            raise DivergedError(f"block {self.block}: a swapped activation was needed before "
+                                "its swap-in; execution diverged from the schedule")
+        entry.refs -= 1
+        if entry.refs == 0:
+            entry.device = None
+        return t
+
+    def swap_out(self) -> None:
+        """Copy every saved tensor to the host tier and drop it from the device."""
+        self._by_view.clear()  # storages may be reused once dropped
+        for e in self._entries:
+            e.host = self._pool.empty(e.device.shape, e.device.dtype)
+            e.host.copy_(e.device)
+            self.bytes_out += e.host.numel() * e.host.element_size()
+            e.device = None
+
+    def swap_in(self, device: torch.device) -> None:
+        """Copy them back into fresh device tensors, ready for the block's backward."""
+        for e in self._entries:
+            e.device = torch.empty(e.host.shape, dtype=e.host.dtype, device=device)
+            e.device.copy_(e.host)
+            self._pool.free(e.host)
+            e.host = None
+
+    def reset(self) -> None:
+        """End of the iteration: forget every entry (all have been unpacked)."""
+        for e in self._entries:
+            if e.host is not None:
+                self._pool.free(e.host)
+        self._entries.clear()
+        self._by_view.clear()
+        self.bytes_out = 0

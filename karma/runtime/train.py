@@ -1,0 +1,187 @@
+"""The training loop: rebuild the model from the schedule's model file and replay the schedule.
+
+Initialisation follows the reference order exactly, so that runs are reproducible and equal
+to plain PyTorch: torch.manual_seed(seed), build_model() on the CPU, the optimizer, then the
+data; nothing else draws from the global RNG before training starts.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from karma.errors import KarmaError
+from karma.modelfile import ModelFile, load_model_file
+from karma.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from karma.runtime.engine import Engine
+from karma.runtime.host import HostPool, private_bytes
+from karma.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    steps: int = 10
+    seed: int | None = None  # default: the schedule's
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0  # 0: only the final step
+    resume: bool = False
+    log: Callable[[str], None] = field(default=print)
+
+
+@dataclass(frozen=True)
+class RunReport:
+    steps: list[int]
+    losses: list[float]
+    step_s: list[float]
+    peak_device_bytes: int
+    predicted_step_s: float
+    predicted_peak_device_bytes: int
+    capacity_bytes: int
+    host_tier_peak_bytes: int
+    batch_size: int
+
+    def to_json(self) -> dict:
+        return {
+            "steps": self.steps,
+            "losses": self.losses,
+            "step_s": self.step_s,
+            "step_s_median": statistics.median(self.step_s) if self.step_s else None,
+            "predicted_step_s": self.predicted_step_s,
+            "peak_device_bytes": self.peak_device_bytes,
+            "predicted_peak_device_bytes": self.predicted_peak_device_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "host_tier_peak_bytes": self.host_tier_peak_bytes,
+            "batch_size": self.batch_size,
+        }
+
+
+def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile:
+    """The schedule's model file, with its environment, checked against its fingerprint."""
+    for key, value in schedule.model.env:
+        os.environ[key] = value
+    path = Path(schedule.model.path)
+    if not path.is_absolute() and not path.exists() and schedule_path is not None:
+        beside = schedule_path.resolve().parent / path
+        path = beside if beside.exists() else path
+    mf = load_model_file(path)
+    if mf.sha256 != schedule.model.sha256:
+        raise KarmaError(
+            f"model file {path} has changed since the schedule was planned (fingerprint "
+            f"{mf.sha256[:12]}, schedule has {schedule.model.sha256[:12]}); re-plan it with "
+            f"karma-plan {schedule.model.path} ... -o SCHEDULE.yaml")
+    return mf
+
+
+def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
+    if dict(schedule.hardware).get("device_kind") == "cuda":
+        raise KarmaError("the CUDA backend is not built yet; plan with --hardware cpu to train "
+                         "on the CPU backend")
+    device = torch.device("cpu")
+    seed = schedule.config.seed if options.seed is None else options.seed
+    baseline = private_bytes()
+
+    torch.manual_seed(seed)
+    model = mf.build_model()
+    model.train()
+    pool = HostPool(int(schedule.predicted.host_bytes * 1.1) + (64 << 20), kind="file")
+    engine = Engine(schedule, model, mf.make_optimizer, pool, device)
+    data = mf.batches(schedule.config.batch_size, 0, schedule.config.world_size)
+
+    start_step = 0
+    if options.resume:
+        found = latest_checkpoint(options.checkpoint_dir) if options.checkpoint_dir else None
+        if found is None:
+            options.log("resume: no complete checkpoint found; starting from step 0")
+        else:
+            start_step = load_checkpoint(found, model, engine)
+            for _ in range(start_step):  # the data stream continues where it stopped
+                next(data)
+            options.log(f"resumed from {found} (step {start_step})")
+
+    sampler = _PeakSampler(baseline)
+    steps: list[int] = []
+    losses: list[float] = []
+    times: list[float] = []
+    predicted = schedule.predicted
+    try:
+        for step in range(start_step + 1, options.steps + 1):
+            inputs, targets = next(data)
+            inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+            sampler.start()
+            t0 = time.perf_counter()
+            engine.begin_iteration()
+            output = model(*inputs)
+            engine.before_loss()
+            loss = mf.loss_fn(output, targets)
+            del output
+            loss.backward()
+            engine.end_iteration()
+            elapsed = time.perf_counter() - t0
+            peak = sampler.stop()
+            steps.append(step)
+            losses.append(loss.item())
+            times.append(elapsed)
+            options.log(_progress(step, options.steps, losses[-1], elapsed,
+                                  schedule.config.batch_size, peak, predicted.peak_device_bytes,
+                                  predicted.iteration_s))
+            final = step == options.steps
+            every = options.checkpoint_every
+            if options.checkpoint_dir is not None and (final or (every and step % every == 0)):
+                path = save_checkpoint(options.checkpoint_dir, step, model, engine,
+                                       schedule, seed)
+                options.log(f"checkpoint {path}")
+    finally:
+        engine.close()
+        pool_peak = pool.peak_bytes
+        pool.close()
+    return RunReport(
+        steps=steps, losses=losses, step_s=times, peak_device_bytes=sampler.peak,
+        predicted_step_s=predicted.iteration_s,
+        predicted_peak_device_bytes=predicted.peak_device_bytes,
+        capacity_bytes=schedule.config.capacity_bytes, host_tier_peak_bytes=pool_peak,
+        batch_size=schedule.config.batch_size,
+    )
+
+
+class _PeakSampler:
+    """Peak private memory above a baseline, sampled every millisecond on a thread."""
+
+    def __init__(self, baseline: int):
+        self.baseline = baseline
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, private_bytes() - self.baseline)
+        return self.peak
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, private_bytes() - self.baseline)
+
+
+def _progress(step: int, total: int, loss: float, step_s: float, batch: int, peak: int,
+              predicted_peak: int, predicted_s: float) -> str:
+    from karma.units import format_bytes, format_seconds
+
+    return (f"step {step}/{total}  loss {loss:.4f}  {format_seconds(step_s)}/step "
+            f"(predicted {format_seconds(predicted_s)})  {batch / step_s:.1f} samples/s  "
+            f"peak {format_bytes(peak)} (predicted {format_bytes(predicted_peak)})")
+
+

@@ -1,0 +1,637 @@
+"""The schedule: the one contract between the planner and the runtime.
+
+A schedule is the ordered list of operations one training iteration replays, each on a
+stream, with its dependencies, plus the buffers those operations fill and free, each block's
+decisions, the predicted figures, the hardware profile, the training configuration and the
+fingerprints of the model file and of its IR. It is written as YAML (`dump_schedule`) and read
+back with validation (`load_schedule`). Both the planner and the runtime import this module;
+it imports neither.
+
+Streams: `compute` (forward, backward, recompute, loss, device optimizer step), `h2d`
+(host-to-device copies: swap-in, weight fetch, weight upload), `d2h` (device-to-host copies:
+swap-out, gradients to the host), `net` (all-reduce), `host` (host optimizer step).
+
+Stages: the iteration is cut into stages (a prologue, one per block's forward, one per
+block's backward, an epilogue and an update stage). An operation on `compute`, `h2d`, `d2h` or
+`net` starts only when every operation of the earlier stages on those streams has finished;
+within a stage each stream runs its operations back to back. `host` operations and the
+weight uploads of the update stage follow their own dependencies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from decimal import Decimal
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from karma.errors import KarmaError
+from karma.units import format_bytes, format_number, format_seconds
+
+SCHEDULE_VERSION = 1
+
+STREAMS = ("compute", "h2d", "d2h", "net", "host")
+BARRIER_STREAMS = ("compute", "h2d", "d2h", "net")
+
+OP_KINDS = (
+    "forward",  # run a block's forward (saving, swapping or dropping its activations)
+    "loss",  # loss_fn(output, targets), then the start of backward
+    "recompute",  # run a block's forward again to rebuild its activations
+    "backward",  # a block's backward
+    "swap_out",  # copy a block's saved activations to the host; frees them on the device
+    "swap_in",  # copy them back before the block's backward
+    "fetch",  # copy a block's weights from the host into device buffers
+    "grads_to_host",  # copy a block's gradients to the host; frees them on the device
+    "allreduce",  # average a block's gradients over ranks
+    "device_step",  # optimizer step of a block's parameters on the device
+    "host_step",  # optimizer step of a block's parameters on the host
+    "upload",  # copy a block's updated weights back to their device buffers
+)
+
+ACT_CHOICES = ("keep", "swap", "recompute")
+WEIGHT_CHOICES = ("resident", "streamed")
+OPTIM_CHOICES = ("device", "host")
+DTYPES = ("fp32", "bf16")
+STATUSES = ("optimal", "time-limit", "heuristic", "fallback")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of the iteration."""
+
+    id: int  # index in the schedule's op list (the list is in issue order)
+    kind: str  # one of OP_KINDS
+    block: int  # the block it acts for
+    stage: int
+    stream: str  # one of STREAMS
+    dur_s: float  # predicted duration
+    bytes: int  # bytes moved (copies) or 0
+    deps: tuple[int, ...]  # ops that must finish before this one starts (earlier ids)
+    uses: tuple[str, ...] = ()  # buffers that must be resident when it starts
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """Device memory that an operation allocates and a later one frees."""
+
+    name: str  # e.g. "act.3", "w.3@fwd", "grad.3"
+    block: int
+    bytes: int
+    alloc: int | None  # op whose start allocates it; None: allocated before the iteration
+    free: int | None  # op whose end frees it; None: it outlives the iteration
+
+
+@dataclass(frozen=True)
+class BlockDecision:
+    """What the plan does with one block."""
+
+    name: str
+    act: str  # keep | swap | recompute
+    weights: str  # resident | streamed
+    optim: str  # device | host
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Which model the schedule was planned for."""
+
+    path: str  # the model file as given to karma-plan (relative paths stay relative)
+    sha256: str  # fingerprint of the model file's bytes
+    ir_sha256: str  # fingerprint of the block graph's JSON
+    env: tuple[tuple[str, str], ...]  # KARMA_* environment variables the model file read
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How training runs."""
+
+    batch_size: int  # samples per step and rank
+    dtype: str  # fp32 | bf16
+    world_size: int
+    seed: int
+    capacity_bytes: int  # device memory budget (--gpu-mem)
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """What the planner's simulator predicts for one iteration."""
+
+    iteration_s: float
+    lower_bound_s: float  # max over streams of their busy time
+    peak_device_bytes: int  # simulated peak of allocated buffers
+    stage_peak_bytes: int  # the planner's bound: the largest sum of buffers live in a stage
+    host_bytes: int
+    pinned_bytes: int
+    busy_s: tuple[tuple[str, float], ...]  # (stream, seconds busy)
+    scaling_efficiency: float  # one rank's iteration time over this one's (1.0 on one rank)
+
+
+@dataclass(frozen=True)
+class BlockEntry:
+    """One block: what it is (from the IR) and what the plan does with it."""
+
+    index: int
+    name: str
+    modules: tuple[str, ...]
+    params: tuple[str, ...]  # parameters it owns
+    shared_params: tuple[str, ...]  # parameters it uses that an earlier block owns
+    act: str  # keep | swap | recompute
+    weights: str  # resident | streamed
+    optim: str  # device | host
+    param_bytes: int
+    act_bytes: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A complete schedule: load it with load_schedule, write it with dump_schedule."""
+
+    model: ModelRef
+    config: TrainConfig
+    hardware: tuple[tuple[str, object], ...]  # the hardware profile's fields, plain values
+    strategy: str
+    status: str  # optimal | time-limit | heuristic | fallback
+    solve_s: float
+    predicted: Predicted
+    blocks: tuple[BlockEntry, ...]
+    ops: tuple[Op, ...]
+    buffers: tuple[Buffer, ...]
+    version: int = SCHEDULE_VERSION
+
+
+class ScheduleFileError(KarmaError):
+    """A schedule that cannot be read: a missing file, broken YAML, or an invalid schedule."""
+
+
+# --- writing -------------------------------------------------------------------------------
+
+_HEADER = (
+    "# karma schedule: the operations of one training iteration, planned by karma-plan and",
+    "# replayed by karma-run. Check and summarize it with `karma-inspect FILE` (add --plot",
+    "# FILE.png for its memory timeline and streams). Fields: karma/schedule.py. Bytes are",
+    "# whole bytes, times seconds.",
+)
+_COMMENT_COLUMN = 40
+_SECONDS_DIGITS = 6  # significant digits of every time in the file
+
+
+def dump_schedule(s: Schedule) -> str:
+    """`s` as YAML: the version key first, a fixed key order, one line per op and buffer.
+
+    The text is the same for the same schedule on every run and machine. Times are rounded
+    to 6 significant digits (hardware numbers are written exactly), so `load_schedule` of the
+    text equals `s` when its times are already rounded; load(dump(load(dump(s)))) always
+    equals load(dump(s)).
+    """
+    m, c, p = s.model, s.config, s.predicted
+    lines = [*_HEADER, f"karma_schedule: {_int(s.version)}", "model:"]
+    lines += _scalar_lines([("path", m.path), ("sha256", m.sha256), ("ir_sha256", m.ir_sha256)])
+    lines.append(f"  env: {_flow_map(m.env, None)}")
+    lines.append("config:")
+    lines += _scalar_lines([("batch_size", c.batch_size), ("dtype", c.dtype),
+                            ("world_size", c.world_size), ("seed", c.seed),
+                            ("capacity_bytes", c.capacity_bytes)])
+    lines.append("hardware:" + ("" if s.hardware else " {}"))
+    lines += _scalar_lines(s.hardware, digits=None)
+    lines += _scalar_lines([("strategy", s.strategy), ("status", s.status),
+                            ("solve_s", s.solve_s)], indent="")
+    lines.append("predicted:")
+    lines += _scalar_lines([("iteration_s", p.iteration_s), ("lower_bound_s", p.lower_bound_s),
+                            ("peak_device_bytes", p.peak_device_bytes),
+                            ("stage_peak_bytes", p.stage_peak_bytes),
+                            ("host_bytes", p.host_bytes), ("pinned_bytes", p.pinned_bytes)])
+    lines.append(f"  busy_s: {_flow_map(p.busy_s, _SECONDS_DIGITS)}")
+    lines += _scalar_lines([("scaling_efficiency", p.scaling_efficiency)])
+
+    lines.append("# blocks: each block's decisions (act: keep | swap | recompute; weights: "
+                 "resident | streamed; optim: device | host)")
+    lines.append("blocks:" + ("" if s.blocks else " []"))
+    for b in s.blocks:
+        lines.append(f"  - {{index: {_int(b.index)}, name: {_str(b.name)}, act: {_str(b.act)}, "
+                     f"weights: {_str(b.weights)}, optim: {_str(b.optim)}, "
+                     f"param_bytes: {_int(b.param_bytes)}, act_bytes: {_int(b.act_bytes)},")
+        lines += _wrapped_list("     modules: ", b.modules, ",")
+        lines += _wrapped_list("     params: ", b.params, ",")
+        lines += _wrapped_list("     shared_params: ", b.shared_params, "}")
+
+    lines.append("# ops: in issue order; an op starts when its stream is free and its deps have "
+                 "finished")
+    lines.append("ops:" + ("" if s.ops else " []"))
+    for o in s.ops:
+        lines.append(f"  - {{id: {_int(o.id)}, kind: {_str(o.kind)}, block: {_int(o.block)}, "
+                     f"stage: {_int(o.stage)}, stream: {_str(o.stream)}, "
+                     f"dur_s: {_float(o.dur_s, _SECONDS_DIGITS)}, bytes: {_int(o.bytes)}, "
+                     f"deps: {_flow_list(o.deps)}, uses: {_flow_list(o.uses)}}}")
+
+    lines.append("# buffers: device memory allocated when op `alloc` starts (null: before the "
+                 "iteration) and freed when op `free` ends (null: never)")
+    lines.append("buffers:" + ("" if s.buffers else " []"))
+    for b in s.buffers:
+        lines.append(f"  - {{name: {_str(b.name)}, block: {_int(b.block)}, "
+                     f"bytes: {_int(b.bytes)}, alloc: {_value(b.alloc, None)}, "
+                     f"free: {_value(b.free, None)}}}")
+    return "\n".join(lines) + "\n"
+
+
+def round_seconds(x: float) -> float:
+    """`x` as the schedule file holds it: 6 significant digits.
+
+    The planner can round op durations with it before simulating, so that a file's
+    predicted figures match a re-simulation of its ops (karma-inspect checks that) up to the
+    rounding of the figures alone.
+    """
+    return _round(x, _SECONDS_DIGITS)
+
+
+def _round(x: float, digits: int) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def schedule_sha256(s: Schedule) -> str:
+    """Fingerprint of the schedule's YAML text: ranks compare it before training together."""
+    return hashlib.sha256(dump_schedule(s).encode("utf-8")).hexdigest()
+
+
+def _scalar_lines(pairs, digits: int | None = _SECONDS_DIGITS, indent: str = "  ") -> list[str]:
+    """`key: value` lines, with the value in readable units as a comment where it helps."""
+    lines = []
+    for key, value in pairs:
+        line = f"{indent}{_str(key)}: {_value(value, digits)}"
+        comment = _unit_comment(key, value)
+        lines.append(f"{line.ljust(_COMMENT_COLUMN - 1)} # {comment}" if comment else line)
+    return lines
+
+
+def _unit_comment(key: str, value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if key.endswith("_bytes") and isinstance(value, int):
+        return format_bytes(value)
+    if key.endswith("_bytes_per_s"):
+        return f"{format_number(value / 1e9)} GB/s"
+    if key.endswith("_s"):
+        return format_seconds(value)
+    return None
+
+
+def _value(v: object, digits: int | None) -> str:
+    """A plain value as YAML flow text; floats rounded to `digits` significant digits."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return _int(v)
+    if isinstance(v, float):
+        return _float(v, digits)
+    if isinstance(v, str):
+        return _str(v)
+    if isinstance(v, Mapping):
+        return _flow_map(v.items(), digits)
+    if isinstance(v, (tuple, list)):
+        return _flow_list(v, digits)
+    raise TypeError(f"{v!r} ({type(v).__name__}) is not a plain value a schedule can hold")
+
+
+def _flow_map(pairs, digits: int | None) -> str:
+    return "{" + ", ".join(f"{_str(k)}: {_value(v, digits)}" for k, v in pairs) + "}"
+
+
+def _flow_list(items, digits: int | None = _SECONDS_DIGITS) -> str:
+    return "[" + ", ".join(_value(v, digits) for v in items) + "]"
+
+
+def _wrapped_list(prefix: str, names: tuple[str, ...], end: str, width: int = 100) -> list[str]:
+    """`prefix[a, b, ...]end` as a flow list wrapped before `width` columns."""
+    lines, line = [], prefix + "["
+    for k, name in enumerate(names):
+        last = k == len(names) - 1
+        item = _str(name) + ("" if last else ", ")
+        room = width - (len("]" + end) if last else 1)  # what closes the line after the item
+        if len(line) + len(item.rstrip()) > room and not line.endswith("["):
+            lines.append(line.rstrip())
+            line = " " * (len(prefix) + 1)
+        line += item
+    return [*lines, line + "]" + end]
+
+
+def _int(n: int) -> str:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{n!r} is not an int")
+    return str(n)
+
+
+def _float(x: float, digits: int | None) -> str:
+    """`x` (rounded to `digits` significant digits) as text YAML reads back as the same float.
+
+    Shortest digits; an exponent outside [0.001, 1e6), written with a dot and a signed
+    exponent ("1.2e+13", "4.5e-05"): PyYAML reads "1e-05" or "1.2e13" as strings.
+    """
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{x} cannot be written in a schedule; times and sizes are finite")
+    if digits is not None:
+        x = _round(x, digits)
+    if x == 0 or 1e-3 <= abs(x) < 1e6:
+        text = repr(x)
+        return text if "." in text else text + ".0"
+    mantissa, exponent = f"{Decimal(repr(x)).normalize():E}".split("E")
+    if "." not in mantissa:
+        mantissa += ".0"
+    return f"{mantissa}e{int(exponent):+03d}"
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9_/][A-Za-z0-9_./@+-]*")
+
+
+@lru_cache(maxsize=4096)
+def _str(text: str) -> str:
+    """`text` bare when YAML reads it back as the same string, else JSON-quoted (valid YAML)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{text!r} is not a str")
+    if _PLAIN.fullmatch(text) and _resolves_to_str(text):
+        return text
+    return json.dumps(text)
+
+
+def _resolves_to_str(text: str) -> bool:
+    tag = yaml.resolver.Resolver().resolve(yaml.ScalarNode, text, (True, False))
+    return tag == "tag:yaml.org,2002:str"
+
+
+# --- reading -------------------------------------------------------------------------------
+
+_FIX = "re-plan with karma-plan to write a valid schedule"
+
+
+def load_schedule(text_or_path: str | Path, source: str | None = None) -> Schedule:
+    """Read and validate a schedule from a file (a Path, or a str ending in .yaml or .yml
+    without a newline) or from YAML text. `source` names it in errors (default: the path,
+    or "schedule"). Raises ScheduleFileError naming the key and the fix.
+    """
+    if isinstance(text_or_path, Path) or (
+            isinstance(text_or_path, str) and "\n" not in text_or_path
+            and text_or_path.endswith((".yaml", ".yml"))):
+        path = Path(text_or_path)
+        source = source or str(text_or_path)
+        text = _read(path)
+    elif isinstance(text_or_path, str):
+        text, source = text_or_path, source or "schedule"
+    else:
+        raise TypeError(f"load_schedule takes YAML text or a path, not "
+                        f"{type(text_or_path).__name__}")
+    data = _parse(text, source)
+    try:
+        schedule = _schedule_from(data)
+        _check_references(schedule)
+    except _Invalid as e:
+        raise ScheduleFileError(f"{source}: {e}") from None
+    return schedule
+
+
+def _read(path: Path) -> str:
+    if not path.exists():
+        raise ScheduleFileError(f"schedule file '{path}' does not exist; give the path of a "
+                                "schedule written by karma-plan")
+    if not path.is_file():
+        raise ScheduleFileError(f"schedule file '{path}' is not a file; give the path of a "
+                                "schedule written by karma-plan")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ScheduleFileError(f"cannot read schedule file '{path}': {e}") from e
+
+
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """yaml.safe_load that rejects a key given twice (PyYAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"key {key_node.value!r} is given twice", key_node.start_mark)
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
+
+
+def _parse(text: str, source: str) -> dict:
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader
+    except yaml.MarkedYAMLError as e:
+        problem = (e.problem or str(e)).strip().splitlines()[0]
+        where = f" (line {e.problem_mark.line + 1})" if e.problem_mark is not None else ""
+        raise ScheduleFileError(f"{source} is not valid YAML: {problem}{where}; {_FIX}") from None
+    except yaml.YAMLError as e:
+        problem = str(e).strip().splitlines()[0]
+        raise ScheduleFileError(f"{source} is not valid YAML: {problem}; {_FIX}") from None
+    if not isinstance(data, dict):
+        hint = (" (to read a file, pass a pathlib.Path or a name ending in .yaml)"
+                if isinstance(data, str) and "\n" not in text.strip() else "")
+        raise ScheduleFileError(
+            f"{source}: a schedule is a YAML mapping that starts with "
+            f"'karma_schedule: {SCHEDULE_VERSION}', got {_show(data)}{hint}; {_FIX}")
+    if "karma_schedule" not in data:
+        raise ScheduleFileError(f"{source}: missing key karma_schedule (the version); is this "
+                                f"a karma schedule? {_FIX}")
+    version = data["karma_schedule"]
+    if isinstance(version, bool) or version != SCHEDULE_VERSION:
+        raise ScheduleFileError(
+            f"{source}: karma_schedule: {_show(version)} is not supported by this karma (reads "
+            f"version {SCHEDULE_VERSION}); re-plan with this karma's karma-plan")
+    return data
+
+
+class _Invalid(Exception):
+    """A check failed; the message starts with the key path and ends with the fix."""
+
+
+_Check = Callable[[object, str], object]  # (value, key path) -> the value as the dataclass holds it
+
+
+def _show(v: object) -> str:
+    """A value as the YAML file spells it, for messages."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, dict):
+        return "a mapping"
+    if isinstance(v, list):
+        return "a list"
+    return repr(v)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _integer(minimum: int = 0, what: str = "a whole number") -> _Check:
+    def check(v, path):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _Invalid(f"{path}: {_show(v)} is not {what}; write an integer, e.g. {minimum}")
+        if v < minimum:
+            raise _Invalid(f"{path}: {v} is below {minimum}; {_FIX}")
+        return v
+    return check
+
+
+def _number(v, path) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise _Invalid(f"{path}: {_show(v)} is not a number of seconds (finite, 0 or more), "
+                       "e.g. 0.00123")
+    return float(v)
+
+
+def _text(choices: tuple[str, ...] | None = None, what: str = "") -> _Check:
+    def check(v, path):
+        if not isinstance(v, str):
+            raise _Invalid(f"{path}: {_show(v)} is not a string; {_FIX}")
+        if choices is not None and v not in choices:
+            raise _Invalid(f"{path}: {v!r} is not {what}; use one of {', '.join(choices)}")
+        return v
+    return check
+
+
+def _list(item: _Check) -> _Check:
+    def check(v, path):
+        if not isinstance(v, list):
+            raise _Invalid(f"{path}: expected a list, got {_show(v)}; {_FIX}")
+        return tuple(item(x, f"{path}[{k}]") for k, x in enumerate(v))
+    return check
+
+
+def _pairs(key: _Check, value: _Check) -> _Check:
+    """A mapping, held as a tuple of (key, value) pairs in file order."""
+    def check(v, path):
+        if not isinstance(v, dict):
+            raise _Invalid(f"{path}: expected a mapping, got {_show(v)}; {_FIX}")
+        return tuple((key(k, f"{path} key"), value(x, _join(path, str(k)))) for k, x in v.items())
+    return check
+
+
+def _optional_op(v, path):
+    return None if v is None else _integer(0, "an op id or null")(v, path)
+
+
+def _hardware_value(v, path):
+    if isinstance(v, dict):
+        return {_text()(k, f"{path} key"): _hardware_value(x, _join(path, str(k)))
+                for k, x in v.items()}
+    if isinstance(v, list):
+        return tuple(_hardware_value(x, f"{path}[{k}]") for k, x in enumerate(v))
+    if v is not None and not isinstance(v, (str, int, float)):
+        raise _Invalid(f"{path}: {_show(v)} is not a plain value; {_FIX}")
+    return v
+
+
+def _record(cls, spec: dict[str, _Check], what: str) -> _Check:
+    """A mapping with exactly the keys of `spec`, checked and turned into `cls`."""
+    def check(v, path):
+        where = path or "the schedule"
+        if not isinstance(v, dict):
+            raise _Invalid(f"{where}: {what} is a mapping, got {_show(v)}; {_FIX}")
+        for key in spec:
+            if key not in v:
+                raise _Invalid(f"missing key {_join(path, key)}; {_FIX}")
+        unknown = [k for k in v if k not in spec]
+        if unknown:
+            s = "s" if len(unknown) > 1 else ""
+            raise _Invalid(f"{where}: unknown key{s} {', '.join(map(repr, unknown))}; {what} "
+                           f"has the keys {', '.join(spec)}")
+        return cls(**{key: check_value(v[key], _join(path, key))
+                      for key, check_value in spec.items()})
+    return check
+
+
+_COUNT = _integer(0)
+_NAMES = _list(_text())
+_OP = _record(Op, {
+    "id": _COUNT, "kind": _text(OP_KINDS, "an op kind"), "block": _COUNT, "stage": _COUNT,
+    "stream": _text(STREAMS, "a stream"), "dur_s": _number, "bytes": _COUNT,
+    "deps": _list(_COUNT), "uses": _NAMES,
+}, "an op")
+_BUFFER = _record(Buffer, {
+    "name": _text(), "block": _COUNT, "bytes": _COUNT, "alloc": _optional_op,
+    "free": _optional_op,
+}, "a buffer")
+_BLOCK = _record(BlockEntry, {
+    "index": _COUNT, "name": _text(), "act": _text(ACT_CHOICES, "an act choice"),
+    "weights": _text(WEIGHT_CHOICES, "a weights choice"),
+    "optim": _text(OPTIM_CHOICES, "an optim choice"), "param_bytes": _COUNT,
+    "act_bytes": _COUNT, "modules": _NAMES, "params": _NAMES, "shared_params": _NAMES,
+}, "a block")
+_SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_schedule, **fields), {
+    "karma_schedule": _COUNT,
+    "model": _record(ModelRef, {
+        "path": _text(), "sha256": _text(), "ir_sha256": _text(),
+        "env": _pairs(_text(), _text()),
+    }, "model"),
+    "config": _record(TrainConfig, {
+        "batch_size": _integer(1), "dtype": _text(DTYPES, "a dtype"),
+        "world_size": _integer(1), "seed": _integer(0), "capacity_bytes": _integer(1),
+    }, "config"),
+    "hardware": _pairs(_text(), _hardware_value),
+    "strategy": _text(),
+    "status": _text(STATUSES, "a solver status"),
+    "solve_s": _number,
+    "predicted": _record(Predicted, {
+        "iteration_s": _number, "lower_bound_s": _number, "peak_device_bytes": _COUNT,
+        "stage_peak_bytes": _COUNT, "host_bytes": _COUNT, "pinned_bytes": _COUNT,
+        "busy_s": _pairs(_text(STREAMS, "a stream"), _number),
+        "scaling_efficiency": _number,
+    }, "predicted"),
+    "blocks": _list(_BLOCK),
+    "ops": _list(_OP),
+    "buffers": _list(_BUFFER),
+}, "a schedule")
+
+
+def _schedule_from(data: dict) -> Schedule:
+    return _SCHEDULE(data, "")
+
+
+def _check_references(s: Schedule) -> None:
+    """Ids number their lists; every block, op and dependency an entry names exists."""
+    n_blocks, n_ops = len(s.blocks), len(s.ops)
+    if not s.blocks:
+        raise _Invalid(f"blocks: the list is empty; a schedule has at least one block; {_FIX}")
+
+    def block_ref(path: str, b: int) -> None:
+        if b >= n_blocks:
+            raise _Invalid(f"{path}: {b} is not a block; blocks are numbered 0..{n_blocks - 1}")
+
+    for i, b in enumerate(s.blocks):
+        if b.index != i:
+            raise _Invalid(f"blocks[{i}].index: {b.index} is not its position in the list ({i}); "
+                           "blocks are numbered 0, 1, 2, ... in forward order")
+    for i, op in enumerate(s.ops):
+        if op.id != i:
+            raise _Invalid(f"ops[{i}].id: {op.id} is not its position in the list ({i}); ids "
+                           "number the ops 0, 1, 2, ... in issue order")
+        block_ref(f"ops[{i}].block", op.block)
+        for d in op.deps:
+            if d >= i:
+                earlier = f"ids 0..{i - 1}" if i else "op 0 has none"
+                raise _Invalid(f"ops[{i}].deps: {d} is not an earlier op; an op waits only for "
+                               f"ops listed before it ({earlier})")
+    seen: dict[str, int] = {}
+    for i, b in enumerate(s.buffers):
+        if b.name in seen:
+            raise _Invalid(f"buffers[{i}].name: {b.name!r} is also buffers[{seen[b.name]}]; "
+                           f"buffer names are unique; {_FIX}")
+        seen[b.name] = i
+        block_ref(f"buffers[{i}].block", b.block)
+        for key, ref in (("alloc", b.alloc), ("free", b.free)):
+            if ref is not None and ref >= n_ops:
+                raise _Invalid(f"buffers[{i}].{key}: {ref} is not an op; use an op id "
+                               f"0..{n_ops - 1}, or null (the whole iteration)")

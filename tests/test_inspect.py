@@ -1,0 +1,164 @@
+"""karma-inspect: the summary of a valid schedule, refusal of an edited one, --json, --plot."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from karma.cli.inspect import main
+from karma.schedule import dump_schedule, load_schedule, schedule_sha256
+from tests.schedule_fixtures import tiny_schedule
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return dump_schedule(tiny_schedule())
+
+
+@pytest.fixture
+def path(tmp_path, text):
+    p = tmp_path / "tiny.yaml"
+    p.write_text(text)
+    return p
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_refused(code: int, out: str, err: str, *fragments: str) -> None:
+    assert code == 2
+    assert out == ""
+    assert err.startswith("karma-inspect: error: ") and err.count("\n") == 1
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_summary_of_a_valid_schedule(capsys, path):
+    code, out, err = run(capsys, path)
+    assert (code, err) == (0, "")
+    s = load_schedule(path)
+    assert f"sha256 {schedule_sha256(s)[:12]}" in out
+    assert f"examples/gpt.py  sha256 {s.model.sha256[:12]}  ir {s.model.ir_sha256[:12]}" in out
+    assert "ilp (optimal)" in out
+    assert "batch 2, fp32, 1 rank, seed 0, capacity 480 KiB, hardware v100-16g" in out
+    assert re.search(r"decisions\s+4 blocks: 2 keep, 1 swap, 1 recompute; 2 streamed weights, "
+                     r"3 host optimizer", out)
+    assert re.search(r"peak\s+467 KiB of 480 KiB capacity \(97\.3%\)", out)
+    assert "OVER CAPACITY" not in out
+    assert re.search(r"busy\s+compute \S+ us, h2d \S+ us, d2h \S+ us, net 0 s, host \S+ us", out)
+    table = out[out.index("#  block"):].splitlines()
+    assert table[0].split() == ["#", "block", "act", "weights", "optim", "param", "MiB", "act",
+                                "MiB"]
+    assert [row.split()[:5] for row in table[1:]] == [
+        [str(b.index), b.name, b.act, b.weights, b.optim] for b in s.blocks]
+
+
+def test_over_capacity_is_flagged(capsys, tmp_path):
+    p = tmp_path / "swap.yaml"
+    p.write_text(dump_schedule(tiny_schedule("swap_all", world_size=2)))  # does not fit 480 KiB
+    code, out, _ = run(capsys, p)
+    assert code == 0
+    assert "OVER CAPACITY" in out
+    assert "2 ranks" in out and "scaling" in out
+
+
+def test_json(capsys, path):
+    code, out, _ = run(capsys, path, "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert set(info) == {"schedule", "schedule_sha256", "model", "strategy", "status", "solve_s",
+                         "config", "hardware", "decisions", "predicted", "busy_s", "check",
+                         "blocks"}
+    s = load_schedule(path)
+    assert info["schedule_sha256"] == schedule_sha256(s)
+    assert info["decisions"] == {"blocks": 4, "keep": 2, "swap": 1, "recompute": 1,
+                                 "streamed_weights": 2, "host_optimizer": 3}
+    assert info["predicted"]["peak_device_bytes"] == s.predicted.peak_device_bytes
+    assert info["predicted"]["peak_fraction_of_capacity"] == pytest.approx(478096 / 491520)
+    assert info["check"]["matches"] is True
+    assert list(info["busy_s"]) == ["compute", "h2d", "d2h", "net", "host"]
+    assert [b["name"] for b in info["blocks"]] == ["head", "h.0", "h.1", "tail"]
+
+
+def _edited(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+@pytest.mark.parametrize("edit, says", [
+    # a longer backward: the iteration ends later than predicted
+    (lambda t: re.sub(r"(kind: backward, block: 1, .*?dur_s: )[^,]+", r"\g<1>0.001", t),
+     "predicted.iteration_s is"),
+    # a duration off the critical path: only the stream's busy time gives it away
+    (lambda t: re.sub(r"(kind: fetch, block: 3, .*?dur_s: )[^,]+", r"\g<1>3.0e-08", t),
+     "predicted.busy_s.h2d is"),
+    (lambda t: _edited(t, "peak_device_bytes: 478096", "peak_device_bytes: 400000"),
+     "gives 478096 (467 KiB), but predicted.peak_device_bytes is 400000 (391 KiB)"),
+    # a buffer made larger changes the simulated peak
+    (lambda t: re.sub(r"(name: act\.3, block: 3, bytes: )\d+", r"\g<1>999999", t),
+     "re-simulating its 23 ops gives 1458627 (1.39 MiB)"),
+])
+def test_edited_schedule_is_refused(capsys, tmp_path, text, edit, says):
+    p = tmp_path / "edited.yaml"
+    edited = edit(text)
+    assert edited != text
+    p.write_text(edited)
+    assert_refused(*run(capsys, p), says, "the schedule was edited or is corrupt")
+
+
+def test_schedule_that_cannot_run_is_refused(capsys, tmp_path, text):
+    # act.3 filled by op 19 (block 0's backward) but used by op 7 (block 3's backward)
+    edited = re.sub(r"(name: act\.3, block: 3, bytes: \d+, alloc: )\d+", r"\g<1>19", text)
+    assert edited != text
+    p = tmp_path / "broken.yaml"
+    p.write_text(edited)
+    assert_refused(*run(capsys, p), "before buffer act.3 is filled", "edited or is corrupt")
+
+
+@pytest.mark.parametrize("content, says", [
+    ("karma_schedule: 1\nmodel: {a: 1}}\n", "is not valid YAML"),
+    ("- a list\n", "a schedule is a YAML mapping"),
+    ("karma_schedule: 9\n", "karma_schedule: 9 is not supported by this karma"),
+])
+def test_bad_files_exit_2_without_traceback(capsys, tmp_path, content, says):
+    p = tmp_path / "bad.yaml"
+    p.write_text(content)
+    assert_refused(*run(capsys, p), f"{p}", says)
+
+
+def test_missing_file(capsys, tmp_path):
+    assert_refused(*run(capsys, tmp_path / "nope.yaml"), "does not exist")
+
+
+def test_plot_writes_a_png(capsys, tmp_path, path):
+    png = tmp_path / "out" / "tiny.png"
+    png.parent.mkdir()
+    code, out, err = run(capsys, path, "--plot", png)
+    assert (code, err) == (0, "")
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+    assert png.stat().st_size > 20_000  # a drawn figure, not an empty canvas
+    assert sorted(p.name for p in png.parent.iterdir()) == ["tiny.png"]  # no temporary left
+    assert f"wrote {png}" in out
+
+
+def test_plot_into_a_missing_directory(capsys, tmp_path, path):
+    assert_refused(*run(capsys, path, "--plot", tmp_path / "no" / "x.png"),
+                   "directory", "does not exist")
+
+
+def test_plot_without_matplotlib(capsys, monkeypatch, tmp_path, path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    png = tmp_path / "x.png"
+    assert_refused(*run(capsys, path, "--plot", png),
+                   "--plot needs matplotlib: pip install 'karma[plot]'")
+    assert not png.exists()
