@@ -80,13 +80,13 @@ def _excess(problem: Problem, plan: Plan, limits: Limits) -> tuple[int, int, int
 
 
 def min_capacity_bytes(problem: Problem, time_limit_s: float = 60.0) -> int:
-    """The smallest device memory any plan fits in (rounded up to a MiB)."""
+    """The smallest device memory any plan fits in (rounded up to a MiB, or a KiB)."""
     limits = Limits(0, problem.host_mem_bytes, problem.pinned_mem_bytes)
     solution = _solve(problem, limits, time_limit_s, gap=1e-6, minimize_capacity=True)
-    mib = 1 << 20
     need = max(int(solution.capacity_gib * GIB),
                max(stage_memory(problem, list(solution.plan.choices))))
-    return -(-need // mib) * mib
+    unit = 1 << 20 if need >= 64 << 20 else 1 << 10  # round up to a MiB, or a KiB if small
+    return -(-need // unit) * unit
 
 
 @dataclass(frozen=True)

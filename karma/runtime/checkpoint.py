@@ -51,8 +51,7 @@ def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: i
         _save(tmp / "model.pt", model_state(model, engine))
         _save(tmp / "optimizer.pt", {
             "format": FORMAT,
-            "blocks": [w.optimizer.state_dict() if w.optimizer is not None else None
-                       for w in engine.weights],
+            "blocks": [_detached_state(w.optimizer) for w in engine.weights],
             "rng_state": torch.get_rng_state(),
         })
         meta = {"format": FORMAT, "step": step, "seed": seed,
@@ -110,6 +109,17 @@ def load_checkpoint(path: Path, model, engine) -> int:
             w.reset_state_placement()
     torch.set_rng_state(opt["rng_state"])
     return int(meta["step"])
+
+
+def _detached_state(optimizer) -> dict | None:
+    """The optimizer's state_dict with its tensors copied out of the host tier's arenas
+    (torch.save writes a view's whole storage: the arena)."""
+    if optimizer is None:
+        return None
+    sd = optimizer.state_dict()
+    sd["state"] = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in st.items()}
+                   for k, st in sd["state"].items()}
+    return sd
 
 
 def _save(path: Path, obj) -> None:

@@ -63,7 +63,7 @@ class Engine:
         self.side_ops = [op for op in ops if op.stream != "compute"]
         self.releases: dict[int, list[list[torch.nn.Parameter]]] = defaultdict(list)
         for buf in schedule.buffers:
-            if buf.free is not None and (m := _WEIGHT_BUFFER.match(buf.name)):
+            if buf.free is not None and _WEIGHT_BUFFER.match(buf.name):
                 self.releases[buf.free].append(self._fetch_params(buf.name))
         self._events: dict[int, threading.Event] = {}
         self._errors: list = []
@@ -85,6 +85,7 @@ class Engine:
         self._last_compute: int | None = None
         self._calls: dict[int, int] = defaultdict(int)
         self._current_block: int | None = None
+        self._ran_in_block: set[str] = set()
         self._hooks_ctx = None
         self._active = True
         self._issue_through(0)  # the prologue's fetches
@@ -136,9 +137,11 @@ class Engine:
         call = self._calls[id(module)]
         self._calls[id(module)] += 1
         i = blocks[min(call, len(blocks) - 1)]  # a module called several times: one block a call
-        if i == self._current_block:
+        if i == self._current_block and name not in self._ran_in_block:
+            self._ran_in_block.add(name)
             return  # another module of the block that is running
         self._leave_block()
+        self._ran_in_block = {name}
         if i > 0:
             first = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad),
                          None)
@@ -209,7 +212,9 @@ class Engine:
             name = self.blocks[block].name if block >= 0 else "-"
             raise DivergedError(
                 f"execution diverged from the schedule: expected {op.kind} of block {op.block} "
-                f"({self.blocks[op.block].name}), but {kind} of block {block} ({name}) ran")
+                f"({self.blocks[op.block].name}), but {kind} of block {block} ({name}) ran; the "
+                "model's forward calls its blocks in another order than when it was planned "
+                "(data-dependent control flow?): make the order fixed, or re-plan")
         self._finish_previous()
         self._issue_through(float("inf"))
 

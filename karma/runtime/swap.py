@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from karma.errors import KarmaError
 from karma.runtime.host import HostPool
 
 
-class DivergedError(RuntimeError):
-    """Execution did not follow the schedule."""
+class DivergedError(KarmaError):
+    """Execution did not follow the schedule (the model's forward left its planned order)."""
 
 
 @dataclass(eq=False)

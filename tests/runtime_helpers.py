@@ -1,0 +1,193 @@
+"""Helpers for runtime tests: the plain PyTorch reference, in-process planning, a run.
+
+    mf = load_small("gpt")                       # examples/gpt.py at KARMA_GPT=tiny, cached
+    ref_sd, ref_losses = reference_train(mf, batch_size=4, steps=3)
+    schedule = plan(mf, "ilp", 0.6)              # 60% of what keep_all needs
+    report = run(schedule, mf, 3, checkpoint_dir=tmp_path)
+    assert_bitwise_equal(torch.load(tmp_path / "step_3" / "model.pt", weights_only=True), ref_sd)
+
+Block graphs and schedules are cached per loaded model file: tracing costs a second or two.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import textwrap
+from contextlib import contextmanager
+from functools import cache
+
+import torch
+
+from karma.ir import build_block_graph
+from karma.ir.graph import BlockGraph
+from karma.modelfile import ModelFile, load_model_file, optimizer_state_factor
+from karma.planner.baselines import BASELINES
+from karma.planner.hardware import load_hardware
+from karma.planner.pipeline import PlanRequest, make_schedule
+from karma.planner.plan import evaluate
+from karma.planner.problem import build_problem
+from karma.runtime.train import RunOptions, RunReport, train
+from karma.schedule import ModelRef, Schedule
+from tests.conftest import EXAMPLES, SMALL_ENV
+
+HARDWARE = "cpu"
+
+# A model file of three layers whose forward calls them in the order LAYER_ORDER gives at
+# call time (default 0,1,2): planned in order, then run in another, it leaves its schedule.
+LAYERS_MODEL = textwrap.dedent('''
+    """Three layers, called in the order LAYER_ORDER gives when forward runs (default 0,1,2)."""
+    import os
+
+    import torch
+    import torch.nn as nn
+
+    BATCH_SIZE = 4
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+        def forward(self, x):
+            for i in os.environ.get("LAYER_ORDER", "0,1,2").split(","):
+                x = torch.tanh(self.layers[int(i)](x))
+            return x
+
+
+    def build_model():
+        return Net()
+
+
+    def example_batch(batch_size):
+        return torch.randn(batch_size, 16), torch.randint(0, 16, (batch_size,))
+''')
+
+# id(ModelFile) -> (the ModelFile, kept alive so that its id stays unique; its KARMA_* env)
+_LOADED: dict[int, tuple[ModelFile, tuple[tuple[str, str], ...]]] = {}
+# id(ModelFile) -> its BlockGraph
+_GRAPHS: dict[int, BlockGraph] = {}
+# (id(mf), id(graph), strategy, fraction, seed) -> Schedule; graphs given are kept alive
+_SCHEDULES: dict[tuple, Schedule] = {}
+_KEEP_ALIVE: list[BlockGraph] = []
+
+
+@contextmanager
+def environment(env: dict[str, str]):
+    """Set `env` in os.environ for the block, then restore what was there."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def load_with_env(path, env: dict[str, str] | None = None) -> ModelFile:
+    """Load a model file with `env` set while it imports (model files read sizes then)."""
+    env = dict(env or {})
+    with environment(env):
+        mf = load_model_file(path)
+    _LOADED[id(mf)] = (mf, tuple(sorted(env.items())))
+    return mf
+
+
+@cache
+def load_small(name: str) -> ModelFile:
+    """examples/NAME.py at its small test size (tests/conftest.py SMALL_ENV), loaded once."""
+    return load_with_env(EXAMPLES / f"{name}.py", SMALL_ENV.get(name, {}))
+
+
+def model_env(mf: ModelFile) -> tuple[tuple[str, str], ...]:
+    """The KARMA_* variables `mf` was loaded with (or those set now, for other loads)."""
+    if id(mf) in _LOADED:
+        return _LOADED[id(mf)][1]
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_")))
+
+
+def block_graph(mf: ModelFile) -> BlockGraph:
+    """The model's block graph at its default batch size, traced once per loaded model file."""
+    if id(mf) not in _GRAPHS:
+        _LOADED.setdefault(id(mf), (mf, model_env(mf)))
+        _GRAPHS[id(mf)] = build_block_graph(mf, None, model_name=str(mf.path))
+    return _GRAPHS[id(mf)]
+
+
+def reference_train(mf: ModelFile, batch_size: int, steps: int, seed: int = 0):
+    """Plain PyTorch training on the CPU: (final state_dict, the loss of each step)."""
+    torch.manual_seed(seed)
+    model = mf.build_model()
+    model.train()
+    opt = mf.make_optimizer(model.parameters())
+    data = mf.batches(batch_size, 0, 1)
+    losses = []
+    for _ in range(steps):
+        x, y = next(data)
+        x = x if isinstance(x, (tuple, list)) else (x,)
+        loss = mf.loss_fn(model(*x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def keep_all_peak_bytes(mf: ModelFile, graph: BlockGraph | None = None) -> int:
+    """The planner's stage peak of keep_all: the budget at which everything fits."""
+    graph = graph or block_graph(mf)
+    problem = build_problem(graph, load_hardware(HARDWARE))
+    return evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
+
+
+def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
+         graph: BlockGraph | None = None, seed: int = 0) -> Schedule:
+    """Plan `mf` in-process for the CPU backend at `fraction` of keep_all's stage peak.
+
+    Raises InfeasiblePlan when the strategy does not fit that budget.
+    """
+    graph = graph or block_graph(mf)
+    key = (id(mf), id(graph), strategy, fraction, seed)
+    if key not in _SCHEDULES:
+        _LOADED.setdefault(id(mf), (mf, model_env(mf)))
+        _KEEP_ALIVE.append(graph)
+        _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed)
+    return _SCHEDULES[key]
+
+
+def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
+          seed: int) -> Schedule:
+    capacity = int(keep_all_peak_bytes(mf, graph) * fraction)
+    model = ModelRef(path=str(mf.path), sha256=mf.sha256,
+                     ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
+                     env=model_env(mf))
+    request = PlanRequest(capacity, load_hardware(HARDWARE), graph.batch_size, seed=seed,
+                          strategy=strategy, time_limit_s=30.0,
+                          optim_state_factor=optimizer_state_factor(mf))
+    return make_schedule(graph, model, request).schedule
+
+
+def run(schedule: Schedule, mf: ModelFile, steps: int, **options) -> RunReport:
+    """Train `mf` for `steps` steps by replaying `schedule` (options: RunOptions fields)."""
+    options.setdefault("log", lambda line: None)
+    return train(schedule, mf, RunOptions(steps=steps, **options))
+
+
+def assert_bitwise_equal(sd_a: dict[str, torch.Tensor], sd_b: dict[str, torch.Tensor]) -> None:
+    """Same keys, and torch.equal (same shape, dtype and every bit of value) for each."""
+    missing, extra = sorted(sd_b.keys() - sd_a.keys()), sorted(sd_a.keys() - sd_b.keys())
+    assert not missing and not extra, f"keys differ: missing {missing}, unexpected {extra}"
+    differ = []
+    for k in sd_a:
+        a, b = sd_a[k], sd_b[k]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            if a.shape == b.shape and a.is_floating_point() and b.is_floating_point():
+                gap = (a.double() - b.double()).abs().max().item()
+                differ.append(f"{k} (max |diff| {gap:.3g})")
+            else:
+                differ.append(f"{k} ({a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)})")
+    assert not differ, f"{len(differ)} of {len(sd_a)} tensors differ: {', '.join(differ)}"

@@ -1,0 +1,319 @@
+"""The runtime replays any schedule and trains bitwise equal to plain PyTorch on the CPU.
+
+Every schedule (baselines and the ILP at several budgets) on three small models with
+dropout (gpt), BatchNorm (resnet) and a plain residual stack (mlp) must give, after three
+steps, the parameters and buffers of a plain PyTorch loop bit for bit, and the same losses.
+Each run is also checked to really do what its schedule says: recompute blocks run their
+forward twice, streamed weights are released after use, swapped activations reach the host.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from functools import cache
+
+import pytest
+import torch
+
+from karma.planner.plan import InfeasiblePlan
+from karma.runtime.checkpoint import latest_checkpoint
+from karma.runtime.host import ALIGN
+from karma.runtime.swap import DivergedError
+from tests.runtime_helpers import (
+    LAYERS_MODEL,
+    assert_bitwise_equal,
+    block_graph,
+    load_small,
+    load_with_env,
+    plan,
+    reference_train,
+    run,
+)
+
+STEPS = 3
+MODELS = ("gpt", "resnet", "mlp")
+STRATEGIES = [("keep_all", 1.0), ("recompute_all", 1.0), ("swap_all", 1.0),
+              ("offload_all", 1.0), ("greedy", 1.0), ("ilp", 0.4), ("ilp", 0.6), ("ilp", 0.8)]
+
+
+@cache
+def reference(name: str, steps: int):
+    mf = load_small(name)
+    return reference_train(mf, block_graph(mf).batch_size, steps)
+
+
+def schedule_or_skip(name: str, strategy: str, fraction: float):
+    try:
+        return plan(load_small(name), strategy, fraction)
+    except InfeasiblePlan as e:
+        pytest.skip(f"{strategy} does not fit {fraction:g} of keep_all on {name}: {e}")
+
+
+def load_model_pt(directory, step: int) -> dict[str, torch.Tensor]:
+    return torch.load(directory / f"step_{step}" / "model.pt", weights_only=True)
+
+
+class Probe:
+    """Counts forward calls of one parameter-owning module per block and keeps the model.
+
+    The counter replaces the module's `forward` before the engine wraps it, so a recompute
+    (which calls the wrapped forward again inside backward) is counted too.
+    """
+
+    def __init__(self, mf, schedule):
+        self.schedule = schedule
+        self.calls: dict[int, int] = {}
+        self.model: torch.nn.Module | None = None
+        self._build = mf.build_model
+        self.mf = replace(mf, build_model=self.build)
+
+    def build(self) -> torch.nn.Module:
+        model = self._build()
+        modules = dict(model.named_modules())
+        owners: dict[str, int] = {}
+        for b in self.schedule.blocks:
+            for m in b.modules:
+                owners[m] = owners.get(m, 0) + 1
+        for b in self.schedule.blocks:
+            name = next((m for m in b.modules
+                         if owners[m] == 1 and any(True for _ in modules[m].parameters())), None)
+            if name is not None:
+                self.calls[b.index] = 0
+                modules[name].forward = self._counted(b.index, modules[name].forward)
+        self.model = model
+        return model
+
+    def _counted(self, block: int, forward):
+        def counted(*args, **kwargs):
+            self.calls[block] += 1
+            return forward(*args, **kwargs)
+        return counted
+
+
+def host_optimizer_bytes(schedule, model: torch.nn.Module, state_factor: int = 2) -> int:
+    """Host-tier bytes that host-optimizer blocks hold for the whole run: per parameter a
+    master, a gradient and `state_factor` optimizer state tensors, each slot aligned."""
+    named = dict(model.named_parameters())
+    total = 0
+    for b in schedule.blocks:
+        if b.optim == "host":
+            for n in b.params:
+                nbytes = named[n].numel() * named[n].element_size()
+                total += (2 + state_factor) * (-(-nbytes // ALIGN) * ALIGN)
+    return total
+
+
+# --- exactness -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy,fraction", STRATEGIES,
+                         ids=[f"{s}@{f:g}" if s == "ilp" else s for s, f in STRATEGIES])
+@pytest.mark.parametrize("name", MODELS)
+def test_training_is_bitwise_equal_to_plain_pytorch(name, strategy, fraction, tmp_path):
+    schedule = schedule_or_skip(name, strategy, fraction)
+    assert schedule.strategy == strategy and schedule.status != "fallback"
+    ref_sd, ref_losses = reference(name, STEPS)
+    probe = Probe(load_small(name), schedule)
+
+    report = run(schedule, probe.mf, STEPS, checkpoint_dir=tmp_path)
+
+    assert report.steps == list(range(1, STEPS + 1))
+    assert report.losses == ref_losses
+    assert_bitwise_equal(load_model_pt(tmp_path, STEPS), ref_sd)
+
+    # the run did what the schedule says
+    acts = [b.act for b in schedule.blocks]
+    expected = {"keep_all": {"keep"}, "recompute_all": {"recompute"},
+                "swap_all": {"swap", "keep"}, "offload_all": {"recompute"}}
+    if strategy in expected:
+        assert set(acts) == expected[strategy], acts
+    if strategy == "swap_all":
+        assert acts[:-1] == ["swap"] * (len(acts) - 1)
+    if strategy == "offload_all":
+        assert all(b.weights == "streamed" and b.optim == "host" for b in schedule.blocks)
+    if strategy in ("keep_all", "recompute_all", "swap_all"):
+        assert all(b.weights == "resident" and b.optim == "device" for b in schedule.blocks)
+
+    for i, calls in probe.calls.items():  # recompute runs a block's forward a second time
+        factor = 2 if schedule.blocks[i].act == "recompute" else 1
+        assert calls == factor * STEPS, (schedule.blocks[i].name, schedule.blocks[i].act, calls)
+    assert set(probe.calls) >= {i for i, a in enumerate(acts) if a == "recompute"}
+
+    named = dict(probe.model.named_parameters())
+    for b in schedule.blocks:  # streamed weights are released after their last use
+        for n in b.params:
+            size = named[n].untyped_storage().nbytes()
+            if b.weights == "streamed":
+                assert size == 0, f"{n} of streamed block {b.name} still holds {size} bytes"
+            else:
+                assert size == named[n].numel() * named[n].element_size(), n
+
+    held = host_optimizer_bytes(schedule, probe.model)
+    if any(a == "swap" for a in acts):  # swapped activations went through the host tier
+        assert report.host_tier_peak_bytes > held
+    else:
+        assert report.host_tier_peak_bytes == held
+
+
+def test_schedules_under_test_cover_every_decision():
+    """The ILP budgets above really mix decisions (else the exactness tests prove little)."""
+    seen = set()
+    for name in MODELS:
+        for strategy, fraction in STRATEGIES:
+            try:
+                s = plan(load_small(name), strategy, fraction)
+            except InfeasiblePlan:
+                continue
+            seen |= {(b.act, b.weights, b.optim) for b in s.blocks if strategy == "ilp"}
+    acts, weights, optims = ({c[k] for c in seen} for k in range(3))
+    assert acts == {"keep", "swap", "recompute"}
+    assert weights == {"resident", "streamed"}
+    assert optims == {"device", "host"}
+    assert ("keep", "resident", "host") in seen  # resident weights with host master copies
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,strategy,fraction",
+                         [("gpt", "offload_all", 1.0), ("resnet", "ilp", 0.6),
+                          ("mlp", "keep_all", 1.0)])
+def test_checkpoint_format(name, strategy, fraction, tmp_path):
+    mf = load_small(name)
+    schedule = plan(mf, strategy, fraction)
+    run(schedule, mf, 2, checkpoint_dir=tmp_path)
+    d = tmp_path / "step_2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]  # no temporaries left
+    assert sorted(p.name for p in d.iterdir()) == ["meta.json", "model.pt", "optimizer.pt"]
+
+    state = torch.load(d / "model.pt", weights_only=True)
+    fresh = mf.build_model()
+    assert list(state) == list(fresh.state_dict())  # exactly its keys, tied ones included
+    fresh.load_state_dict(state, strict=True)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
+               for t in state.values()), "model.pt holds views of larger storages"
+
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["complete"] is True
+    opt = torch.load(d / "optimizer.pt", weights_only=True)
+    assert len(opt["blocks"]) == len(schedule.blocks)
+    assert latest_checkpoint(tmp_path) == d
+
+
+def test_optimizer_checkpoint_holds_only_the_optimizer_state(tmp_path):
+    mf = load_small("gpt")
+    run(plan(mf, "offload_all"), mf, 1, checkpoint_dir=tmp_path)
+    state_bytes = 2 * sum(p.numel() * p.element_size() for p in mf.build_model().parameters())
+    size = (tmp_path / "step_1" / "optimizer.pt").stat().st_size
+    assert size < 2 * state_bytes + (64 << 10), f"optimizer.pt is {size} bytes"
+
+
+RESUME_CASES = [("gpt", "ilp", 0.5), ("resnet", "ilp", 0.6), ("gpt", "keep_all", 1.0)]
+
+
+@pytest.mark.parametrize("name,strategy,fraction", RESUME_CASES)
+def test_resume_continues_exactly(name, strategy, fraction, tmp_path):
+    mf = load_small(name)
+    schedule = plan(mf, strategy, fraction)
+    if strategy == "ilp":  # resume must restore streamed masters and host optimizer state
+        assert {b.weights for b in schedule.blocks} == {"resident", "streamed"}
+        assert {b.act for b in schedule.blocks} >= {"recompute", "keep"}
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+
+    full = run(schedule, mf, 4, checkpoint_dir=whole, checkpoint_every=2)
+    first = run(schedule, mf, 2, checkpoint_dir=parts)
+    lines: list[str] = []
+    second = run(schedule, mf, 4, checkpoint_dir=parts, resume=True, log=lines.append)
+
+    assert any("resumed from" in line and "step 2" in line for line in lines), lines
+    assert second.steps == [3, 4]
+    assert first.losses + second.losses == full.losses
+    assert_bitwise_equal(load_model_pt(parts, 4), load_model_pt(whole, 4))
+    assert_bitwise_equal(load_model_pt(parts, 2), load_model_pt(whole, 2))
+    ref_sd, ref_losses = reference(name, 4)
+    assert full.losses == ref_losses
+    assert_bitwise_equal(load_model_pt(whole, 4), ref_sd)
+
+
+@pytest.mark.parametrize("name,before,after", [("gpt", "keep_all", "offload_all"),
+                                               ("resnet", "offload_all", "swap_all")])
+def test_a_checkpoint_resumes_under_another_schedule(name, before, after, tmp_path):
+    """A checkpoint holds the model's values, not the schedule's placement of them."""
+    mf = load_small(name)
+    run(plan(mf, before), mf, 2, checkpoint_dir=tmp_path)
+    report = run(plan(mf, after), mf, 4, checkpoint_dir=tmp_path, resume=True)
+    ref_sd, ref_losses = reference(name, 4)
+    assert report.losses == ref_losses[2:]
+    assert_bitwise_equal(load_model_pt(tmp_path, 4), ref_sd)
+
+
+def test_half_written_checkpoints_are_ignored(tmp_path):
+    mf = load_small("mlp")
+    schedule = plan(mf, "keep_all")
+    run(schedule, mf, 2, checkpoint_dir=tmp_path)
+    good = tmp_path / "step_2"
+    torn = tmp_path / "step_5"  # killed before meta.json was written
+    torn.mkdir()
+    shutil.copy(good / "model.pt", torn / "model.pt")
+    hidden = tmp_path / ".step_6.tmp123"  # killed before the rename
+    shutil.copytree(good, hidden)
+    meta = json.loads((good / "meta.json").read_text())
+    (hidden / "meta.json").write_text(json.dumps({**meta, "step": 6}))
+    missing = tmp_path / "step_7"  # meta.json but no optimizer.pt
+    missing.mkdir()
+    shutil.copy(good / "model.pt", missing / "model.pt")
+    (missing / "meta.json").write_text(json.dumps({**meta, "step": 7}))
+    partial = tmp_path / "step_8"  # a meta.json that does not say complete
+    shutil.copytree(good, partial)
+    (partial / "meta.json").write_text(json.dumps({**meta, "step": 8, "complete": False}))
+
+    assert latest_checkpoint(tmp_path) == good
+    report = run(schedule, mf, 3, checkpoint_dir=tmp_path, resume=True)
+    assert report.steps == [3]
+    _, ref_losses = reference("mlp", 3)
+    assert report.losses == ref_losses[2:]
+
+
+def test_latest_checkpoint_of_a_missing_or_empty_directory(tmp_path):
+    assert latest_checkpoint(tmp_path / "nothing") is None
+    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(None) is None
+
+
+# --- divergence ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def layers_model(tmp_path_factory):
+    """The three-layer model file, loaded (and traced, on first plan) once for this module."""
+    path = tmp_path_factory.mktemp("divergence") / "layers.py"
+    path.write_text(LAYERS_MODEL)
+    return load_with_env(path)
+
+
+@pytest.mark.parametrize("strategy", ["keep_all", "offload_all"])
+def test_the_layers_model_trains_exactly_in_its_planned_order(layers_model, strategy, tmp_path):
+    schedule = plan(layers_model, strategy)
+    assert [b.name for b in schedule.blocks] == ["layers.0", "layers.1", "layers.2"]
+    ref_sd, ref_losses = reference_train(layers_model, schedule.config.batch_size, 2)
+    report = run(schedule, layers_model, 2, checkpoint_dir=tmp_path)
+    assert report.losses == ref_losses
+    assert_bitwise_equal(load_model_pt(tmp_path, 2), ref_sd)
+
+
+@pytest.mark.parametrize("order", ["2,1,0", "0,2", "0,1", "0,1,2,1"])
+@pytest.mark.parametrize("strategy", ["keep_all", "swap_all", "offload_all"])
+def test_execution_that_leaves_the_schedule_fails_loudly(layers_model, strategy, order,
+                                                         tmp_path, monkeypatch):
+    schedule = plan(layers_model, strategy)
+    monkeypatch.setenv("LAYER_ORDER", order)
+    with pytest.raises(DivergedError, match="diverged from the schedule: expected"):
+        run(schedule, layers_model, 1, checkpoint_dir=tmp_path)
+    assert latest_checkpoint(tmp_path) is None  # nothing was saved
+
+
+@pytest.mark.parametrize("order", ["0,1,1,2", "0,0,1,2"])
+def test_a_block_called_twice_in_a_row_fails_loudly(layers_model, order, monkeypatch):
+    schedule = plan(layers_model, "keep_all")
+    monkeypatch.setenv("LAYER_ORDER", order)
+    with pytest.raises(DivergedError):
+        run(schedule, layers_model, 1)
