@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from karma.ir import build_block_graph  # noqa: E402
-from karma.modelfile import load_model_file, optimizer_state_factor  # noqa: E402
+from karma.modelfile import load_model_file, optimizer_profile  # noqa: E402
 from karma.planner.baselines import BASELINES, keep_all  # noqa: E402
 from karma.planner.hardware import load_hardware  # noqa: E402
 from karma.planner.ilp import solve_ilp  # noqa: E402
@@ -81,7 +81,7 @@ def main() -> None:
         os.environ.update(env)  # the example files read their size at import
         mf = load_model_file(ROOT / path)
         graph = build_block_graph(mf, batch_size)
-        factor = optimizer_state_factor(mf)
+        factor = optimizer_profile(mf)
         for hw_name in HARDWARE:
             problem = build_problem(graph, load_hardware(hw_name), "fp32", 1, factor)
             name = f"{label} ({len(problem.blocks)} blocks, batch {batch_size})"

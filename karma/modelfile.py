@@ -194,20 +194,37 @@ def load_model_file(path: str | Path) -> ModelFile:
     )
 
 
-def optimizer_state_factor(mf: ModelFile) -> int:
-    """How many parameter-sized state tensors the model file's optimizer keeps (AdamW: 2).
+@dataclass(frozen=True)
+class OptimizerProfile:
+    """What the model file's optimizer costs in memory, per byte of parameter."""
 
-    Found by stepping the optimizer once on a small parameter, so that any optimizer works.
+    state_factor: int  # parameter-sized state tensors it keeps (AdamW: 2)
+    temp_factor: float  # parameter-sized temporaries a step makes (AdamW: 2)
+
+
+def optimizer_profile(mf: ModelFile) -> OptimizerProfile:
+    """Step the model file's optimizer on a small parameter and count what it allocates.
+
+    A first step creates the state; a second one, under a counting dispatch mode, shows the
+    temporaries. Any optimizer works, with no table of known ones.
     """
-    param = torch.nn.Parameter(torch.zeros(7, 3))
+    from karma.ir.measure import LiveBytes
+
+    param = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(0)))
     try:
         opt = mf.make_optimizer([param])
         param.grad = torch.ones_like(param)
         opt.step()
+        state = [v for v in opt.state.get(param, {}).values() if isinstance(v, torch.Tensor)]
+        live = LiveBytes(known=[param, param.grad, *state])
+        with live, torch.no_grad():
+            opt.step()
     except Exception as e:  # noqa: BLE001 - user code
         raise ModelFileError(
             f"{mf.path}: make_optimizer(params) failed on a test parameter: "
             f"{type(e).__name__}: {e}{_user_frame(e, mf.path)}") from e
-    state = opt.state.get(param, {})
-    return sum(1 for v in state.values()
-               if isinstance(v, torch.Tensor) and v.shape == param.shape)
+    nbytes = param.numel() * param.element_size()
+    return OptimizerProfile(
+        state_factor=sum(1 for v in state if v.shape == param.shape),
+        temp_factor=round(live.peak / nbytes, 3),
+    )

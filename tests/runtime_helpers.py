@@ -21,7 +21,7 @@ import torch
 
 from karma.ir import build_block_graph
 from karma.ir.graph import BlockGraph
-from karma.modelfile import ModelFile, load_model_file, optimizer_state_factor
+from karma.modelfile import ModelFile, load_model_file, optimizer_profile
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import load_hardware
 from karma.planner.pipeline import PlanRequest, make_schedule
@@ -167,7 +167,7 @@ def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
                      env=model_env(mf))
     request = PlanRequest(capacity, load_hardware(HARDWARE), graph.batch_size, seed=seed,
                           strategy=strategy, time_limit_s=30.0,
-                          optim_state_factor=optimizer_state_factor(mf))
+                          optimizer=optimizer_profile(mf))
     return make_schedule(graph, model, request).schedule
 
 

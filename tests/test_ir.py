@@ -130,7 +130,8 @@ def test_json_schema_and_stable_table(example):
     doc = json.loads(a.to_json())
     assert {"model", "batch_size", "total_param_bytes", "blocks", "edges"} <= set(doc)
     assert set(doc["blocks"][0]) == {"name", "modules", "param_bytes", "act_bytes", "out_bytes",
-                                     "fwd_flops", "bwd_flops"}
+                                     "fwd_flops", "bwd_flops", "fwd_temp_bytes",
+                                     "bwd_temp_bytes"}
     assert set(doc["edges"][0]) == {"src", "dst", "bytes"}
     assert doc["batch_size"] == 2
 

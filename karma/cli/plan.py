@@ -21,7 +21,7 @@ from pathlib import Path
 from karma.cli.common import positive_int, run_cli
 from karma.errors import KarmaError
 from karma.ir import build_block_graph
-from karma.modelfile import load_model_file, optimizer_state_factor
+from karma.modelfile import load_model_file, optimizer_profile
 from karma.units import format_bytes, format_seconds, parse_size
 
 
@@ -103,7 +103,7 @@ def _plan(args: argparse.Namespace) -> int:
         capacity_bytes=capacity, hardware=hardware, batch_size=graph.batch_size,
         dtype=args.dtype, world_size=args.world_size, seed=args.seed, strategy=args.strategy,
         time_limit_s=args.time_limit, gap=args.gap,
-        optim_state_factor=optimizer_state_factor(mf), measured_s=measured_s,
+        optimizer=optimizer_profile(mf), measured_s=measured_s,
     )
     try:
         report = make_schedule(graph, model, request)

@@ -55,6 +55,9 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
             out_bytes=fig.out_bytes,
             fwd_flops=fig.fwd_flops,
             bwd_flops=fig.bwd_flops,
+            fwd_temp_bytes=fig.fwd_temp_bytes,
+            bwd_temp_bytes=fig.bwd_temp_bytes,
+            max_param_bytes=max((_nbytes(params[p]) for p in spec.params), default=0),
         )
         for i, (spec, fig) in enumerate(zip(specs, measured.blocks))
     )

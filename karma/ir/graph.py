@@ -29,9 +29,13 @@ class Block:
     out_bytes: int  # bytes of the tensors the block returns
     fwd_flops: int
     bwd_flops: int
+    fwd_temp_bytes: int  # peak temporaries of its forward, beyond what it saves and returns
+    bwd_temp_bytes: int  # peak temporaries of its backward (gradients of its inputs included)
+    max_param_bytes: int  # its largest own parameter (an optimizer step's temporaries)
 
     def __post_init__(self) -> None:
-        for field in ("param_bytes", "act_bytes", "out_bytes", "fwd_flops", "bwd_flops"):
+        for field in ("param_bytes", "act_bytes", "out_bytes", "fwd_flops", "bwd_flops",
+                      "fwd_temp_bytes", "bwd_temp_bytes", "max_param_bytes"):
             if getattr(self, field) < 0:
                 raise ValueError(f"block {self.name}: {field} = {getattr(self, field)} < 0")
 
@@ -94,6 +98,8 @@ class BlockGraph:
                     "out_bytes": b.out_bytes,
                     "fwd_flops": b.fwd_flops,
                     "bwd_flops": b.bwd_flops,
+                    "fwd_temp_bytes": b.fwd_temp_bytes,
+                    "bwd_temp_bytes": b.bwd_temp_bytes,
                 }
                 for b in self.blocks
             ],

@@ -17,18 +17,22 @@ kernel up to a few bytes of RNG state).
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 from torch.fx.passes.split_module import split_module
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import (
     FlopCounterMode,
     register_flop_formula,
     sdpa_backward_flop_count,
     sdpa_flop_count,
 )
+from torch.utils.weak import WeakIdKeyDictionary
 
 from karma.ir.blocks import BlockSpec
 
@@ -41,6 +45,8 @@ class BlockFigures:
     out_bytes: int
     fwd_flops: int
     bwd_flops: int
+    fwd_temp_bytes: int  # peak of the forward's temporaries beyond what it saves and returns
+    bwd_temp_bytes: int  # peak of the backward's beyond saved, outputs and weight gradients
 
 
 @dataclass(frozen=True)
@@ -90,16 +96,60 @@ def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
         a.detach().requires_grad_(True) if fb and _differentiable(a) else a
         for a, fb in zip(args, from_block)
     ]
-    with FlopCounterMode(display=False) as fwd_counter:
+    live = LiveBytes(known=[*fresh, *submod.parameters(), *submod.buffers()])
+    with FlopCounterMode(display=False) as fwd_counter, live:
         out, act_bytes = saved_bytes(submod, *fresh, skip=skip)
+    fwd_peak, live.peak = live.peak, live.now
     outs = [o for o in _tensors(out)]
     out_bytes = sum({o.untyped_storage()._cdata: o.untyped_storage().nbytes() for o in outs}.values())
     grads_for = [o for o in outs if o.requires_grad]
-    with FlopCounterMode(display=False) as bwd_counter:
+    # split_module passes the weights in as arguments (get_attr in the parent module)
+    params = [p for p in (*submod.parameters(), *args)
+              if isinstance(p, torch.nn.Parameter) and p.requires_grad]
+    with FlopCounterMode(display=False) as bwd_counter, live:
         if grads_for:
             torch.autograd.backward(grads_for, [torch.ones_like(o) for o in grads_for])
-    return BlockFigures(act_bytes, out_bytes, fwd_counter.get_total_flops(),
-                        bwd_counter.get_total_flops())
+    param_grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+    for p in params:
+        p.grad = None
+    return BlockFigures(
+        act_bytes, out_bytes, fwd_counter.get_total_flops(), bwd_counter.get_total_flops(),
+        fwd_temp_bytes=max(0, fwd_peak - act_bytes - out_bytes),
+        bwd_temp_bytes=max(0, live.peak - act_bytes - out_bytes - param_grad_bytes),
+    )
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storages created under the mode and still alive, and their peak.
+
+    [Note: counting temporaries on meta tensors] Each new storage is counted when an op
+    creates it and uncounted when it is freed (a weak reference to the storage object, as
+    torch.distributed._tools.MemTracker does), so the peak includes the temporaries that a
+    block's forward or backward makes and drops, which nothing else in the IR sees.
+    """
+
+    def __init__(self, known=()):
+        super().__init__()
+        self.now = 0
+        self.peak = 0
+        self._seen = WeakIdKeyDictionary()
+        for t in known:
+            if isinstance(t, torch.Tensor):
+                self._seen[t.untyped_storage()] = None  # existed before: not counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            if storage not in self._seen:
+                nbytes = storage.nbytes()
+                self._seen[storage] = weakref.ref(storage, partial(self._freed, nbytes))
+                self.now += nbytes
+                self.peak = max(self.peak, self.now)
+        return out
+
+    def _freed(self, nbytes: int, _ref) -> None:
+        self.now -= nbytes
 
 
 class _Probe(torch.fx.Interpreter):

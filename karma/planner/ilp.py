@@ -19,6 +19,7 @@ from karma.planner.lowering import (
     buffer_spans,
     common_fragment,
     fragment,
+    host_temp_bytes,
     stage_memory,
     valid_choices,
 )
@@ -183,10 +184,16 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
         for first, last, nbytes in buffer_spans(problem, f):
             delta[first].append((nbytes / GIB, key))
             delta[last + 1].append((-nbytes / GIB, key))
+    # (host step temporaries: the largest of them, in every stage from the first host step)
+    host_temp = pulp.LpVariable("host_temp", lowBound=0)
+    for (i, c), f in frags.items():
+        if (nbytes := host_temp_bytes(f)) > 0:
+            lp += host_temp >= nbytes / GIB * x[i, c], f"host_temp_{i}_{_tag(c)}"
     for k in range(st.count):
         change = pulp.lpSum(v if key is None else v * x[key] for v, key in delta[k])
         lp += m[k] == (m[k - 1] if k else 0) + change, f"memory_{k}"
-        lp += m[k] <= cap, f"capacity_{k}"
+        extra = host_temp if k >= st.to_host(n - 1) else 0
+        lp += m[k] + extra <= cap, f"capacity_{k}"
 
     # [Constraint] host memory and pinned host memory
     lp += chosen(lambda f: f.host_bytes / GIB) <= limits.host_bytes / GIB, "host_memory"

@@ -33,6 +33,7 @@ from karma.schedule import BARRIER_STREAMS, STREAMS, Buffer, Op, round_seconds
 
 # (activations, weights, optimizer)
 ACT = ("keep", "swap", "recompute")
+HOST_TEMP = "hoststep."  # buffers of host optimizer temporaries (see host_temp_bytes)
 
 
 @dataclass(frozen=True, order=True)
@@ -159,6 +160,9 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
         f.op(("recompute", i), "recompute", i, st.bwd(i), "compute", b.fwd_s)
     bwd = f.op(("backward", i), "backward", i, st.bwd(i), "compute", b.bwd_s)
 
+    f.buffer(f"tmp.f.{i}", i, b.fwd_temp_bytes, fwd, fwd)
+    f.buffer(f"tmp.b.{i}", i, b.bwd_temp_bytes, bwd, bwd)
+
     # activations
     if c.act == "keep":
         f.buffer(f"act.{i}", i, b.act_bytes, fwd, bwd)
@@ -174,6 +178,7 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
     else:
         f.buffer(f"ckpt.{i}", i, b.in_bytes, fwd, bwd)
         f.buffer(f"act.{i}@re", i, b.act_bytes, ("recompute", i), bwd)
+        f.buffer(f"tmp.r.{i}", i, b.fwd_temp_bytes, ("recompute", i), ("recompute", i))
 
     # weights: this block's, then its copies for later blocks that share them
     if c.weights == "resident":
@@ -184,8 +189,11 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
         f.pinned_bytes += b.param_bytes
 
     # gradients and the optimizer step
-    first_bwd_user = max([i] + [j for j, _ in users_of(problem, i)])
+    users = users_of(problem, i)
+    first_bwd_user = max([i] + [j for j, _ in users])
     grad = f"grad.{i}"
+    # a weight that later blocks share gets its last gradient here, made beside the sum
+    f.buffer(f"gradacc.{i}", i, sum(nbytes for _, nbytes in users), bwd, bwd)
     if problem.world_size > 1:
         f.op(("allreduce", i), "allreduce", i, st.allreduce(i), "net", b.allreduce_s,
              b.param_bytes, uses=(grad,))
@@ -193,6 +201,7 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
         step_stage = st.allreduce(i) if problem.world_size > 1 else st.bwd(i)
         step = f.op(("device_step", i), "device_step", i, step_stage, "compute",
                     b.device_step_s, uses=(grad, f"w.{i}", f"opt.{i}"))
+        f.buffer(f"steptmp.{i}", i, b.step_temp_bytes, step, step)
         f.buffer(f"opt.{i}", i, b.optim_bytes, None, None)
         f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), step)
     else:
@@ -201,6 +210,8 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
         f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), to_host)
         step = f.op(("host_step", i), "host_step", i, st.to_host(i), "host", b.host_step_s,
                     after=(("stage_end", st.to_host(i)),))
+        if problem.host_temps_on_device:  # see host_temp_bytes
+            f.buffer(f"{HOST_TEMP}{i}", i, b.step_temp_bytes, step, step)
         if c.weights == "resident":
             f.op(("upload", i), "upload", i, st.update, "h2d", problem.h2d_s(b.param_bytes),
                  b.param_bytes, uses=(f"w.{i}",), after=(step,))
@@ -238,7 +249,6 @@ def common_fragment(problem: Problem) -> Fragment:
     for i, b in enumerate(problem.blocks):
         last_use = ("forward", i + 1) if i + 1 < n else ("backward", i)
         f.buffer(f"out.{i}", i, b.out_bytes, ("forward", i), last_use)
-        f.buffer(f"dgrad.{i}", i, b.out_bytes + b.in_bytes, ("backward", i), ("backward", i))
     return f
 
 
@@ -259,7 +269,15 @@ def buffer_spans(problem: Problem, f: Fragment) -> list[tuple[int, int, int]]:
 
     return [(stage_of(b.alloc) if b.alloc is not None else 0,
              stage_of(b.free) if b.free is not None else st.count - 1, b.bytes)
-            for b in f.buffers]
+            for b in f.buffers if not b.name.startswith(HOST_TEMP)]
+
+
+def host_temp_bytes(f: Fragment) -> int:
+    """[Note: host step temporaries] On the CPU backend a host optimizer step makes a
+    temporary the size of its largest weight in private memory. Host steps run one at a time
+    but not in a fixed stage, so the stage model counts the largest of them in every stage
+    from the first host step on, rather than each in its own stage."""
+    return max((b.bytes for b in f.buffers if b.name.startswith(HOST_TEMP)), default=0)
 
 
 def stage_memory(problem: Problem, choices: list[Choice]) -> list[int]:
@@ -271,10 +289,11 @@ def stage_memory(problem: Problem, choices: list[Choice]) -> list[int]:
         for first, last, nbytes in buffer_spans(problem, f):
             delta[first] += nbytes
             delta[last + 1] -= nbytes
+    host_temp = max(host_temp_bytes(f) for f in frags)
     live, out = 0, []
     for k in range(st.count):
         live += delta[k]
-        out.append(live)
+        out.append(live + (host_temp if k >= st.to_host(st.n - 1) else 0))
     return out
 
 

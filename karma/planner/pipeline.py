@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from karma.ir.graph import BlockGraph
+from karma.modelfile import OptimizerProfile
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import Hardware, dump_hardware
 from karma.planner.ilp import min_capacity_bytes, solve_ilp
@@ -36,7 +37,7 @@ class PlanRequest:
     strategy: str = "ilp"  # "ilp" or a baseline's name
     time_limit_s: float = 60.0
     gap: float = 1e-2  # relative optimality gap at which the ILP stops
-    optim_state_factor: int = 2  # fp32 optimizer state tensors per parameter (AdamW: 2)
+    optimizer: OptimizerProfile = OptimizerProfile(state_factor=2, temp_factor=2.0)  # AdamW
     measured_s: Sequence[tuple[float, float]] | None = None  # per-block (fwd, bwd) seconds
 
 
@@ -53,7 +54,7 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
     if request.strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {request.strategy!r}")
     problem = build_problem(graph, request.hardware, request.dtype, request.world_size,
-                            request.optim_state_factor, request.measured_s)
+                            request.optimizer, request.measured_s)
     cap = request.capacity_bytes
     baselines = {name: evaluate(problem, fn(problem, cap), cap) for name, fn in BASELINES.items()}
     feasible = [e for e in baselines.values() if e.feasible]
@@ -82,7 +83,7 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
     single = chosen.iteration_s
     if request.world_size > 1:
         one = build_problem(graph, request.hardware, request.dtype, 1,
-                            request.optim_state_factor, request.measured_s)
+                            request.optimizer, request.measured_s)
         single = evaluate(one, chosen.plan, cap).iteration_s
     schedule = _schedule(graph, model, request, chosen, single)
     return PlanReport(problem, chosen, baselines, schedule, single)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from karma.ir.graph import BlockGraph
+from karma.modelfile import OptimizerProfile
 from karma.planner.hardware import Hardware
 
 FP32_BYTES = 4
@@ -40,6 +41,9 @@ class BlockCost:
     host_step_s: float  # host optimizer step of its weights
     device_step_s: float  # device optimizer step of its weights
     allreduce_s: float  # ring all-reduce of its gradients (0 on one rank)
+    fwd_temp_bytes: int = 0  # peak temporaries of its forward beyond what it saves and returns
+    bwd_temp_bytes: int = 0  # peak temporaries of its backward (input gradients included)
+    step_temp_bytes: int = 0  # temporaries of an optimizer step (a multiple of its largest weight)
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class Problem:
     pinned_mem_bytes: int
     world_size: int
     dtype: str
+    host_temps_on_device: bool = False  # cpu: the host optimizer's temporaries are private
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -80,14 +85,15 @@ def ring_allreduce_s(nbytes: int, world_size: int, net_bytes_per_s: float,
 
 
 def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_size: int = 1,
-                  optim_state_factor: int = 2,
+                  optimizer: OptimizerProfile | None = None,
                   measured_s: Sequence[tuple[float, float]] | None = None) -> Problem:
     """Per-block costs of `graph` on `hw`.
 
-    optim_state_factor: fp32 state tensors per parameter (2 for Adam/AdamW, 1 for SGD with
-    momentum, 0 for plain SGD). measured_s: (forward, backward) seconds per block, replacing
-    the roofline estimate.
+    optimizer: the optimizer's state and temporaries per parameter byte (default AdamW's:
+    2 and 2). measured_s: (forward, backward) seconds per block, replacing the roofline
+    estimate.
     """
+    optimizer = optimizer or OptimizerProfile(state_factor=2, temp_factor=2.0)
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
     scale = DTYPE_BYTES[dtype] / FP32_BYTES  # the IR is measured in fp32
@@ -113,10 +119,13 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
             bwd_s=bwd_s,
             param_bytes=param_bytes,
             shared_from=tuple((owner, int(nbytes * scale)) for owner, nbytes in b.shared_from),
-            optim_bytes=optim_state_factor * b.param_bytes + master,
+            optim_bytes=optimizer.state_factor * b.param_bytes + master,
             act_bytes=act_bytes,
             in_bytes=int(in_bytes[i] * scale),
             out_bytes=out_bytes,
+            fwd_temp_bytes=int(b.fwd_temp_bytes * scale),
+            bwd_temp_bytes=int(b.bwd_temp_bytes * scale),
+            step_temp_bytes=int(optimizer.temp_factor * b.max_param_bytes),
             host_step_s=b.param_bytes / hw.host_optim_bytes_per_s,
             device_step_s=DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s,
             allreduce_s=ring_allreduce_s(param_bytes, world_size, hw.net_bytes_per_s,
@@ -134,4 +143,7 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         pinned_mem_bytes=hw.pinned_mem_bytes,
         world_size=world_size,
         dtype=dtype,
+        # On the CPU backend the "device" is the process's private memory, where the host
+        # optimizer's temporaries also land; on a GPU they are host memory.
+        host_temps_on_device=hw.device_kind == "cpu",
     )

@@ -11,6 +11,7 @@ arenas sized from the schedule, so that nothing is allocated per tensor.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import os
 import tempfile
 from pathlib import Path
@@ -112,13 +113,37 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def return_freed_memory_promptly() -> None:
+    """[Note: glibc keeps freed memory] glibc raises its mmap threshold as large blocks are
+    freed, after which big tensors come from the heap and their memory stays with the process
+    when freed: the process's private memory then tracks its past peak, not what it holds.
+    Pinning the threshold (64 KiB) and the trim threshold (128 KiB) makes freed tensors go
+    back to the system, so that a memory cap holds what the schedule planned."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to tune
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 64 << 10)
+    libc.mallopt(m_trim_threshold, 128 << 10)
+
+
 def private_bytes() -> int:
     """This process's private (anonymous) resident memory, from /proc/self/status."""
+    return _status_kib("RssAnon:") * 1024
+
+
+def data_bytes() -> int:
+    """This process's data segment (VmData): what `prlimit --data` caps."""
+    return _status_kib("VmData:") * 1024
+
+
+def _status_kib(key: str) -> int:
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(key):
+                    return int(line.split()[1])
     except OSError:
         pass
     return 0

@@ -21,8 +21,14 @@ from karma.errors import KarmaError
 from karma.modelfile import ModelFile, load_model_file
 from karma.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from karma.runtime.engine import Engine
-from karma.runtime.host import HostPool, private_bytes
+from karma.runtime.host import (
+    HostPool,
+    data_bytes,
+    private_bytes,
+    return_freed_memory_promptly,
+)
 from karma.schedule import Schedule
+from karma.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class RunReport:
     capacity_bytes: int
     host_tier_peak_bytes: int
     batch_size: int
+    baseline_private_bytes: int  # before the model was built: what the peak is measured above
+    baseline_data_bytes: int  # VmData then: the process's fixed cost under prlimit --data
 
     def to_json(self) -> dict:
         return {
@@ -59,6 +67,8 @@ class RunReport:
             "capacity_bytes": self.capacity_bytes,
             "host_tier_peak_bytes": self.host_tier_peak_bytes,
             "batch_size": self.batch_size,
+            "baseline_private_bytes": self.baseline_private_bytes,
+            "baseline_data_bytes": self.baseline_data_bytes,
         }
 
 
@@ -84,11 +94,15 @@ def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
         raise KarmaError("the CUDA backend is not built yet; plan with --hardware cpu to train "
                          "on the CPU backend")
     device = torch.device("cpu")
+    return_freed_memory_promptly()
     seed = schedule.config.seed if options.seed is None else options.seed
     # The first optimizer a process makes imports torch._dynamo (about 70 MiB): a one-time
     # cost of PyTorch, not of the schedule, so it happens before the baseline is taken.
     mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
     baseline = private_bytes()
+    baseline_data = data_bytes()
+    options.log(f"baseline before the model: {format_bytes(baseline)} private, "
+                f"{format_bytes(baseline_data)} data segment (what prlimit --data caps)")
 
     torch.manual_seed(seed)
     model = mf.build_model()
@@ -149,7 +163,8 @@ def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
         predicted_step_s=predicted.iteration_s,
         predicted_peak_device_bytes=predicted.peak_device_bytes,
         capacity_bytes=schedule.config.capacity_bytes, host_tier_peak_bytes=pool_peak,
-        batch_size=schedule.config.batch_size,
+        batch_size=schedule.config.batch_size, baseline_private_bytes=baseline,
+        baseline_data_bytes=baseline_data,
     )
 
 
@@ -158,11 +173,14 @@ class _PeakSampler:
 
     def __init__(self, baseline: int):
         self.baseline = baseline
-        self.peak = 0
+        self.peak = 0  # over the whole run
+        self.step_peak = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Start sampling a new step (stop() returns that step's peak)."""
+        self.step_peak = 0
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -171,17 +189,22 @@ class _PeakSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.peak = max(self.peak, private_bytes() - self.baseline)
-        return self.peak
+        self._sample()
+        return self.step_peak
 
     def _run(self) -> None:
         while not self._stop.wait(0.001):
-            self.peak = max(self.peak, private_bytes() - self.baseline)
+            self._sample()
+
+    def _sample(self) -> None:
+        now = private_bytes() - self.baseline
+        self.step_peak = max(self.step_peak, now)
+        self.peak = max(self.peak, now)
 
 
 def _progress(step: int, total: int, loss: float, step_s: float, batch: int, peak: int,
               predicted_peak: int, predicted_s: float) -> str:
-    from karma.units import format_bytes, format_seconds
+    from karma.units import format_seconds
 
     return (f"step {step}/{total}  loss {loss:.4f}  {format_seconds(step_s)}/step "
             f"(predicted {format_seconds(predicted_s)})  {batch / step_s:.1f} samples/s  "
