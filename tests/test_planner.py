@@ -37,9 +37,8 @@ from karma.units import format_bytes
 GB = 10**9  # decimal, so that sizes are never MiB-aligned by accident
 MIB = 1 << 20
 HUGE = 10**15  # bytes: a budget nothing reaches
-# The hand-worked budgets leave this much over the plan they expect: the ILP keeps a small
-# margin under the budget for the solver's tolerance (ilp.CAPACITY_MARGIN_BYTES), and these
-# tests are about choices, not the last bytes (those have tests of their own below).
+# The hand-worked budgets leave this much over the plan they expect: these tests are about
+# choices, not the last bytes (those have tests of their own below).
 SLACK = MIB
 
 KEEP = Choice("keep")
@@ -414,8 +413,11 @@ def test_last_block_has_no_swap_choice_and_no_plan_swaps_it():
 def test_evaluate_rejects_a_swap_of_the_last_block():
     # Its swap-in would be issued in the stage of its own forward, before the swap-out.
     problem = _three_blocks(2e9)
-    with pytest.raises((ValueError, ScheduleError), match="last block"):
+    with pytest.raises((ValueError, ScheduleError), match="cannot swap back in"):
         evaluate(problem, Plan("x", (KEEP, KEEP, SWAP)), HUGE)
+    # nor can the block before it prefetch two stages ahead: one block follows it
+    with pytest.raises(ValueError, match="only 1 block"):
+        evaluate(problem, Plan("x", (KEEP, Choice("swap", ahead=2), KEEP)), HUGE)
 
 
 def _swap_block_0_schedule():
@@ -482,3 +484,26 @@ def test_500_block_chain_solves():
     assert ev.feasible
     assert ev.iteration_s <= best.iteration_s + 1e-9
     assert ev.iteration_s > evaluate(problem, keep_all(problem, HUGE), HUGE).iteration_s
+
+
+def test_a_swap_in_issued_two_stages_ahead_hides_behind_a_longer_backward():
+    # 4 blocks: forward 3, 3, 0.1, 0.1 s; backward 0.5, 0.1, 3, 0.5 s; activations 1, 1,
+    # 0.1, 1 GB; a 1 GB/s link (1 s per GB). Stages: 0 prologue, 1-4 forward of blocks 0-3
+    # (F0-F3), 5-8 backward of blocks 3-0 (B3-B0). keep_all holds 3.1 GB in F3 and B3 and at
+    # most 2.1 GB elsewhere; the budget, 2.2 GB, needs 0.9 GB out of F3 and B3. Options:
+    #   recompute block 0 or 1: +3 s; block 3 cannot (its recompute lands in B3);
+    #   swap block 1: out in F2 (0.1 s of compute: +0.9 s); in at B2, or at B3 (too full);
+    #   swap block 0: out in F1 (3 s: hidden); in at B1 (0.1 s: +0.9 s) one stage ahead,
+    #   or at B2 (3 s: hidden) two stages ahead, where 2.1 GB leave room for it.
+    # So the ILP swaps block 0 two stages ahead, at keep_all's time.
+    problem = chain(4, fwd_s=[3.0, 3.0, 0.1, 0.1], bwd_s=[0.5, 0.1, 3.0, 0.5],
+                    act_bytes=[GB, GB, GB // 10, GB], link_bytes_per_s=1e9)
+    keep_s = (3.0 + 3.0 + 0.1 + 0.1) + (0.5 + 0.1 + 3.0 + 0.5)
+    cap = 2 * GB + GB // 5
+    plan = solve_ilp(problem, cap, gap=0.0)
+    assert plan.choices[0] == Choice("swap", ahead=2)
+    assert all(c.act == "keep" for c in plan.choices[1:])
+    assert evaluate(problem, plan, cap).iteration_s == pytest.approx(keep_s, rel=1e-9)
+    one_ahead = Plan("x", (Choice("swap", ahead=1),) + plan.choices[1:])
+    assert evaluate(problem, one_ahead, cap).iteration_s == pytest.approx(keep_s + 0.9,
+                                                                         rel=1e-9)

@@ -232,4 +232,4 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
 
 
 def _tag(c: Choice) -> str:
-    return f"{c.act[0]}{c.weights[0]}{c.optim[0]}"
+    return f"{c.act[0]}{c.weights[0]}{c.optim[0]}{c.ahead}"

@@ -11,16 +11,17 @@ Stages (n blocks; see karma/schedule.py for what a stage means):
     0               prologue: fetch block 0's streamed weights
     1 + j           forward of block j (and the loss after the last); swap-out of block
                     j-1's activations; prefetch of block j+1's streamed weights
-    1 + n + (n-1-j) backward of block j (after its recompute); swap-in and weight prefetch
-                    for block j-1; gradients of block j+1 to the host (all-reduced first,
-                    one stage earlier, on several ranks)
+    1 + n + (n-1-j) backward of block j (after its recompute); swap-ins and weight
+                    prefetches for block j-1 (or j-2, see below); gradients of block j+1 to
+                    the host (all-reduced first, one stage earlier, on several ranks)
     2n + 1 (+1)     epilogue: the last gradients to the host
     last            update: weights stepped on the host go back to their device buffers
 
-[Note: why fetches are issued one stage ahead] Issuing every copy one stage before its use
-keeps each stage's memory and time additive (a stage lasts as long as its busiest stream),
-which is what makes the ILP exact. Deeper prefetch would hide longer copies behind several
-blocks but make memory depend on pairs of decisions; it is left out on purpose.
+[Note: how far ahead a copy is issued] A block's swap-in and weight fetches are issued one or
+two stages before their use (its choice's `ahead`). Two stages hide a long copy behind more
+compute and cost a buffer held one stage longer; either way the copy's time falls in one
+stage and its buffer in a known span of stages, so time and memory stay additive per block
+and the ILP stays exact.
 """
 
 from __future__ import annotations
@@ -43,20 +44,29 @@ class Choice:
     act: str  # keep | swap | recompute
     weights: str = "resident"  # resident | streamed
     optim: str = "device"  # device | host
+    ahead: int = 1  # stages before its use that a swap-in or weight fetch is issued (1 or 2)
 
     def __post_init__(self) -> None:
         if self.act not in ACT or self.weights not in ("resident", "streamed") \
-                or self.optim not in ("device", "host"):
+                or self.optim not in ("device", "host") or self.ahead not in (1, 2):
             raise ValueError(f"not a choice: {self}")
         if self.weights == "streamed" and self.optim != "host":
             raise ValueError("streamed weights are stepped on the host")
 
 
 def valid_choices(problem: Problem, i: int) -> list[Choice]:
-    """Choices block i may take: the last block cannot swap (its backward comes next)."""
-    acts = ACT if i < len(problem.blocks) - 1 else ("keep", "recompute")
+    """Choices block i may take: the last block cannot swap (its backward comes next); a
+    block that copies nothing in has no prefetch distance to choose."""
+    n = len(problem.blocks)
+    acts = ACT if i < n - 1 else ("keep", "recompute")
     wo = [("resident", "device"), ("resident", "host"), ("streamed", "host")]
-    return [Choice(a, w, o) for a in acts for w, o in wo]
+    out = []
+    for a in acts:
+        for w, o in wo:
+            fetches = a == "swap" or w == "streamed"
+            for ahead in (1, 2) if fetches and i + 2 <= n - 1 else (1,):
+                out.append(Choice(a, w, o, ahead))
+    return out
 
 
 @dataclass(frozen=True)
@@ -150,9 +160,10 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
     """Block i's operations and buffers under choice c."""
     b = problem.blocks[i]
     n = len(problem.blocks)
-    if c.act == "swap" and i == n - 1:
-        raise ValueError(f"block {i} ({b.name}) is the last block: its backward follows its "
-                         "forward at once, so it cannot swap; keep or recompute it")
+    if c.act == "swap" and i + c.ahead > n - 1:
+        raise ValueError(f"block {i} ({b.name}) cannot swap back in {c.ahead} stage(s) before "
+                         f"its backward: only {n - 1 - i} block(s) follow it; keep or recompute "
+                         "it, or prefetch less far ahead")
     st = Stages(n, problem.world_size)
     f = Fragment()
     fwd = f.op(("forward", i), "forward", i, st.fwd(i), "compute", b.fwd_s)
@@ -169,7 +180,7 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
     elif c.act == "swap":
         out = f.op(("swap_out", i), "swap_out", i, st.fwd(i + 1), "d2h",
                    problem.d2h_s(b.act_bytes), b.act_bytes, uses=(f"act.{i}",))
-        into = f.op(("swap_in", i), "swap_in", i, st.bwd(i + 1), "h2d",
+        into = f.op(("swap_in", i), "swap_in", i, st.bwd(i + c.ahead), "h2d",
                     problem.h2d_s(b.act_bytes), b.act_bytes)
         f.buffer(f"act.{i}", i, b.act_bytes, fwd, out)
         f.buffer(f"act.{i}@in", i, b.act_bytes, into, bwd)
@@ -185,7 +196,7 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
         f.buffer(f"w.{i}", i, b.param_bytes, None, None)
     else:
         for user, nbytes in [(i, b.param_bytes)] + users_of(problem, i):
-            _stream_weights(f, problem, st, i, user, nbytes)
+            _stream_weights(f, problem, st, i, user, nbytes, c.ahead)
         f.pinned_bytes += b.param_bytes
 
     # gradients and the optimizer step
@@ -221,20 +232,23 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
 
 
 def _stream_weights(f: Fragment, problem: Problem, st: Stages, owner: int, user: int,
-                    nbytes: int) -> None:
-    """Fetch `owner`'s weights for `user`'s forward, and again for its backward."""
+                    nbytes: int, ahead: int) -> None:
+    """Fetch `owner`'s weights for `user`'s forward, and again for its backward, `ahead`
+    stages before each (the prologue at the earliest, the last block's backward at the
+    latest)."""
     n = len(problem.blocks)
     suffix = "" if user == owner else str(user)
     # a fetch lists the buffer it fills in `uses`: the runtime reads the owner from its name
     fwd_buf, bwd_buf = f"w.{owner}@f{suffix}", f"w.{owner}@b{suffix}"
-    fetch_f = f.op(("fetch", owner, user, "fwd"), "fetch", user, st.fwd(user) - 1, "h2d",
-                   problem.h2d_s(nbytes), nbytes, uses=(fwd_buf,))
+    fetch_f = f.op(("fetch", owner, user, "fwd"), "fetch", user, max(0, st.fwd(user) - ahead),
+                   "h2d", problem.h2d_s(nbytes), nbytes, uses=(fwd_buf,))
     if user == n - 1:  # the last block's backward follows at once: keep the forward copy
         f.buffer(fwd_buf, owner, nbytes, fetch_f, ("backward", user))
         return
     f.buffer(fwd_buf, owner, nbytes, fetch_f, ("forward", user))
-    fetch_b = f.op(("fetch", owner, user, "bwd"), "fetch", user, st.bwd(user + 1), "h2d",
-                   problem.h2d_s(nbytes), nbytes, uses=(bwd_buf,))
+    fetch_b = f.op(("fetch", owner, user, "bwd"), "fetch", user,
+                   st.bwd(min(user + ahead, n - 1)), "h2d", problem.h2d_s(nbytes), nbytes,
+                   uses=(bwd_buf,))
     f.buffer(bwd_buf, owner, nbytes, fetch_b, ("backward", user))
 
 

@@ -1,6 +1,6 @@
 """The plain PyTorch training loop that karma must equal, as a command.
 
-    python bench/reference_train.py examples/gpt.py --batch-size 2 --steps 5 [--seed 0]
+    python -m karma.reference examples/gpt.py --batch-size 2 --steps 5 [--seed 0]
 
 Prints one JSON line: the losses, and the peak private memory above the process's baseline
 before the model was built. Used under `prlimit --data` to show that ordinary training cannot
@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from karma.modelfile import load_model_file  # noqa: E402
-from karma.runtime.host import data_bytes, private_bytes  # noqa: E402
+from karma.modelfile import load_model_file
+from karma.runtime.host import data_bytes, private_bytes
 
 
 def main() -> None:
