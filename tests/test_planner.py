@@ -487,23 +487,24 @@ def test_500_block_chain_solves():
 
 
 def test_a_swap_in_issued_two_stages_ahead_hides_behind_a_longer_backward():
-    # 4 blocks: forward 3, 3, 0.1, 0.1 s; backward 0.5, 0.1, 3, 0.5 s; activations 1, 1,
+    # 4 blocks: forward 3, 3, 0.1, 0.1 s; backward 0.5, 0.2, 3, 0.5 s; activations 1, 1,
     # 0.1, 1 GB; a 1 GB/s link (1 s per GB). Stages: 0 prologue, 1-4 forward of blocks 0-3
     # (F0-F3), 5-8 backward of blocks 3-0 (B3-B0). keep_all holds 3.1 GB in F3 and B3 and at
     # most 2.1 GB elsewhere; the budget, 2.2 GB, needs 0.9 GB out of F3 and B3. Options:
     #   recompute block 0 or 1: +3 s; block 3 cannot (its recompute lands in B3);
     #   swap block 1: out in F2 (0.1 s of compute: +0.9 s); in at B2, or at B3 (too full);
-    #   swap block 0: out in F1 (3 s: hidden); in at B1 (0.1 s: +0.9 s) one stage ahead,
+    #   swap block 0: out in F1 (3 s: hidden); in at B1 (0.2 s: +0.8 s) one stage ahead,
     #   or at B2 (3 s: hidden) two stages ahead, where 2.1 GB leave room for it.
-    # So the ILP swaps block 0 two stages ahead, at keep_all's time.
-    problem = chain(4, fwd_s=[3.0, 3.0, 0.1, 0.1], bwd_s=[0.5, 0.1, 3.0, 0.5],
+    # So the planner swaps block 0 (the ILP, one stage ahead: +0.8 s), then issues its
+    # swap-in two stages ahead (refine_prefetch), at keep_all's time.
+    problem = chain(4, fwd_s=[3.0, 3.0, 0.1, 0.1], bwd_s=[0.5, 0.2, 3.0, 0.5],
                     act_bytes=[GB, GB, GB // 10, GB], link_bytes_per_s=1e9)
-    keep_s = (3.0 + 3.0 + 0.1 + 0.1) + (0.5 + 0.1 + 3.0 + 0.5)
+    keep_s = (3.0 + 3.0 + 0.1 + 0.1) + (0.5 + 0.2 + 3.0 + 0.5)
     cap = 2 * GB + GB // 5
     plan = solve_ilp(problem, cap, gap=0.0)
     assert plan.choices[0] == Choice("swap", ahead=2)
     assert all(c.act == "keep" for c in plan.choices[1:])
     assert evaluate(problem, plan, cap).iteration_s == pytest.approx(keep_s, rel=1e-9)
     one_ahead = Plan("x", (Choice("swap", ahead=1),) + plan.choices[1:])
-    assert evaluate(problem, one_ahead, cap).iteration_s == pytest.approx(keep_s + 0.9,
+    assert evaluate(problem, one_ahead, cap).iteration_s == pytest.approx(keep_s + 0.8,
                                                                          rel=1e-9)

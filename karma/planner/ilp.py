@@ -24,6 +24,7 @@ from karma.planner.lowering import (
     valid_choices,
 )
 from karma.planner.plan import InfeasiblePlan, Plan
+from karma.planner.prefetch import refine_prefetch
 from karma.planner.problem import Problem
 from karma.schedule import BARRIER_STREAMS
 from karma.units import format_bytes
@@ -59,7 +60,7 @@ def solve_ilp(problem: Problem, capacity_bytes: int, time_limit_s: float = 60.0,
         over = _excess(problem, plan, Limits(capacity_bytes, problem.host_mem_bytes,
                                              problem.pinned_mem_bytes))
         if not any(over):
-            return plan
+            return refine_prefetch(problem, plan, capacity_bytes)
         limits = Limits(*(lim - (x + 1024 if x > 0 else 0) for lim, x in zip(limits, over)))
     raise RuntimeError("the ILP's plans kept exceeding the budget by rounding")  # pragma: no cover
 
@@ -105,7 +106,8 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     minimize = "capacity" if minimize_capacity else "time"
     n = len(problem.blocks)
     st = Stages(n, problem.world_size)
-    options = {i: valid_choices(problem, i) for i in range(n)}
+    # copies one stage ahead here; refine_prefetch considers two (see karma/planner/prefetch.py)
+    options = {i: [c for c in valid_choices(problem, i) if c.ahead == 1] for i in range(n)}
     frags = {(i, c): fragment(problem, i, c) for i in range(n) for c in options[i]}
     common = common_fragment(problem)
     started = time.perf_counter()
