@@ -7,6 +7,7 @@ data; nothing else draws from the global RNG before training starts.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import threading
@@ -99,6 +100,7 @@ def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
     # The first optimizer a process makes imports torch._dynamo (about 70 MiB): a one-time
     # cost of PyTorch, not of the schedule, so it happens before the baseline is taken.
     mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
+    gc.collect()  # what an earlier model in this process left is not this run's baseline
     baseline = private_bytes()
     baseline_data = data_bytes()
     options.log(f"baseline before the model: {format_bytes(baseline)} private, "

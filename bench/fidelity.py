@@ -1,0 +1,116 @@
+"""Fidelity and overhead on the CPU backend: predicted against measured, per strategy.
+
+    .venv/bin/python bench/fidelity.py [--size small] [--seq 64] [--batch-size 2] [--steps 6]
+
+Plans GPT-2 with this machine's measured profile (karma-profile), then in one process runs
+the plain PyTorch loop and karma-run's engine for each strategy, alternating, and prints a
+markdown table: median step time (measured and predicted), peak private memory above the
+baseline (measured and predicted), and keep_all's overhead against the plain loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", default="small")
+    p.add_argument("--seq", default="64")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--profile-blocks", action="store_true",
+                   help="time the blocks on this machine instead of the roofline estimate")
+    args = p.parse_args()
+    os.environ.update({"KARMA_GPT": args.size, "KARMA_SEQ": args.seq})
+
+    import torch
+
+    from karma.ir import build_block_graph
+    from karma.modelfile import load_model_file, optimizer_profile
+    from karma.planner.baselines import BASELINES
+    from karma.planner.hardware import dump_hardware
+    from karma.planner.measure_hw import measure_local
+    from karma.planner.pipeline import PlanRequest, make_schedule
+    from karma.planner.plan import evaluate
+    from karma.planner.problem import build_problem
+    from karma.runtime.host import private_bytes, return_freed_memory_promptly
+    from karma.runtime.train import RunOptions, train
+    from karma.schedule import ModelRef
+    from karma.units import format_bytes
+
+    return_freed_memory_promptly()
+    hw = measure_local()
+    Path(tempfile.gettempdir(), "karma-fidelity-cpu.yaml").write_text(dump_hardware(hw))
+    mf = load_model_file(ROOT / "examples" / "gpt.py")
+    graph = build_block_graph(mf, args.batch_size, model_name="examples/gpt.py")
+    opt_profile = optimizer_profile(mf)
+    measured_s = None
+    if args.profile_blocks:
+        from karma.ir.timing import profile_blocks
+
+        measured_s = profile_blocks(mf, args.batch_size)
+    problem = build_problem(graph, hw, optimizer=opt_profile, measured_s=measured_s)
+    keep_peak = evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
+    model = ModelRef("examples/gpt.py", mf.sha256,
+                     hashlib.sha256(graph.to_json().encode()).hexdigest(),
+                     tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_"))))
+
+    def reference_step_times() -> list[float]:
+        torch.manual_seed(0)
+        m = mf.build_model()
+        opt = mf.make_optimizer(m.parameters())
+        data = mf.batches(args.batch_size, 0, 1)
+        times = []
+        for _ in range(args.steps):
+            x, y = next(data)
+            t0 = time.perf_counter()
+            loss = mf.loss_fn(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - t0)
+        return times
+
+    cases = [("keep_all", 1.1), ("recompute_all", 1.1), ("swap_all", 1.1), ("offload_all", 1.1),
+             ("ilp", 0.7), ("ilp", 0.5)]
+    print(f"GPT-2 {args.size}, sequence {args.seq}, batch {args.batch_size}; block times "
+          f"{'measured (--profile-blocks)' if measured_s else 'estimated (roofline)'}; medians over "
+          f"steps 2..{args.steps}; keep_all stage peak {format_bytes(keep_peak)}\n")
+    print("| strategy | budget | step s measured | step s predicted | measured/predicted | "
+          "peak measured | peak predicted | within budget | plain loop step s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for strategy, fraction in cases:
+        cap = int(keep_peak * fraction)
+        try:
+            report = make_schedule(graph, model, PlanRequest(
+                cap, hw, args.batch_size, strategy=strategy, optimizer=opt_profile,
+                measured_s=measured_s))
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"| {strategy} | {format_bytes(cap)} | {type(e).__name__}: {e} |")
+            continue
+        ref = statistics.median(reference_step_times()[1:])
+        gc.collect()
+        run = train(report.schedule, mf, RunOptions(steps=args.steps, log=lambda s: None))
+        measured = statistics.median(run.step_s[1:])
+        predicted = report.schedule.predicted
+        print(f"| {strategy} | {format_bytes(cap)} | {measured:.3f} | {predicted.iteration_s:.3f}"
+              f" | {measured / predicted.iteration_s:.2f} | {format_bytes(run.peak_device_bytes)}"
+              f" | {format_bytes(predicted.peak_device_bytes)} | "
+              f"{'yes' if run.peak_device_bytes <= cap else 'NO'} | {ref:.3f} |", flush=True)
+    print(f"\nprivate memory now {format_bytes(private_bytes())}")
+
+
+if __name__ == "__main__":
+    main()
