@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -23,18 +24,40 @@ FORMAT = "karma-checkpoint-1"
 FILES = ("model.pt", "optimizer.pt", "meta.json")
 
 
-def model_state(model: torch.nn.Module, engine) -> dict[str, torch.Tensor]:
+def model_state(model: torch.nn.Module, engine, scratch: Path) -> dict[str, torch.Tensor]:
     """The model's state_dict with each parameter's up-to-date value (host masters included)."""
     current: dict[str, torch.Tensor] = {}
     for w in engine.weights:
         current.update(w.current())
     canonical = {id(p): n for n, p in model.named_parameters()}
-    state = {}
+    state, copies = {}, {}
     for name, value in model.state_dict(keep_vars=True).items():
         if isinstance(value, torch.nn.Parameter):
             value = current[canonical[id(value)]]
-        state[name] = value.detach().clone()
+        if id(value) not in copies:  # a tied weight is saved once, under both names
+            copies[id(value)] = _standalone(value.detach(), scratch)
+        state[name] = copies[id(value)]
     return state
+
+
+def _standalone(t: torch.Tensor, scratch: Path) -> torch.Tensor:
+    """`t` if it owns its whole storage, else a copy in a file-backed storage of its own.
+
+    [Note: saving views of the host tier] torch.save writes a view's whole storage, and the
+    host tier's tensors are views of large arenas; cloning them would take private memory
+    that a capped run does not have. A file-backed copy of exactly the tensor's bytes costs
+    neither.
+    """
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() == nbytes and t.storage_offset() == 0 and t.is_contiguous():
+        return t
+    fd, name = tempfile.mkstemp(dir=scratch, suffix=".bin")
+    with os.fdopen(fd, "wb") as f:
+        f.truncate(max(nbytes, 1))
+    out = torch.from_file(name, shared=True, size=t.numel(), dtype=t.dtype).view(t.shape)
+    os.unlink(name)  # the mapping stays until the copy is dropped
+    out.copy_(t)
+    return out
 
 
 def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: int) -> Path:
@@ -48,12 +71,15 @@ def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: i
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        _save(tmp / "model.pt", model_state(model, engine))
+        scratch = tmp / "scratch"
+        scratch.mkdir()
+        _save(tmp / "model.pt", model_state(model, engine, scratch))
         _save(tmp / "optimizer.pt", {
             "format": FORMAT,
-            "blocks": [_detached_state(w.optimizer) for w in engine.weights],
+            "blocks": [_detached_state(w.optimizer, scratch) for w in engine.weights],
             "rng_state": torch.get_rng_state(),
         })
+        scratch.rmdir()
         meta = {"format": FORMAT, "step": step, "seed": seed,
                 "schedule_sha256": schedule_sha256(schedule),
                 "model_sha256": schedule.model.sha256, "complete": True}
@@ -111,13 +137,13 @@ def load_checkpoint(path: Path, model, engine) -> int:
     return int(meta["step"])
 
 
-def _detached_state(optimizer) -> dict | None:
-    """The optimizer's state_dict with its tensors copied out of the host tier's arenas
-    (torch.save writes a view's whole storage: the arena)."""
+def _detached_state(optimizer, scratch: Path) -> dict | None:
+    """The optimizer's state_dict, its tensors out of the host tier's arenas (_standalone)."""
     if optimizer is None:
         return None
     sd = optimizer.state_dict()
-    sd["state"] = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in st.items()}
+    sd["state"] = {k: {n: _standalone(v, scratch) if isinstance(v, torch.Tensor) else v
+                       for n, v in st.items()}
                    for k, st in sd["state"].items()}
     return sd
 
