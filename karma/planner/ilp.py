@@ -115,21 +115,21 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     # --- variables ------------------------------------------------------------------------
     lp = pulp.LpProblem("karma_plan", pulp.LpMinimize)
     # x[i, c] = 1 when block i takes choice c                                       (binary)
-    x = {(i, c): pulp.LpVariable(f"x_{i}_{_tag(c)}", cat="Binary")
+    x = {(i, c): lp.add_variable(f"x_{i}_{_tag(c)}", cat="Binary")
          for i in range(n) for c in options[i]}
     # t[k]: duration of stage k, as long as its busiest barrier stream                 (s)
-    t = [pulp.LpVariable(f"t_{k}", lowBound=0) for k in range(st.update)]
+    t = [lp.add_variable(f"t_{k}", lowBound=0) for k in range(st.update)]
     # s[k]: start of stage k; s[update] is when the last barrier stage ends            (s)
-    s = [pulp.LpVariable(f"s_{k}", lowBound=0) for k in range(st.update + 1)]
+    s = [lp.add_variable(f"s_{k}", lowBound=0) for k in range(st.update + 1)]
     # h[i]: when block i's host step ends; u[i]: when its upload ends (blocks n-1..0)  (s)
-    h = {i: pulp.LpVariable(f"h_{i}", lowBound=0) for i in range(n)}
-    u = {i: pulp.LpVariable(f"u_{i}", lowBound=0) for i in range(n)}
+    h = {i: lp.add_variable(f"h_{i}", lowBound=0) for i in range(n)}
+    u = {i: lp.add_variable(f"u_{i}", lowBound=0) for i in range(n)}
     # m[k]: device memory live in stage k                                            (GiB)
-    m = [pulp.LpVariable(f"m_{k}", lowBound=0) for k in range(st.count)]
+    m = [lp.add_variable(f"m_{k}", lowBound=0) for k in range(st.count)]
     # iteration: the objective                                                           (s)
-    iteration = pulp.LpVariable("iteration_s", lowBound=0)
+    iteration = lp.add_variable("iteration_s", lowBound=0)
     # cap: device memory budget, a variable only when minimising it                   (GiB)
-    cap = pulp.LpVariable("cap", lowBound=0) if minimize == "capacity" \
+    cap = lp.add_variable("cap", lowBound=0) if minimize == "capacity" \
         else limits.device_bytes / GIB
 
     def chosen(value) -> pulp.LpAffineExpression:
@@ -187,7 +187,7 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
             delta[first].append((nbytes / GIB, key))
             delta[last + 1].append((-nbytes / GIB, key))
     # (host step temporaries: the largest of them, in every stage from the first host step)
-    host_temp = pulp.LpVariable("host_temp", lowBound=0)
+    host_temp = lp.add_variable("host_temp", lowBound=0)
     for (i, c), f in frags.items():
         if (nbytes := host_temp_bytes(f)) > 0:
             lp += host_temp >= nbytes / GIB * x[i, c], f"host_temp_{i}_{_tag(c)}"
