@@ -25,6 +25,7 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from karma.errors import KarmaError
 from karma.runtime.host import HostPool
 from karma.runtime.streams import StreamWorker, wait_for
 from karma.runtime.swap import DivergedError, SwapStore
@@ -45,7 +46,8 @@ class Engine:
         self.pool = pool
         self.blocks = schedule.blocks
         if schedule.config.world_size > 1:
-            raise NotImplementedError("data parallelism (--world-size > 1) is not built yet")
+            raise KarmaError(f"this schedule was planned for {schedule.config.world_size} ranks, "
+                             "and data parallelism is not built yet; plan with --world-size 1")
         named = dict(model.named_parameters(remove_duplicate=False))
         self.param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
         self.shared = SharedStorage()
