@@ -12,21 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import replace
 from functools import cache
-
-import yaml
 
 from karma.planner.lowering import Choice
 from karma.schedule import (
-    BlockEntry,
     ModelRef,
-    Predicted,
     Schedule,
-    TrainConfig,
     dump_schedule,
     load_schedule,
-    round_seconds,
 )
 from tests.conftest import EXAMPLES, ROOT
 
@@ -80,48 +73,18 @@ def tiny_evaluation(strategy: str = "ilp", capacity_bytes: int = TINY_CAPACITY_B
 @cache
 def tiny_schedule(strategy: str = "ilp", capacity_bytes: int = TINY_CAPACITY_BYTES,
                   world_size: int = 1) -> Schedule:
-    """A complete Schedule, as the planner writes it (op durations rounded as in the file,
-    predicted figures not yet)."""
-    from karma.planner.hardware import dump_hardware, load_hardware
-    from karma.planner.simulate import simulate
+    """A complete Schedule, built as karma-plan builds it (pipeline.schedule_from)."""
+    from karma.planner.hardware import load_hardware
+    from karma.planner.pipeline import PlanRequest, schedule_from
 
     mf, graph = tiny_graph()
     ev = tiny_evaluation(strategy, capacity_bytes, world_size)
-    hardware = yaml.safe_load(dump_hardware(load_hardware(HARDWARE)))
-    hardware.pop("version")
-    # Durations rounded as the file holds them, then simulated: the predicted figures are
-    # those of the ops as written (what karma-inspect re-simulates and checks).
-    ops = tuple(replace(o, dur_s=round_seconds(o.dur_s)) for o in ev.ops)
-    sim = simulate(ops, ev.buffers)
-    return Schedule(
-        model=ModelRef(path=graph.model, sha256=mf.sha256,
-                       ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
-                       env=TINY_ENV),
-        config=TrainConfig(batch_size=graph.batch_size, dtype="fp32", world_size=world_size,
-                           seed=0, capacity_bytes=capacity_bytes),
-        hardware=tuple(hardware.items()),
-        strategy=ev.plan.strategy,
-        status=ev.plan.status,
-        solve_s=ev.plan.solve_s,
-        predicted=Predicted(
-            iteration_s=sim.iteration_s,
-            lower_bound_s=sim.lower_bound_s,
-            peak_device_bytes=sim.peak_device_bytes,
-            stage_peak_bytes=ev.stage_peak_bytes,
-            host_bytes=ev.host_bytes,
-            pinned_bytes=ev.pinned_bytes,
-            busy_s=tuple(sim.busy_s.items()),
-            scaling_efficiency=1.0,
-        ),
-        blocks=tuple(
-            BlockEntry(index=b.index, name=b.name, modules=b.modules, params=b.params,
-                       shared_params=b.shared_params, act=c.act, weights=c.weights,
-                       optim=c.optim, param_bytes=b.param_bytes, act_bytes=b.act_bytes)
-            for b, c in zip(graph.blocks, ev.plan.choices)
-        ),
-        ops=ops,
-        buffers=ev.buffers,
-    )
+    model = ModelRef(path=graph.model, sha256=mf.sha256,
+                     ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
+                     env=TINY_ENV)
+    request = PlanRequest(capacity_bytes, load_hardware(HARDWARE), graph.batch_size,
+                          world_size=world_size)
+    return schedule_from(graph, model, request, ev, single_rank_s=ev.iteration_s)
 
 
 def rounded(s: Schedule) -> Schedule:

@@ -85,12 +85,13 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
         one = build_problem(graph, request.hardware, request.dtype, 1,
                             request.optimizer, request.measured_s)
         single = evaluate(one, chosen.plan, cap).iteration_s
-    schedule = _schedule(graph, model, request, chosen, single)
+    schedule = schedule_from(graph, model, request, chosen, single)
     return PlanReport(problem, chosen, baselines, schedule, single)
 
 
-def _schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest, ev: Evaluation,
-              single_rank_s: float) -> Schedule:
+def schedule_from(graph: BlockGraph, model: ModelRef, request: PlanRequest, ev: Evaluation,
+                  single_rank_s: float) -> Schedule:
+    """The Schedule of an evaluated plan (single_rank_s: the same plan on one rank)."""
     import yaml
 
     hardware = yaml.safe_load(dump_hardware(request.hardware))
