@@ -208,6 +208,18 @@ def test_optimizer_checkpoint_holds_only_the_optimizer_state(tmp_path):
     assert size < 2 * state_bytes + (64 << 10), f"optimizer.pt is {size} bytes"
 
 
+def test_model_checkpoint_of_host_weights_holds_only_the_weights(tmp_path):
+    # offload_all keeps every weight as a view into the host tier's arena (64 MiB or more);
+    # model.pt must hold the weights' own bytes, not the arena, and not via private clones
+    # (see [Note: saving views of the host tier] in karma/runtime/checkpoint.py).
+    mf = load_small("gpt")
+    run(plan(mf, "offload_all"), mf, 1, checkpoint_dir=tmp_path)
+    param_bytes = sum(p.numel() * p.element_size() for p in mf.build_model().parameters())
+    size = (tmp_path / "step_1" / "model.pt").stat().st_size
+    assert param_bytes < size < param_bytes + (64 << 10), f"model.pt is {size} bytes"
+    assert not list((tmp_path / "step_1").glob("scratch*"))
+
+
 RESUME_CASES = [("gpt", "ilp", 0.5), ("resnet", "ilp", 0.6), ("gpt", "keep_all", 1.0)]
 
 
