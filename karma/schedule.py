@@ -89,16 +89,6 @@ class Buffer:
 
 
 @dataclass(frozen=True)
-class BlockDecision:
-    """What the plan does with one block."""
-
-    name: str
-    act: str  # keep | swap | recompute
-    weights: str  # resident | streamed
-    optim: str  # device | host
-
-
-@dataclass(frozen=True)
 class ModelRef:
     """Which model the schedule was planned for."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,21 @@ def load_example(name: str, monkeypatch: pytest.MonkeyPatch, **env: str) -> Mode
     for key, value in {**SMALL_ENV.get(name, {}), **env}.items():
         monkeypatch.setenv(key, value)
     return load_model_file(EXAMPLES / f"{name}.py")
+
+
+@contextmanager
+def environment(env: dict[str, str]):
+    """Set `env` in os.environ for the block, then restore what was there."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import os
 import textwrap
-from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -29,7 +28,7 @@ from karma.planner.plan import evaluate
 from karma.planner.problem import build_problem
 from karma.runtime.train import RunOptions, RunReport, train
 from karma.schedule import ModelRef, Schedule
-from tests.conftest import EXAMPLES, SMALL_ENV
+from tests.conftest import EXAMPLES, SMALL_ENV, environment
 
 HARDWARE = "cpu"
 
@@ -71,21 +70,6 @@ _GRAPHS: dict[int, BlockGraph] = {}
 # (id(mf), id(graph), strategy, fraction, seed) -> Schedule; graphs given are kept alive
 _SCHEDULES: dict[tuple, Schedule] = {}
 _KEEP_ALIVE: list[BlockGraph] = []
-
-
-@contextmanager
-def environment(env: dict[str, str]):
-    """Set `env` in os.environ for the block, then restore what was there."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def load_with_env(path, env: dict[str, str] | None = None) -> ModelFile:

@@ -11,7 +11,6 @@ Graphs and schedules are cached: tracing costs about two seconds once per test p
 from __future__ import annotations
 
 import hashlib
-import os
 from functools import cache
 
 from karma.planner.lowering import Choice
@@ -21,7 +20,7 @@ from karma.schedule import (
     dump_schedule,
     load_schedule,
 )
-from tests.conftest import EXAMPLES, ROOT
+from tests.conftest import EXAMPLES, ROOT, environment
 
 TINY_ENV = (("KARMA_GPT", "tiny"),)
 TINY_BATCH = 2
@@ -39,16 +38,8 @@ def tiny_graph():
     from karma.ir import build_block_graph
     from karma.modelfile import load_model_file
 
-    saved = {k: os.environ.get(k) for k, _ in TINY_ENV}
-    os.environ.update(dict(TINY_ENV))
-    try:
+    with environment(dict(TINY_ENV)):
         mf = load_model_file(EXAMPLES / "gpt.py")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     model = str((EXAMPLES / "gpt.py").relative_to(ROOT))
     return mf, build_block_graph(mf, TINY_BATCH, model_name=model)
 

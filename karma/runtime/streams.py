@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -32,7 +31,6 @@ class StreamWorker:
 
     def __init__(self, name: str, events: dict[int, threading.Event], errors: list):
         self.name = name
-        self.busy_s = 0.0
         self._events = events  # op id -> done event, shared by all streams
         self._errors = errors  # shared: the first failure stops everything
         self._queue: queue.Queue[Pending | None] = queue.Queue()
@@ -54,9 +52,7 @@ class StreamWorker:
                         break
             if not self._errors:
                 try:
-                    start = time.perf_counter()
                     item.run()
-                    self.busy_s += time.perf_counter() - start
                 except BaseException as e:  # noqa: BLE001 - handed to the compute thread
                     self._errors.append((self.name, item.op_id, e))
             self._events[item.op_id].set()

@@ -42,7 +42,6 @@ class SwapStore:
         self._param_storages = param_storages  # _cdata of every parameter's storage
         self._entries: list[Saved] = []
         self._by_view: dict[tuple, Saved] = {}
-        self.bytes_out = 0
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -78,7 +77,6 @@ class SwapStore:
         for e in self._entries:
             e.host = self._pool.empty(e.device.shape, e.device.dtype)
             e.host.copy_(e.device)
-            self.bytes_out += e.host.numel() * e.host.element_size()
             e.device = None
 
     def swap_in(self, device: torch.device) -> None:
@@ -96,4 +94,3 @@ class SwapStore:
                 self._pool.free(e.host)
         self._entries.clear()
         self._by_view.clear()
-        self.bytes_out = 0

@@ -29,7 +29,7 @@ from karma.runtime.host import (
     return_freed_memory_promptly,
 )
 from karma.schedule import Schedule
-from karma.units import format_bytes
+from karma.units import format_bytes, format_seconds
 
 
 @dataclass(frozen=True)
@@ -206,8 +206,6 @@ class _PeakSampler:
 
 def _progress(step: int, total: int, loss: float, step_s: float, batch: int, peak: int,
               predicted_peak: int, predicted_s: float) -> str:
-    from karma.units import format_seconds
-
     return (f"step {step}/{total}  loss {loss:.4f}  {format_seconds(step_s)}/step "
             f"(predicted {format_seconds(predicted_s)})  {batch / step_s:.1f} samples/s  "
             f"peak {format_bytes(peak)} (predicted {format_bytes(predicted_peak)})")

@@ -71,14 +71,14 @@ class BlockWeights:
         self.weights, self.optim = weights, optim
         self._pool = pool
         self._shared = shared
-        self._make_optimizer_for_template = make_optimizer
         self._state_in_pool = False
         if optim == "host":
             self.masters = [torch.nn.Parameter(pool.copy_of(p.detach())) for p in self.params]
             self.host_grads = [pool.empty(p.shape, p.dtype) for p in self.params]
             self.optimizer = make_optimizer(self.masters) if self.params else None
-            if self.optimizer is not None and zero_state_is_fresh_state(make_optimizer):
-                self._prefill_state()
+            template = zero_state_template(make_optimizer) if self.optimizer else None
+            if template is not None:
+                self._prefill_state(template)
             if weights == "streamed":
                 for p, m in zip(self.params, self.masters):
                     shared.register(p, m)
@@ -133,22 +133,18 @@ class BlockWeights:
                 if self.weights == "resident":
                     p.copy_(values[n])
 
-    def _prefill_state(self) -> None:
+    def _prefill_state(self, template: StateTemplate) -> None:
         """Create the optimizer's state in the host tier before its first step.
 
         [Note: optimizer state born in the host tier] Left to itself the optimizer makes its
         state at the first step in private memory (twice the weights for AdamW) and only then
         could it move: a one-off spike that a memory cap would not survive. Where a state of
         zeros is exactly what the optimizer would make (checked once by
-        zero_state_is_fresh_state), it is made in the host tier up front instead.
+        zero_state_template), it is made in the host tier up front instead.
         """
-        template = _state_template(self._make_optimizer_for_template)
         for m in self.masters:
-            self.optimizer.state[m] = {
-                key: (self._pool.empty(m.shape, dtype).zero_() if like_param
-                      else torch.zeros((), dtype=dtype))
-                for key, (like_param, dtype) in template.items()
-            }
+            self.optimizer.state[m] = _zero_state(
+                template, lambda dtype, m=m: self._pool.empty(m.shape, dtype).zero_())
         self._state_in_pool = True
 
     def reset_state_placement(self) -> None:
@@ -164,45 +160,48 @@ class BlockWeights:
         self._state_in_pool = True
 
 
-_FRESH: dict[Callable, bool] = {}  # make_optimizer -> verdict (keeps the function alive)
+StateTemplate = dict[str, tuple[bool, torch.dtype]]  # key -> (parameter-shaped?, dtype)
+_TEMPLATES: dict[Callable, StateTemplate | None] = {}  # keeps each make_optimizer alive
 
 
-def _probe_step(make_optimizer, prefill: bool):
+def zero_state_template(make_optimizer) -> StateTemplate | None:
+    """The optimizer's per-parameter state layout, if a state of zeros steps exactly as the
+    state it makes itself (checked once per make_optimizer on a small parameter); else None."""
+    if make_optimizer not in _TEMPLATES:
+        try:
+            template = _state_template(make_optimizer)
+            p1, s1 = _probe_step(make_optimizer, None)
+            p2, s2 = _probe_step(make_optimizer, template)
+            exact = torch.equal(p1, p2) and s1.keys() == s2.keys() and all(
+                isinstance(v, torch.Tensor) and torch.equal(v, s2[k]) for k, v in s1.items())
+        except Exception:  # noqa: BLE001 - any surprise: let the optimizer make its own state
+            exact = False
+        _TEMPLATES[make_optimizer] = template if exact else None
+    return _TEMPLATES[make_optimizer]
+
+
+def _zero_state(template: StateTemplate, like_param: Callable[[torch.dtype], torch.Tensor]):
+    return {key: like_param(dtype) if shaped else torch.zeros((), dtype=dtype)
+            for key, (shaped, dtype) in template.items()}
+
+
+def _probe_step(make_optimizer, template: StateTemplate | None):
+    """Two steps on a small parameter, from the optimizer's own state or from zeros."""
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(5, 3, generator=g))
     opt = make_optimizer([p])
-    if prefill:
-        opt.state[p] = {key: torch.zeros(p.shape, dtype=dtype) if like_param
-                        else torch.zeros((), dtype=dtype)
-                        for key, (like_param, dtype) in _state_template(make_optimizer).items()}
+    if template is not None:
+        opt.state[p] = _zero_state(template, lambda dtype: torch.zeros(p.shape, dtype=dtype))
     for step in range(2):
         p.grad = torch.randn(5, 3, generator=g) + step
         opt.step()
     return p.detach(), opt.state[p]
 
 
-def _state_template(make_optimizer) -> dict[str, tuple[bool, torch.dtype]]:
-    """Key -> (shaped like the parameter?, dtype) of the optimizer's per-parameter state."""
+def _state_template(make_optimizer) -> StateTemplate:
     p = torch.nn.Parameter(torch.zeros(5, 3))
     opt = make_optimizer([p])
     p.grad = torch.zeros(5, 3)
     opt.step()
     return {k: (v.shape == p.shape, v.dtype) for k, v in opt.state[p].items()
             if isinstance(v, torch.Tensor)}
-
-
-def zero_state_is_fresh_state(make_optimizer) -> bool:
-    """Does a state of zeros step exactly as the state the optimizer makes itself?"""
-    key = make_optimizer
-    if key not in _FRESH:
-        try:
-            p1, s1 = _probe_step(make_optimizer, prefill=False)
-            p2, s2 = _probe_step(make_optimizer, prefill=True)
-            ok = torch.equal(p1, p2) and s1.keys() == s2.keys() and all(
-                torch.equal(s1[k], s2[k]) if isinstance(s1[k], torch.Tensor) else s1[k] == s2[k]
-                for k in s1)
-            ok = ok and all(isinstance(v, torch.Tensor) for v in s1.values())
-        except Exception:  # noqa: BLE001 - any surprise: let the optimizer make its own state
-            ok = False
-        _FRESH[key] = ok
-    return _FRESH[key]
