@@ -59,6 +59,7 @@ class Engine:
         self.swaps = {b.index: SwapStore(b.name, pool, self.param_storages)
                       for b in self.blocks if b.act == "swap"}
         self._named = named
+        self._params_of_buffer: dict[str, list[torch.nn.Parameter]] = {}
 
         ops = schedule.ops
         self.compute_ops = [op for op in ops if op.stream == "compute"]
@@ -269,14 +270,18 @@ class Engine:
         raise DivergedError(f"operation {op.id} ({op.kind}) is not supported by this runtime")
 
     def _fetch_params(self, buffer: str) -> list[torch.nn.Parameter]:
-        """The parameters behind weight buffer `w.OWNER@fUSER` / `w.OWNER@bUSER`."""
-        m = _WEIGHT_BUFFER.match(buffer)
-        if m is None:
-            raise DivergedError(f"fetch of unknown buffer {buffer!r}")
-        owner, user = int(m[1]), int(m[3]) if m[3] else int(m[1])
-        names = self.blocks[owner].params if user == owner else [
-            n for n in self.blocks[user].shared_params if n in set(self.blocks[owner].params)]
-        return [self._named[n] for n in names]
+        """The parameters behind weight buffer `w.OWNER@fUSER` / `w.OWNER@bUSER` (looked up
+        once per buffer, not once per step)."""
+        if buffer not in self._params_of_buffer:
+            m = _WEIGHT_BUFFER.match(buffer)
+            if m is None:
+                raise DivergedError(f"fetch of unknown buffer {buffer!r}")
+            owner, user = int(m[1]), int(m[3]) if m[3] else int(m[1])
+            owned = set(self.blocks[owner].params)
+            names = self.blocks[owner].params if user == owner else [
+                n for n in self.blocks[user].shared_params if n in owned]
+            self._params_of_buffer[buffer] = [self._named[n] for n in names]
+        return self._params_of_buffer[buffer]
 
 
 @contextlib.contextmanager
