@@ -508,3 +508,17 @@ def test_a_swap_in_issued_two_stages_ahead_hides_behind_a_longer_backward():
     one_ahead = Plan("x", (Choice("swap", ahead=1),) + plan.choices[1:])
     assert evaluate(problem, one_ahead, cap).iteration_s == pytest.approx(keep_s + 0.8,
                                                                          rel=1e-9)
+
+
+@pytest.mark.parametrize("optim", ["device", "host"])
+def test_every_update_reads_gradients_after_their_all_reduce(optim):
+    # A slow network: an update that did not wait for its block's all-reduce would start first.
+    problem = chain(4, param_bytes=GB, allreduce_s=50.0, host_step_s=0.1, world_size=4)
+    weights = "resident" if optim == "device" else "streamed"
+    ev = evaluate(problem, Plan("x", (Choice("keep", weights, optim),) * 4), HUGE)
+    sim = simulate(ev.ops, ev.buffers)
+    done = {o.block: sim.end_s[o.id] for o in ev.ops if o.kind == "allreduce"}
+    readers = [o for o in ev.ops if o.kind in ("device_step", "grads_to_host")]
+    assert len(readers) == 4 and len(done) == 4
+    for o in readers:
+        assert sim.start_s[o.id] >= done[o.block], (o.kind, o.block)

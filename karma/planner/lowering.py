@@ -209,7 +209,8 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
         f.op(("allreduce", i), "allreduce", i, st.allreduce(i), "net", b.allreduce_s,
              b.param_bytes, uses=(grad,))
     if c.optim == "device":
-        step_stage = st.allreduce(i) if problem.world_size > 1 else st.bwd(i)
+        # the step reads the averaged gradients: after the all-reduce's stage on many ranks
+        step_stage = st.to_host(i) if problem.world_size > 1 else st.bwd(i)
         step = f.op(("device_step", i), "device_step", i, step_stage, "compute",
                     b.device_step_s, uses=(grad, f"w.{i}", f"opt.{i}"))
         f.buffer(f"steptmp.{i}", i, b.step_temp_bytes, step, step)
