@@ -2,7 +2,7 @@
 
     python -m karma.reference examples/gpt.py --batch-size 2 --steps 5 [--seed 0]
 
-Prints one JSON line: the losses, and the peak private memory above the process's baseline
+Prints one JSON line: the losses (rank 0's with --world-size N), and the peak private memory above the process's baseline
 before the model was built. Used under `prlimit --data` to show that ordinary training cannot
 live where karma-run does (bench/out_of_core.py).
 """
@@ -11,11 +11,71 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from karma.modelfile import load_model_file
+from karma.modelfile import ModelFile, load_model_file
 from karma.runtime.host import data_bytes, private_bytes
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    model: torch.nn.Module  # after the last step
+    rank_losses: list[list[float]]  # [rank][step]
+
+    @property
+    def losses(self) -> list[float]:
+        return self.rank_losses[0]
+
+
+def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
+                    world_size: int = 1, on_step: Callable[[], None] | None = None
+                    ) -> ReferenceRun:
+    """Plain PyTorch training for `steps` steps.
+
+    With world_size N it is what N data-parallel ranks compute, in one process: per step,
+    each rank's batch `batches(B, r, N)` goes forward and backward from that rank's own RNG
+    state (every rank starts from the same one, as ranks seeded alike do), the N gradients
+    are summed in rank order and divided by N, and the optimizer steps once. Only parameters
+    are comparable then: buffers (BatchNorm statistics) see every rank's batch here.
+    `on_step` runs after each backward and each optimizer step (memory sampling).
+    """
+    torch.manual_seed(seed)
+    model = mf.build_model()
+    model.train()
+    opt = mf.make_optimizer(model.parameters())
+    data = [mf.batches(batch_size, r, world_size) for r in range(world_size)]
+    rng = [torch.get_rng_state()] * world_size
+    params = list(model.parameters())
+    losses: list[list[float]] = [[] for _ in range(world_size)]
+    for _ in range(steps):
+        summed: list[torch.Tensor | None] = [None] * len(params)
+        for r in range(world_size):
+            if world_size > 1:
+                torch.set_rng_state(rng[r])
+            x, y = next(data[r])
+            x = x if isinstance(x, (tuple, list)) else (x,)
+            loss = mf.loss_fn(model(*x), y)
+            loss.backward()
+            if on_step is not None:
+                on_step()
+            losses[r].append(loss.item())
+            if world_size == 1:
+                break  # the plain loop: the gradients stay where backward left them
+            rng[r] = torch.get_rng_state()
+            summed = [g if s is None else s if g is None else s + g
+                      for s, g in zip(summed, (p.grad for p in params))]
+            opt.zero_grad()
+        if world_size > 1:
+            for p, g in zip(params, summed):
+                p.grad = None if g is None else g / world_size
+        opt.step()
+        opt.zero_grad()
+        if on_step is not None:
+            on_step()
+    return ReferenceRun(model, losses)
 
 
 def main() -> None:
@@ -24,28 +84,21 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1,
+                   help="average the gradients of this many ranks' batches, in one process")
     args = p.parse_args()
     mf = load_model_file(args.model)
     mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])  # import-time costs, as karma-run
     baseline, baseline_data = private_bytes(), data_bytes()
+    peak = 0
 
-    torch.manual_seed(args.seed)
-    model = mf.build_model()
-    model.train()
-    opt = mf.make_optimizer(model.parameters())
-    data = mf.batches(args.batch_size, 0, 1)
-    losses, peak = [], 0
-    for _ in range(args.steps):
-        x, y = next(data)
-        x = x if isinstance(x, (tuple, list)) else (x,)
-        loss = mf.loss_fn(model(*x), y)
-        loss.backward()
+    def sample() -> None:
+        nonlocal peak
         peak = max(peak, private_bytes() - baseline)
-        opt.step()
-        opt.zero_grad()
-        peak = max(peak, private_bytes() - baseline)
-        losses.append(loss.item())
-    print(json.dumps({"losses": losses, "peak_private_bytes": peak,
+
+    run = train_reference(mf, args.batch_size, args.steps, args.seed, args.world_size,
+                          on_step=sample)
+    print(json.dumps({"losses": run.losses, "peak_private_bytes": peak,
                       "baseline_private_bytes": baseline, "baseline_data_bytes": baseline_data}))
 
 

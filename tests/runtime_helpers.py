@@ -26,6 +26,7 @@ from karma.planner.hardware import load_hardware
 from karma.planner.pipeline import PlanRequest, make_schedule
 from karma.planner.plan import evaluate
 from karma.planner.problem import build_problem
+from karma.reference import train_reference
 from karma.runtime.train import RunOptions, RunReport, train
 from karma.schedule import ModelRef, Schedule
 from tests.conftest import EXAMPLES, SMALL_ENV, environment
@@ -67,7 +68,7 @@ LAYERS_MODEL = textwrap.dedent('''
 _LOADED: dict[int, tuple[ModelFile, tuple[tuple[str, str], ...]]] = {}
 # id(ModelFile) -> its BlockGraph
 _GRAPHS: dict[int, BlockGraph] = {}
-# (id(mf), id(graph), strategy, fraction, seed) -> Schedule; graphs given are kept alive
+# (id(mf), id(graph), strategy, fraction, seed, world_size) -> Schedule; graphs given are kept alive
 _SCHEDULES: dict[tuple, Schedule] = {}
 _KEEP_ALIVE: list[BlockGraph] = []
 
@@ -102,55 +103,46 @@ def block_graph(mf: ModelFile) -> BlockGraph:
     return _GRAPHS[id(mf)]
 
 
-def reference_train(mf: ModelFile, batch_size: int, steps: int, seed: int = 0):
-    """Plain PyTorch training on the CPU: (final state_dict, the loss of each step)."""
-    torch.manual_seed(seed)
-    model = mf.build_model()
-    model.train()
-    opt = mf.make_optimizer(model.parameters())
-    data = mf.batches(batch_size, 0, 1)
-    losses = []
-    for _ in range(steps):
-        x, y = next(data)
-        x = x if isinstance(x, (tuple, list)) else (x,)
-        loss = mf.loss_fn(model(*x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+def reference_train(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
+                    world_size: int = 1):
+    """Plain PyTorch training on the CPU (karma.reference): (final state_dict, the loss of
+    each step; rank 0's with world_size > 1)."""
+    ref = train_reference(mf, batch_size, steps, seed, world_size)
+    return {k: v.detach().clone() for k, v in ref.model.state_dict().items()}, ref.losses
 
 
-def keep_all_peak_bytes(mf: ModelFile, graph: BlockGraph | None = None) -> int:
+def keep_all_peak_bytes(mf: ModelFile, graph: BlockGraph | None = None,
+                        world_size: int = 1) -> int:
     """The planner's stage peak of keep_all: the budget at which everything fits."""
     graph = graph or block_graph(mf)
-    problem = build_problem(graph, load_hardware(HARDWARE))
+    problem = build_problem(graph, load_hardware(HARDWARE), world_size=world_size)
     return evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
 
 
 def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
-         graph: BlockGraph | None = None, seed: int = 0) -> Schedule:
-    """Plan `mf` in-process for the CPU backend at `fraction` of keep_all's stage peak.
+         graph: BlockGraph | None = None, seed: int = 0, world_size: int = 1) -> Schedule:
+    """Plan `mf` in-process for the CPU backend at `fraction` of keep_all's stage peak (on
+    one rank).
 
     Raises InfeasiblePlan when the strategy does not fit that budget.
     """
     graph = graph or block_graph(mf)
-    key = (id(mf), id(graph), strategy, fraction, seed)
+    key = (id(mf), id(graph), strategy, fraction, seed, world_size)
     if key not in _SCHEDULES:
         _LOADED.setdefault(id(mf), (mf, model_env(mf)))
         _KEEP_ALIVE.append(graph)
-        _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed)
+        _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed, world_size)
     return _SCHEDULES[key]
 
 
 def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
-          seed: int) -> Schedule:
-    capacity = int(keep_all_peak_bytes(mf, graph) * fraction)
+          seed: int, world_size: int) -> Schedule:
+    capacity = int(keep_all_peak_bytes(mf, graph, world_size) * fraction)
     model = ModelRef(path=str(mf.path), sha256=mf.sha256,
                      ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
                      env=model_env(mf))
     request = PlanRequest(capacity, load_hardware(HARDWARE), graph.batch_size, seed=seed,
-                          strategy=strategy, time_limit_s=30.0,
+                          strategy=strategy, time_limit_s=30.0, world_size=world_size,
                           optimizer=optimizer_profile(mf))
     return make_schedule(graph, model, request).schedule
 

@@ -2,6 +2,8 @@
 
     karma-run schedule.yaml --steps 100 --checkpoint-dir ckpt --report report.json
     karma-run schedule.yaml --steps 100 --checkpoint-dir ckpt --resume
+    torchrun --nproc-per-node 2 --no-python karma-run schedule.yaml   # planned --world-size 2
+    python -m karma.run schedule.yaml                                  # the same as karma-run
 
 Each step prints a progress line with the measured step time and peak memory beside the
 schedule's predictions; --report writes them as JSON.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +34,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write a checkpoint every N steps")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir")
-    p.add_argument("--report", type=Path, default=None, help="write a JSON report here")
+    p.add_argument("--report", type=Path, default=None,
+                   help="write a JSON report here (on several ranks: rank 0's)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="on several ranks: how long to wait for the rendezvous, and for a "
+                        "rank that stops answering, before stopping with an error (a rank "
+                        "that dies is noticed at once)")
     return p
 
 
@@ -44,6 +52,9 @@ def _run(args: argparse.Namespace) -> int:
         raise KarmaError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if args.checkpoint_every < 0:
         raise KarmaError(f"--checkpoint-every {args.checkpoint_every} must be 0 or more")
+    if args.timeout <= 0:
+        raise KarmaError(f"--timeout {args.timeout:g} must be a positive number of seconds")
+    signal.signal(signal.SIGTERM, _stopped)
     for path in filter(None, (args.checkpoint_dir, args.report and args.report.parent)):
         _check_writable(Path(path))
     schedule_path = Path(args.schedule)
@@ -53,7 +64,7 @@ def _run(args: argparse.Namespace) -> int:
         report = train(schedule, mf, RunOptions(
             steps=args.steps, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every, resume=args.resume,
-            log=lambda line: print(line, flush=True)))
+            timeout_s=args.timeout, log=lambda line: print(line, flush=True)))
     except (MemoryError, RuntimeError) as e:
         if not _out_of_memory(e):
             raise
@@ -61,18 +72,29 @@ def _run(args: argparse.Namespace) -> int:
             f"ran out of memory while training: {str(e).splitlines()[0][:200]}; the process's "
             "memory limit is below what the schedule needs (its budget plus about 0.3 GiB for "
             "Python and PyTorch): re-plan with a smaller --gpu-mem, or raise the limit") from e
-    if report.step_s:
+    if report.step_s and report.rank == 0:
         median = statistics.median(report.step_s)
         print(f"done: {len(report.steps)} steps; median step {format_seconds(median)} against "
               f"{format_seconds(report.predicted_step_s)} predicted; peak "
               f"{format_bytes(report.peak_device_bytes)} against "
               f"{format_bytes(report.predicted_peak_device_bytes)} predicted (budget "
               f"{format_bytes(report.capacity_bytes)})")
-    if args.report:
+    if report.world_size > 1 and report.rank == 0 and report.allreduce_s:
+        total, hidden = sum(report.allreduce_s), sum(report.allreduce_hidden_s)
+        print(f"all-reduce: {format_seconds(total / len(report.allreduce_s))} per step on "
+              f"{report.world_size} ranks, {100 * hidden / total if total else 100:.0f}% of it "
+              "hidden under backward")
+    if args.report and report.rank == 0:
         tmp = args.report.with_name(f".{args.report.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(report.to_json(), indent=2))
         os.replace(tmp, args.report)
     return 0
+
+
+def _stopped(signum, frame) -> None:
+    raise KarmaError("stopped by SIGTERM (torchrun stops every rank when one of them fails: "
+                     "see the first rank's error); restart with --resume to continue from the "
+                     "last checkpoint")
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -90,7 +112,10 @@ def _check_writable(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli("karma-run", _run, _parser(), argv)
+    prog = "karma-run"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # say which rank an error comes from
+        prog += f" (rank {os.environ.get('RANK', '?')})"
+    return run_cli(prog, _run, _parser(), argv)
 
 
 if __name__ == "__main__":

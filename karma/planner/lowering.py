@@ -206,8 +206,10 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
     # a weight that later blocks share gets its last gradient here, made beside the sum
     f.buffer(f"gradacc.{i}", i, sum(nbytes for _, nbytes in users), bwd, bwd)
     if problem.world_size > 1:
-        f.op(("allreduce", i), "allreduce", i, st.allreduce(i), "net", b.allreduce_s,
-             b.param_bytes, uses=(grad,))
+        # the gradients travel as one flat buffer: one collective per block, not per tensor
+        ar = f.op(("allreduce", i), "allreduce", i, st.allreduce(i), "net", b.allreduce_s,
+                  b.param_bytes, uses=(grad,))
+        f.buffer(f"artmp.{i}", i, b.param_bytes, ar, ar)
     if c.optim == "device":
         # the step reads the averaged gradients: after the all-reduce's stage on many ranks
         step_stage = st.to_host(i) if problem.world_size > 1 else st.bwd(i)

@@ -9,8 +9,8 @@ block's modules, a gradient hook on each block's input) and at each such point
 3. issues every copy and host operation of the stages reached so far to its stream, and
 4. waits for the operation's dependencies (the stage barrier: swap-ins and fetches it needs).
 
-Copy streams and the host optimizer are `StreamWorker`s; each of their operations waits for
-its own dependencies. Recompute blocks run under non-reentrant checkpointing, swap blocks
+Copy streams, the all-reduces of several ranks (`net`) and the host optimizer are
+`StreamWorker`s; each of their operations waits for its own dependencies. Recompute blocks run under non-reentrant checkpointing, swap blocks
 under their `SwapStore`'s saved-tensors hooks.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import time
 from collections import defaultdict
 from functools import partial
 
@@ -26,6 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from karma.errors import KarmaError
+from karma.runtime.distributed import GradientExchange
 from karma.runtime.host import HostPool
 from karma.runtime.streams import StreamWorker, wait_for
 from karma.runtime.swap import DivergedError, SwapStore
@@ -39,15 +41,16 @@ class Engine:
     """Hooks a model so that each training iteration follows `schedule`."""
 
     def __init__(self, schedule: Schedule, model: torch.nn.Module, make_optimizer,
-                 pool: HostPool, device: torch.device):
+                 pool: HostPool, device: torch.device, exchange: GradientExchange | None = None):
         self.schedule = schedule
         self.model = model
         self.device = device
         self.pool = pool
         self.blocks = schedule.blocks
-        if schedule.config.world_size > 1:
-            raise KarmaError(f"this schedule was planned for {schedule.config.world_size} ranks, "
-                             "and data parallelism is not built yet; plan with --world-size 1")
+        self.exchange = exchange
+        if schedule.config.world_size > 1 and exchange is None:
+            raise KarmaError(f"this schedule was planned for {schedule.config.world_size} ranks; "
+                             "run it on that many (karma-run under torchrun)")
         named = dict(model.named_parameters(remove_duplicate=False))
         self.param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
         self.shared = SharedStorage()
@@ -71,7 +74,9 @@ class Engine:
         self._events: dict[int, threading.Event] = {}
         self._errors: list = []
         self.streams = {name: StreamWorker(name, self._events, self._errors)
-                        for name in ("h2d", "d2h", "host")}
+                        for name in ("h2d", "d2h", "net", "host")}
+        # (start, end) of each time the compute thread waited for another stream, this step
+        self.blocked: list[tuple[float, float]] = []
         self._handles: list = []
         self._restore: list = []
         self._install_hooks()
@@ -90,6 +95,7 @@ class Engine:
         self._current_block: int | None = None
         self._ran_in_block: set[str] = set()
         self._hooks_ctx = None
+        self.blocked = []
         self._active = True
         self._issue_through(0)  # the prologue's fetches
 
@@ -99,12 +105,17 @@ class Engine:
 
     def end_iteration(self) -> None:
         self._arrive("end", -1)
-        wait_for(self._events, [op.id for op in self.schedule.ops], self._errors)
+        self._wait([op.id for op in self.schedule.ops])
         for store in self.swaps.values():
             store.reset()
         self._active = False
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Remove the hooks and stop the streams. After a failure the streams drop what is
+        queued instead of waiting for compute that will not come; each finishes the op it
+        is running before the host tier they write to goes away."""
+        if failed and not self._errors:
+            self._errors.append(("compute", -1, RuntimeError("the iteration was abandoned")))
         for h in self._handles:
             h.remove()
         for module, forward in self._restore:
@@ -224,9 +235,16 @@ class Engine:
     def _start(self, op) -> None:
         self._finish_previous()
         self._issue_through(op.stage)
-        wait_for(self._events, op.deps, self._errors)
+        self._wait(op.deps)
         self._cursor += 1
         self._last_compute = op.id
+
+    def _wait(self, deps) -> None:
+        if all(self._events[d].is_set() for d in deps):
+            return
+        start = time.perf_counter()
+        wait_for(self._events, deps, self._errors)
+        self.blocked.append((start, time.perf_counter()))
 
     def _finish_previous(self) -> None:
         if self._last_compute is None:
@@ -250,8 +268,7 @@ class Engine:
                 for params in releases:
                     self.shared.release(params)
 
-            stream = "h2d" if op.stream == "h2d" else "d2h" if op.stream == "d2h" else "host"
-            self.streams[stream].submit(op.id, run_and_release, op.deps)
+            self.streams[op.stream].submit(op.id, run_and_release, op.deps)
 
     def _action(self, op):
         w = self.weights[op.block]
@@ -267,6 +284,8 @@ class Engine:
             return w.host_step
         if op.kind == "upload":
             return w.upload
+        if op.kind == "allreduce" and self.exchange is not None:
+            return partial(self.exchange.allreduce, w.params)
         raise DivergedError(f"operation {op.id} ({op.kind}) is not supported by this runtime")
 
     def _fetch_params(self, buffer: str) -> list[torch.nn.Parameter]:

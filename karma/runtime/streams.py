@@ -17,6 +17,10 @@ from typing import NamedTuple
 class OpFailed(RuntimeError):
     """An operation on a stream failed; the original error is its __cause__."""
 
+    def __init__(self, message: str, stream: str):
+        super().__init__(message)
+        self.stream = stream
+
 
 class Pending(NamedTuple):
     """An operation queued on a stream: what to run once its dependencies are done."""
@@ -47,9 +51,8 @@ class StreamWorker:
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
             for dep in item.deps:
-                while not dep.wait(timeout=1.0):
-                    if self._errors:
-                        break
+                while not (self._errors or dep.wait(timeout=1.0)):
+                    pass  # a failure elsewhere ends the wait (and skips the op)
             if not self._errors:
                 try:
                     item.run()
@@ -66,4 +69,4 @@ def wait_for(events: dict[int, threading.Event], deps, errors: list) -> None:
                 break
         if errors:
             name, op_id, e = errors[0]
-            raise OpFailed(f"operation {op_id} on stream {name} failed: {e}") from e
+            raise OpFailed(f"operation {op_id} on stream {name} failed: {e}", name) from e

@@ -20,7 +20,9 @@ import torch
 
 from karma.errors import KarmaError
 from karma.modelfile import ModelFile, load_model_file
+from karma.runtime import distributed
 from karma.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from karma.runtime.distributed import GradientExchange, Ranks
 from karma.runtime.engine import Engine
 from karma.runtime.host import (
     HostPool,
@@ -28,7 +30,8 @@ from karma.runtime.host import (
     private_bytes,
     return_freed_memory_promptly,
 )
-from karma.schedule import Schedule
+from karma.runtime.streams import OpFailed
+from karma.schedule import Schedule, schedule_sha256
 from karma.units import format_bytes, format_seconds
 
 
@@ -39,7 +42,8 @@ class RunOptions:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # 0: only the final step
     resume: bool = False
-    log: Callable[[str], None] = field(default=print)
+    timeout_s: float = 60.0  # how long a collective waits for the other ranks
+    log: Callable[[str], None] = field(default=print)  # rank 0's progress lines
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,17 @@ class RunReport:
     batch_size: int
     baseline_private_bytes: int  # before the model was built: what the peak is measured above
     baseline_data_bytes: int  # VmData then: the process's fixed cost under prlimit --data
+    rank: int = 0
+    world_size: int = 1
+    allreduce_s: list[float] = field(default_factory=list)  # per step: all-reduces' wall time
+    allreduce_hidden_s: list[float] = field(default_factory=list)  # the part compute hid
 
     def to_json(self) -> dict:
         return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "allreduce_s": self.allreduce_s,
+            "allreduce_hidden_s": self.allreduce_hidden_s,
             "steps": self.steps,
             "losses": self.losses,
             "step_s": self.step_s,
@@ -91,10 +103,20 @@ def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile
 
 
 def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
+    """Train by replaying `schedule`: on one rank, or on each of the schedule's ranks."""
     if dict(schedule.hardware).get("device_kind") == "cuda":
         raise KarmaError("the CUDA backend is not built yet; plan with --hardware cpu to train "
                          "on the CPU backend")
+    ranks = distributed.join(schedule.config.world_size, schedule_sha256(schedule),
+                             options.timeout_s)
+    report = _train(schedule, mf, options, ranks)
+    distributed.leave(ranks)  # only after success: a failed rank's process is ending anyway
+    return report
+
+
+def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks) -> RunReport:
     device = torch.device("cpu")
+    log = options.log if ranks.main else _quiet
     return_freed_memory_promptly()
     seed = schedule.config.seed if options.seed is None else options.seed
     # The first optimizer a process makes imports torch._dynamo (about 70 MiB): a one-time
@@ -103,61 +125,84 @@ def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
     gc.collect()  # what an earlier model in this process left is not this run's baseline
     baseline = private_bytes()
     baseline_data = data_bytes()
-    options.log(f"baseline before the model: {format_bytes(baseline)} private, "
-                f"{format_bytes(baseline_data)} data segment (what prlimit --data caps)")
+    log(f"baseline before the model: {format_bytes(baseline)} private, "
+        f"{format_bytes(baseline_data)} data segment (what prlimit --data caps)")
 
     torch.manual_seed(seed)
     model = mf.build_model()
     model.train()
     pool = HostPool(int(schedule.predicted.host_bytes * 1.1) + (64 << 20), kind="file")
-    engine = Engine(schedule, model, mf.make_optimizer, pool, device)
-    data = mf.batches(schedule.config.batch_size, 0, schedule.config.world_size)
+    exchange = GradientExchange(ranks) if ranks.world_size > 1 else None
+    engine = Engine(schedule, model, mf.make_optimizer, pool, device, exchange)
+    data = mf.batches(schedule.config.batch_size, ranks.rank, ranks.world_size)
 
     start_step = 0
     if options.resume:
         found = latest_checkpoint(options.checkpoint_dir) if options.checkpoint_dir else None
+        distributed.agree(ranks, "checkpoint to resume from", found and found.name,
+                          "all ranks must see the same --checkpoint-dir (a shared file system)")
         if found is None:
-            options.log("resume: no complete checkpoint found; starting from step 0")
+            log("resume: no complete checkpoint found; starting from step 0")
         else:
             start_step = load_checkpoint(found, model, engine)
             for _ in range(start_step):  # the data stream continues where it stopped
                 next(data)
-            options.log(f"resumed from {found} (step {start_step})")
+            log(f"resumed from {found} (step {start_step})")
+    distributed.barrier(ranks, "before the first step")  # every rank has built its model
 
     sampler = _PeakSampler(baseline)
     steps: list[int] = []
     losses: list[float] = []
     times: list[float] = []
+    allreduce_s: list[float] = []
+    hidden_s: list[float] = []
     predicted = schedule.predicted
+    failed = True
     try:
         for step in range(start_step + 1, options.steps + 1):
             inputs, targets = next(data)
             inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
             sampler.start()
             t0 = time.perf_counter()
-            engine.begin_iteration()
-            output = model(*inputs)
-            engine.before_loss()
-            loss = mf.loss_fn(output, targets)
-            del output
-            loss.backward()
-            engine.end_iteration()
+            try:
+                engine.begin_iteration()
+                output = model(*inputs)
+                engine.before_loss()
+                loss = mf.loss_fn(output, targets)
+                del output
+                loss.backward()
+                engine.end_iteration()
+            except OpFailed as e:
+                if e.stream == "net":
+                    raise distributed.lost(ranks, f"in step {step}'s gradient exchange",
+                                           e.__cause__) from e
+                raise
             elapsed = time.perf_counter() - t0
             peak = sampler.stop()
             steps.append(step)
             losses.append(loss.item())
             times.append(elapsed)
-            options.log(_progress(step, options.steps, losses[-1], elapsed,
-                                  schedule.config.batch_size, peak, predicted.peak_device_bytes,
-                                  predicted.iteration_s))
+            line = _progress(step, options.steps, losses[-1], elapsed,
+                             schedule.config.batch_size * ranks.world_size, peak,
+                             predicted.peak_device_bytes, predicted.iteration_s)
+            if exchange is not None:
+                calls = exchange.take_intervals()
+                allreduce_s.append(sum(end - begin for begin, end in calls))
+                hidden_s.append(distributed.hidden_s(calls, engine.blocked))
+                line += (f"  all-reduce {format_seconds(allreduce_s[-1])} "
+                         f"({format_seconds(hidden_s[-1])} hidden)")
+            log(line)
             final = step == options.steps
             every = options.checkpoint_every
             if options.checkpoint_dir is not None and (final or (every and step % every == 0)):
-                path = save_checkpoint(options.checkpoint_dir, step, model, engine,
-                                       schedule, seed)
-                options.log(f"checkpoint {path}")
+                if ranks.main:  # the ranks hold the same weights: one writes them
+                    path = save_checkpoint(options.checkpoint_dir, step, model, engine,
+                                           schedule, seed)
+                    log(f"checkpoint {path}")
+                distributed.barrier(ranks, f"while rank 0 wrote the checkpoint of step {step}")
+        failed = False
     finally:
-        engine.close()
+        engine.close(failed)
         pool_peak = pool.peak_bytes
         pool.close()
     return RunReport(
@@ -166,8 +211,13 @@ def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
         predicted_peak_device_bytes=predicted.peak_device_bytes,
         capacity_bytes=schedule.config.capacity_bytes, host_tier_peak_bytes=pool_peak,
         batch_size=schedule.config.batch_size, baseline_private_bytes=baseline,
-        baseline_data_bytes=baseline_data,
+        baseline_data_bytes=baseline_data, rank=ranks.rank, world_size=ranks.world_size,
+        allreduce_s=allreduce_s, allreduce_hidden_s=hidden_s,
     )
+
+
+def _quiet(line: str) -> None:
+    """Ranks other than 0 print no progress lines (their errors still reach stderr)."""
 
 
 class _PeakSampler:

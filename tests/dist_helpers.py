@@ -1,0 +1,60 @@
+"""Helpers for multi-rank tests: start N rank processes the way torchrun does, on this host.
+
+    procs = start_ranks(["-m", "karma.run", "s.yaml", "--steps", "3"], world_size=2)
+    results = finish(procs, timeout_s=120)     # [(returncode, stdout, stderr)] per rank
+
+Each rank is `python ARGS` with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+OMP_NUM_THREADS=1 (as torchrun sets them), in the repository root.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KARMA_")}
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT))
+    env.update(extra or {})
+    return env
+
+
+def start_ranks(args: list[str], world_size: int, ranks: list[int] | None = None,
+                port: int | None = None, extra_env: dict[str, str] | None = None,
+                cwd: Path = ROOT) -> list[subprocess.Popen]:
+    port = port or free_port()
+    return [subprocess.Popen([sys.executable, *args], cwd=cwd, text=True,
+                             env=rank_env(r, world_size, port, extra_env),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for r in (ranks if ranks is not None else range(world_size))]
+
+
+def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str, str]]:
+    """Wait for every rank (killing all of them past `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            stdout, stderr = p.communicate()
+            raise AssertionError(f"ranks still running after {timeout_s} s:\n{stdout}\n{stderr}")
+        out.append((p.returncode, stdout, stderr))
+    return out
