@@ -51,10 +51,11 @@ def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, s
     for p in procs:
         try:
             stdout, stderr = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             for q in procs:
                 q.kill()
             stdout, stderr = p.communicate()
-            raise AssertionError(f"ranks still running after {timeout_s} s:\n{stdout}\n{stderr}")
+            raise AssertionError(
+                f"ranks still running after {timeout_s} s:\n{stdout}\n{stderr}") from e
         out.append((p.returncode, stdout, stderr))
     return out

@@ -10,15 +10,23 @@ averaged, one optimizer step.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
 
 from karma.planner.plan import InfeasiblePlan
+from karma.reference import train_reference
+from karma.runtime.checkpoint import latest_checkpoint
 from karma.schedule import dump_schedule
-from tests.dist_helpers import finish, start_ranks
-from tests.runtime_helpers import block_graph, load_small, plan, reference_train
+from tests.dist_helpers import ROOT, finish, free_port, start_ranks
+from tests.runtime_helpers import block_graph, load_small, plan
 from tests.test_runtime import MODELS, STEPS, STRATEGIES, load_model_pt
 
 RANKS = 2
@@ -59,7 +67,6 @@ def reference(name: str):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        from karma.reference import train_reference
         ref = train_reference(mf, block_graph(mf).batch_size, STEPS, world_size=RANKS)
     finally:
         torch.set_num_threads(threads)
@@ -93,3 +100,111 @@ def test_two_ranks_equal_one_process_averaging_their_gradients(two_rank_runs, na
         assert len(report["allreduce_s"]) == STEPS
         for total, hidden in zip(report["allreduce_s"], report["allreduce_hidden_s"]):
             assert 0 < total and 0 <= hidden <= total
+
+
+# --- launching, bad input and faults -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt_two_ranks(tmp_path_factory) -> str:
+    """A schedule of the tiny GPT for two ranks, written to a file."""
+    path = tmp_path_factory.mktemp("gpt2") / "schedule.yaml"
+    path.write_text(dump_schedule(plan(load_small("gpt"), "ilp", 0.6, world_size=RANKS)))
+    return str(path)
+
+
+def karma_run(*args: str) -> list[str]:
+    return ["-m", "karma.run", *args]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_world_size_mismatch_names_both_numbers_and_the_fix(gpt_two_ranks, world_size):
+    procs = start_ranks(karma_run(gpt_two_ranks, "--steps", "1"), world_size, ranks=[0])
+    [(code, _, stderr)] = finish(procs, timeout_s=120)
+    assert code == 2
+    assert f"planned for 2 rank(s), but this run has {world_size}" in stderr
+    assert "torchrun --nproc-per-node 2" in stderr and f"--world-size {world_size}" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_an_unreachable_rendezvous_fails_within_the_timeout(gpt_two_ranks):
+    start = time.monotonic()
+    # rank 1 alone: nobody serves the rendezvous at MASTER_PORT
+    procs = start_ranks(karma_run(gpt_two_ranks, "--steps", "1", "--timeout", "3"), RANKS,
+                        ranks=[1])
+    [(code, _, stderr)] = finish(procs, timeout_s=120)
+    elapsed = time.monotonic() - start
+    assert code == 2, stderr
+    assert "rank 1 could not join the other 1 rank(s) at the rendezvous 127.0.0.1:" in stderr
+    assert "within 3 s" in stderr and "Traceback" not in stderr
+    assert elapsed < 3 + 15, elapsed  # the timeout, plus starting Python and importing torch
+
+
+def test_ranks_running_different_schedules_stop(gpt_two_ranks, tmp_path):
+    other = tmp_path / "other.yaml"
+    other.write_text(dump_schedule(plan(load_small("gpt"), "keep_all", world_size=RANKS)))
+    port = free_port()
+    procs = [start_ranks(karma_run(path, "--steps", "1"), RANKS, ranks=[r], port=port)[0]
+             for r, path in enumerate([gpt_two_ranks, str(other)])]
+    for code, _, stderr in finish(procs, timeout_s=120):
+        assert code == 2
+        assert "the ranks disagree on the schedule (ranks 0:" in stderr
+        assert "copy one schedule to all machines" in stderr
+
+
+def test_a_killed_rank_stops_the_others_and_resume_reproduces_the_run(gpt_two_ranks,
+                                                                      tmp_path):
+    ckpt = tmp_path / "ckpt"
+    procs = start_ranks(karma_run(gpt_two_ranks, "--steps", "400", "--checkpoint-dir",
+                                  str(ckpt), "--checkpoint-every", "2"), RANKS)
+    for line in procs[0].stdout:  # rank 0 prints the progress lines
+        if "checkpoint" in line and "step_2" in line:
+            break
+    procs[1].send_signal(signal.SIGKILL)  # mid-step: the ranks checkpoint every 2 steps
+    killed = time.monotonic()
+    [(code, _, stderr), (killed_code, _, _)] = finish(procs, timeout_s=120)
+    assert time.monotonic() - killed < 60
+    assert killed_code == -signal.SIGKILL
+    assert code != 0
+    assert "rank 0 of 2 lost the other ranks" in stderr and "--resume" in stderr, stderr
+    assert "Traceback" not in stderr
+
+    last = latest_checkpoint(ckpt)
+    assert last is not None
+    done = int(last.name.removeprefix("step_"))
+    assert 2 <= done < 400
+    report = tmp_path / "report.json"
+    procs = start_ranks(karma_run(gpt_two_ranks, "--steps", str(done + 2), "--checkpoint-dir",
+                                  str(ckpt), "--resume", "--report", str(report)), RANKS)
+    for rank, (code, _, stderr) in enumerate(finish(procs, timeout_s=300)):
+        assert code == 0, f"rank {rank}: {stderr[-3000:]}"
+    resumed = json.loads(report.read_text())
+    assert resumed["steps"] == [done + 1, done + 2]
+
+    mf = load_small("gpt")  # the uninterrupted run
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = train_reference(mf, block_graph(mf).batch_size, done + 2, world_size=RANKS)
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed["losses"] == pytest.approx(ref.losses[done:], rel=1e-6)
+    saved = load_model_pt(ckpt, done + 2)
+    worst = max(max_relative_difference(saved[n], p.detach())
+                for n, p in ref.model.named_parameters())
+    assert worst <= 1e-6
+
+
+def test_torchrun_launches_karma_run(gpt_two_ranks, tmp_path):
+    bin_dir = Path(sys.executable).parent
+    report = tmp_path / "report.json"
+    result = subprocess.run(
+        [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", str(RANKS),
+         "--no-python", str(bin_dir / "karma-run"), gpt_two_ranks, "--steps", "2",
+         "--report", str(report)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KARMA_")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and all("all-reduce" in line and "hidden" in line for line in lines)
+    assert "all-reduce:" in result.stdout and "hidden under backward" in result.stdout
+    assert json.loads(report.read_text())["world_size"] == RANKS

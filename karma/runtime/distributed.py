@@ -77,31 +77,39 @@ def join(world_size: int, schedule_sha256: str, timeout_s: float) -> Ranks:
     A schedule planned for `world_size` ranks runs only on that many; every rank must run
     the same schedule (same hash).
     """
-    env_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if dist.is_available() and dist.is_initialized():
-        ranks = Ranks(dist.get_rank(), dist.get_world_size(), owns_group=False, net=None)
-    elif env_size == 1:
-        ranks = SINGLE
-    else:
-        ranks = _init(env_size, timeout_s)
-    if ranks.world_size != world_size:
-        if ranks.owns_group:
-            dist.destroy_process_group()
+    joined = dist.is_available() and dist.is_initialized()
+    size = dist.get_world_size() if joined else _env_int("WORLD_SIZE", 1)
+    if size != world_size:  # checked before any rendezvous: no need for the others to come
         raise KarmaError(
-            f"this schedule was planned for {world_size} rank(s), but this run has "
-            f"{ranks.world_size}: launch it on {world_size} with "
+            f"this schedule was planned for {world_size} rank(s), but this run has {size}: "
+            f"launch it on {world_size} with "
             f"{_launch_hint(world_size) if world_size > 1 else 'karma-run SCHEDULE.yaml'}, or "
-            f"re-plan for {ranks.world_size} with karma-plan ... --world-size {ranks.world_size}")
-    if ranks.world_size == 1:
-        return ranks
-    if ranks.net is None:
-        ranks = Ranks(ranks.rank, ranks.world_size, ranks.owns_group, _new_net_group(timeout_s))
-    _check_same(ranks, "schedule", schedule_sha256,
-                "every rank must run the same schedule file: copy one schedule to all machines")
+            f"re-plan for {size} with karma-plan ... --world-size {size}")
+    if size == 1 and not joined:
+        return SINGLE
+    if not joined:
+        _init(size, timeout_s)
+    ranks = Ranks(dist.get_rank(), size, owns_group=not joined, net=_new_net_group(timeout_s))
+    try:
+        _check_same(ranks, "schedule", schedule_sha256,
+                    "every rank must run the same schedule file: copy one schedule to all "
+                    "machines")
+    except KarmaError:
+        leave(ranks)
+        raise
     return ranks
 
 
-def _init(world_size: int, timeout_s: float) -> Ranks:
+def _env_int(key: str, default: int) -> int:
+    text = os.environ.get(key, str(default))
+    try:
+        return int(text)
+    except ValueError:
+        raise KarmaError(f"{key}={text!r} is not a whole number; launch with "
+                         "torchrun, which sets it") from None
+
+
+def _init(world_size: int, timeout_s: float) -> None:
     """init_process_group from the environment; gloo on the CPU (NCCL is the CUDA backend's)."""
     missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -125,7 +133,6 @@ def _init(world_size: int, timeout_s: float) -> Ranks:
         raise KarmaError(f"{message} ({str(e).splitlines()[0][:200]})") from e
     finally:
         watchdog.cancel()
-    return Ranks(dist.get_rank(), dist.get_world_size(), owns_group=True, net=None)
 
 
 def _give_up(message: str) -> None:

@@ -109,9 +109,10 @@ def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
                          "on the CPU backend")
     ranks = distributed.join(schedule.config.world_size, schedule_sha256(schedule),
                              options.timeout_s)
-    report = _train(schedule, mf, options, ranks)
-    distributed.leave(ranks)  # only after success: a failed rank's process is ending anyway
-    return report
+    try:
+        return _train(schedule, mf, options, ranks)
+    finally:  # also after a failure: a process group left to the interpreter's exit aborts
+        distributed.leave(ranks)
 
 
 def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks) -> RunReport:
