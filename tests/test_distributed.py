@@ -194,6 +194,26 @@ def test_a_killed_rank_stops_the_others_and_resume_reproduces_the_run(gpt_two_ra
     assert worst <= 1e-6
 
 
+def test_a_hung_rank_stops_the_others_after_the_timeout(gpt_two_ranks, tmp_path):
+    procs = start_ranks(karma_run(gpt_two_ranks, "--steps", "400", "--checkpoint-dir",
+                                  str(tmp_path), "--checkpoint-every", "2", "--timeout", "5"),
+                        RANKS)
+    try:
+        for line in procs[0].stdout:
+            if "checkpoint" in line and "step_2" in line:
+                break
+        procs[1].send_signal(signal.SIGSTOP)  # alive, connections open, never answering
+        stopped = time.monotonic()
+        code = procs[0].wait(timeout=120)
+        waited = time.monotonic() - stopped
+    finally:
+        procs[1].kill()
+    stderr = procs[0].stderr.read()
+    assert code == 2 and "rank 0 of 2 lost the other ranks" in stderr, stderr
+    assert 4 < waited < 30, waited  # the 5 s timeout, not the 30 min of start-up barriers
+    finish(procs, timeout_s=60)
+
+
 def test_torchrun_launches_karma_run(gpt_two_ranks, tmp_path):
     bin_dir = Path(sys.executable).parent
     report = tmp_path / "report.json"

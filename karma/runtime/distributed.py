@@ -166,12 +166,20 @@ def agree(ranks: Ranks, what: str, value, fix: str) -> None:
         _check_same(ranks, what, value, fix)
 
 
-def barrier(ranks: Ranks, where: str) -> None:
-    if ranks.world_size > 1:
-        try:
+def barrier(ranks: Ranks, where: str, timeout_s: float | None = None) -> None:
+    """Wait for every rank. With `timeout_s`, rank 0 arrives last (it was writing a
+    checkpoint while the others waited) and waits only that long for them, so a rank that
+    hangs is noticed; the others wait for rank 0 as long as the write takes."""
+    if ranks.world_size == 1:
+        return
+    try:
+        if timeout_s is None:
             dist.barrier()
-        except RuntimeError as e:
-            raise lost(ranks, where, e) from e
+        else:
+            dist.monitored_barrier(timeout=datetime.timedelta(
+                seconds=timeout_s) if ranks.main else _LONG_TIMEOUT)
+    except RuntimeError as e:
+        raise lost(ranks, where, e) from e
 
 
 def leave(ranks: Ranks) -> None:

@@ -200,7 +200,8 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks)
                     path = save_checkpoint(options.checkpoint_dir, step, model, engine,
                                            schedule, seed)
                     log(f"checkpoint {path}")
-                distributed.barrier(ranks, f"while rank 0 wrote the checkpoint of step {step}")
+                distributed.barrier(ranks, f"after the checkpoint of step {step}",
+                                    options.timeout_s)
         failed = False
     finally:
         engine.close(failed)
