@@ -31,8 +31,8 @@ class ReferenceRun:
 
 
 def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
-                    world_size: int = 1, on_step: Callable[[], None] | None = None
-                    ) -> ReferenceRun:
+                    world_size: int = 1, on_step: Callable[[], None] | None = None,
+                    device: str = "cpu") -> ReferenceRun:
     """Plain PyTorch training for `steps` steps.
 
     With world_size N it is what N data-parallel ranks compute, in one process: per step,
@@ -40,10 +40,12 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     state (every rank starts from the same one, as ranks seeded alike do), the N gradients
     are summed in rank order and divided by N, and the optimizer steps once. Only parameters
     are comparable then: buffers (BatchNorm statistics) see every rank's batch here.
-    `on_step` runs after each backward and each optimizer step (memory sampling).
+    `on_step` runs after each backward and each optimizer step (memory sampling). On another
+    `device` the model is built on the CPU and then moved, as karma-run does.
     """
     torch.manual_seed(seed)
     model = mf.build_model()
+    model.to(device)
     model.train()
     opt = mf.make_optimizer(model.parameters())
     data = [mf.batches(batch_size, r, world_size) for r in range(world_size)]
@@ -57,6 +59,8 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
                 torch.set_rng_state(rng[r])
             x, y = next(data[r])
             x = x if isinstance(x, (tuple, list)) else (x,)
+            x = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in x)
+            y = y.to(device) if isinstance(y, torch.Tensor) else y
             loss = mf.loss_fn(model(*x), y)
             loss.backward()
             if on_step is not None:

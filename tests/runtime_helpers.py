@@ -68,7 +68,7 @@ LAYERS_MODEL = textwrap.dedent('''
 _LOADED: dict[int, tuple[ModelFile, tuple[tuple[str, str], ...]]] = {}
 # id(ModelFile) -> its BlockGraph
 _GRAPHS: dict[int, BlockGraph] = {}
-# (id(mf), id(graph), strategy, fraction, seed, world_size) -> Schedule; graphs given are kept alive
+# (id(mf), id(graph), strategy, fraction, seed, world_size, hardware) -> Schedule; graphs given are kept alive
 _SCHEDULES: dict[tuple, Schedule] = {}
 _KEEP_ALIVE: list[BlockGraph] = []
 
@@ -112,36 +112,37 @@ def reference_train(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
 
 
 def keep_all_peak_bytes(mf: ModelFile, graph: BlockGraph | None = None,
-                        world_size: int = 1) -> int:
+                        world_size: int = 1, hardware: str = HARDWARE) -> int:
     """The planner's stage peak of keep_all: the budget at which everything fits."""
     graph = graph or block_graph(mf)
-    problem = build_problem(graph, load_hardware(HARDWARE), world_size=world_size)
+    problem = build_problem(graph, load_hardware(hardware), world_size=world_size)
     return evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
 
 
 def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
-         graph: BlockGraph | None = None, seed: int = 0, world_size: int = 1) -> Schedule:
-    """Plan `mf` in-process for the CPU backend at `fraction` of keep_all's stage peak (on
-    one rank).
+         graph: BlockGraph | None = None, seed: int = 0, world_size: int = 1,
+         hardware: str = HARDWARE) -> Schedule:
+    """Plan `mf` in-process at `fraction` of keep_all's stage peak, for the CPU backend (or
+    the hardware profile named).
 
     Raises InfeasiblePlan when the strategy does not fit that budget.
     """
     graph = graph or block_graph(mf)
-    key = (id(mf), id(graph), strategy, fraction, seed, world_size)
+    key = (id(mf), id(graph), strategy, fraction, seed, world_size, hardware)
     if key not in _SCHEDULES:
         _LOADED.setdefault(id(mf), (mf, model_env(mf)))
         _KEEP_ALIVE.append(graph)
-        _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed, world_size)
+        _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed, world_size, hardware)
     return _SCHEDULES[key]
 
 
 def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
-          seed: int, world_size: int) -> Schedule:
-    capacity = int(keep_all_peak_bytes(mf, graph, world_size) * fraction)
+          seed: int, world_size: int, hardware: str) -> Schedule:
+    capacity = int(keep_all_peak_bytes(mf, graph, world_size, hardware) * fraction)
     model = ModelRef(path=str(mf.path), sha256=mf.sha256,
                      ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
                      env=model_env(mf))
-    request = PlanRequest(capacity, load_hardware(HARDWARE), graph.batch_size, seed=seed,
+    request = PlanRequest(capacity, load_hardware(hardware), graph.batch_size, seed=seed,
                           strategy=strategy, time_limit_s=30.0, world_size=world_size,
                           optimizer=optimizer_profile(mf))
     return make_schedule(graph, model, request).schedule

@@ -246,3 +246,12 @@ def test_divergence_is_reported_as_bad_input(layers_schedule, capsys, monkeypatc
     code, out, err = run_main(capsys, layers_schedule, "--steps", 1)
     assert_one_line_error(code, out, err, "diverged from the schedule")
     assert code == 2 and "bug in karma" not in err
+
+
+def test_a_cuda_schedule_without_a_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    path = tmp_path / "cuda.yaml"
+    path.write_text(dump_schedule(plan(load_small("gpt"), "keep_all", hardware="v100-16g")))
+    assert_one_line_error(*run_main(capsys, path, "--steps", 1),
+                          "planned for a CUDA GPU and none is available here")

@@ -35,7 +35,7 @@ def model_state(model: torch.nn.Module, engine, scratch: Path) -> dict[str, torc
         if isinstance(value, torch.nn.Parameter):
             value = current[canonical[id(value)]]
         if id(value) not in copies:  # a tied weight is saved once, under both names
-            copies[id(value)] = _standalone(value.detach(), scratch)
+            copies[id(value)] = _standalone(value.detach().cpu(), scratch)
         state[name] = copies[id(value)]
     return state
 
@@ -78,6 +78,7 @@ def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: i
             "format": FORMAT,
             "blocks": [_detached_state(w.optimizer, scratch) for w in engine.weights],
             "rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
         })
         scratch.rmdir()
         meta = {"format": FORMAT, "step": step, "seed": seed,
@@ -134,6 +135,8 @@ def load_checkpoint(path: Path, model, engine) -> int:
             w.optimizer.load_state_dict(state)
             w.reset_state_placement()
     torch.set_rng_state(opt["rng_state"])
+    if opt.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(opt["cuda_rng_state"])
     return int(meta["step"])
 
 
@@ -142,7 +145,7 @@ def _detached_state(optimizer, scratch: Path) -> dict | None:
     if optimizer is None:
         return None
     sd = optimizer.state_dict()
-    sd["state"] = {k: {n: _standalone(v, scratch) if isinstance(v, torch.Tensor) else v
+    sd["state"] = {k: {n: _standalone(v.cpu(), scratch) if isinstance(v, torch.Tensor) else v
                        for n, v in st.items()}
                    for k, st in sd["state"].items()}
     return sd

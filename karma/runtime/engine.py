@@ -27,6 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from karma.errors import KarmaError
+from karma.runtime.backend import CpuBackend
 from karma.runtime.distributed import GradientExchange
 from karma.runtime.host import HostPool
 from karma.runtime.streams import StreamWorker, wait_for
@@ -41,10 +42,12 @@ class Engine:
     """Hooks a model so that each training iteration follows `schedule`."""
 
     def __init__(self, schedule: Schedule, model: torch.nn.Module, make_optimizer,
-                 pool: HostPool, device: torch.device, exchange: GradientExchange | None = None):
+                 pool: HostPool, backend=None, exchange: GradientExchange | None = None):
+        """`model` is built on the CPU; the engine places it on the backend's device."""
         self.schedule = schedule
         self.model = model
-        self.device = device
+        self.backend = backend or CpuBackend()
+        self.device = self.backend.device
         self.pool = pool
         self.blocks = schedule.blocks
         self.exchange = exchange
@@ -52,13 +55,15 @@ class Engine:
             raise KarmaError(f"this schedule was planned for {schedule.config.world_size} ranks; "
                              "run it on that many (karma-run under torchrun)")
         named = dict(model.named_parameters(remove_duplicate=False))
-        self.param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
         self.shared = SharedStorage()
         self.weights = [
             BlockWeights(b.name, [(n, named[n]) for n in b.params], b.weights, b.optim,
-                         make_optimizer, pool, self.shared)
+                         make_optimizer, pool, self.shared, self.device)
             for b in self.blocks
         ]
+        _place_buffers(model, self.device)
+        # after placement: a parameter's storage is the one on the device
+        self.param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
         self.swaps = {b.index: SwapStore(b.name, pool, self.param_storages)
                       for b in self.blocks if b.act == "swap"}
         self._named = named
@@ -71,9 +76,9 @@ class Engine:
         for buf in schedule.buffers:
             if buf.free is not None and _WEIGHT_BUFFER.match(buf.name):
                 self.releases[buf.free].append(self._fetch_params(buf.name))
-        self._events: dict[int, threading.Event] = {}
+        self._events: dict[int, threading.Event] = {}  # op id -> issued
         self._errors: list = []
-        self.streams = {name: StreamWorker(name, self._events, self._errors)
+        self.streams = {name: StreamWorker(name, self._events, self._errors, self.backend)
                         for name in ("h2d", "d2h", "net", "host")}
         # (start, end) of each time the compute thread waited for another stream, this step
         self.blocked: list[tuple[float, float]] = []
@@ -88,6 +93,7 @@ class Engine:
         self._events.clear()
         for op in self.schedule.ops:
             self._events[op.id] = threading.Event()
+        self.backend.begin_iteration([op.id for op in self.schedule.ops])
         self._cursor = 0
         self._issued = 0  # side ops issued so far (they are issued in list order)
         self._last_compute: int | None = None
@@ -106,6 +112,7 @@ class Engine:
     def end_iteration(self) -> None:
         self._arrive("end", -1)
         self._wait([op.id for op in self.schedule.ops])
+        self.backend.end_iteration()  # every stream's work finished; deferred releases done
         for store in self.swaps.values():
             store.reset()
         self._active = False
@@ -236,6 +243,7 @@ class Engine:
         self._finish_previous()
         self._issue_through(op.stage)
         self._wait(op.deps)
+        self.backend.order_after(op.deps, "compute")
         self._cursor += 1
         self._last_compute = op.id
 
@@ -253,6 +261,7 @@ class Engine:
         self._last_compute = None
         for params in self.releases.get(done, ()):
             self.shared.release(params)
+        self.backend.issued(done, "compute")
         self._events[done].set()
 
     def _issue_through(self, stage: float) -> None:
@@ -262,22 +271,29 @@ class Engine:
             self._issued += 1
             run = self._action(op)
             releases = self.releases.get(op.id, ())
+            if releases:  # weights freed when the op's work is done
+                run = partial(self._run_then_release, run, releases)
+            self.streams[op.stream].submit(op.id, run, op.deps)
 
-            def run_and_release(run=run, releases=releases):
-                run()
-                for params in releases:
-                    self.shared.release(params)
+    def _run_then_release(self, run, releases):
+        after = run()
 
-            self.streams[op.stream].submit(op.id, run_and_release, op.deps)
+        def release():
+            if after is not None:
+                after()
+            for params in releases:
+                self.shared.release(params)
+
+        return release
 
     def _action(self, op):
         w = self.weights[op.block]
         if op.kind == "fetch":
-            return partial(self.shared.fetch, self._fetch_params(op.uses[0]))
+            return partial(self.shared.fetch, self._fetch_params(op.uses[0]), self.backend)
         if op.kind == "swap_out":
             return self.swaps[op.block].swap_out
         if op.kind == "swap_in":
-            return partial(self.swaps[op.block].swap_in, self.device)
+            return partial(self.swaps[op.block].swap_in, self.backend)
         if op.kind == "grads_to_host":
             return w.grads_to_host
         if op.kind == "host_step":
@@ -301,6 +317,16 @@ class Engine:
                 n for n in self.blocks[user].shared_params if n in owned]
             self._params_of_buffer[buffer] = [self._named[n] for n in names]
         return self._params_of_buffer[buffer]
+
+
+def _place_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Module buffers (BatchNorm statistics, masks) live on the compute device."""
+    if device.type == "cpu":
+        return
+    for module in model.modules():
+        for name, buf in module._buffers.items():  # noqa: SLF001 - as Module._apply does
+            if buf is not None:
+                module._buffers[name] = buf.to(device)  # noqa: SLF001
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import bisect
 import ctypes
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -22,7 +23,8 @@ ALIGN = 64  # bytes
 
 
 class HostPool:
-    """A first-fit allocator over large host arenas (file-backed or pinned)."""
+    """A first-fit allocator over large host arenas (file-backed or pinned). Thread-safe:
+    the copy streams and the host optimizer allocate and free from their own threads."""
 
     def __init__(self, initial_bytes: int, kind: str = "file", directory: str | None = None):
         if kind not in ("file", "pinned", "plain"):
@@ -34,6 +36,7 @@ class HostPool:
         self._free: list[list[tuple[int, int]]] = []  # per arena: sorted (offset, size)
         self.used_bytes = 0
         self.peak_bytes = 0
+        self._lock = threading.Lock()
         self._grow(max(initial_bytes, 1 << 20))
 
     @property
@@ -46,7 +49,8 @@ class HostPool:
         for s in shape:
             numel *= s
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        arena, offset = self._alloc(max(nbytes, 1))
+        with self._lock:
+            arena, offset = self._alloc(max(nbytes, 1))
         raw = self._arenas[arena][offset:offset + nbytes]
         t = raw.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
         t._karma_slot = (arena, offset, _aligned(max(nbytes, 1)))  # noqa: SLF001
@@ -60,6 +64,10 @@ class HostPool:
     def free(self, t: torch.Tensor) -> None:
         arena, offset, size = t._karma_slot  # noqa: SLF001
         del t._karma_slot  # noqa: SLF001
+        with self._lock:
+            self._release(arena, offset, size)
+
+    def _release(self, arena: int, offset: int, size: int) -> None:
         self.used_bytes -= size
         free = self._free[arena]
         pos = bisect.bisect(free, (offset, size))

@@ -1,8 +1,11 @@
 """Streams that run the schedule's operations off the compute thread, in order.
 
-On the CPU backend a stream is a worker thread with a queue: it plays a CUDA copy stream, so
-swap-outs, prefetches and host optimizer steps really overlap with compute. Each operation
-waits for the completion events of its dependencies, runs, and sets its own event. An
+A stream is a worker thread with a queue. Each operation waits until its dependencies are
+issued (their threading events), asks the backend to order its work after theirs, runs, tells
+the backend it is issued, and sets its own event. On the CPU backend the work runs on the
+worker itself, playing a CUDA copy stream, so swap-outs, prefetches and host optimizer steps
+really overlap with compute; on CUDA the worker enqueues the work on its CUDA stream. An
+operation may return a release: what to drop once its work has finished (backend.py). An
 exception in a worker is kept and raised on the compute thread at its next wait.
 """
 
@@ -23,42 +26,49 @@ class OpFailed(RuntimeError):
 
 
 class Pending(NamedTuple):
-    """An operation queued on a stream: what to run once its dependencies are done."""
+    """An operation queued on a stream: what to run once its dependencies are issued."""
 
     op_id: int
-    run: Callable[[], None]
-    deps: tuple[threading.Event, ...]
+    run: Callable[[], Callable[[], None] | None]  # returns what to release when done, if any
+    deps: tuple[int, ...]
 
 
 class StreamWorker:
     """One stream: runs its operations one after another on its own thread."""
 
-    def __init__(self, name: str, events: dict[int, threading.Event], errors: list):
+    def __init__(self, name: str, events: dict[int, threading.Event], errors: list, backend):
         self.name = name
-        self._events = events  # op id -> done event, shared by all streams
+        self._events = events  # op id -> issued event, shared by all streams
+        self._backend = backend
         self._errors = errors  # shared: the first failure stops everything
         self._queue: queue.Queue[Pending | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name=f"karma-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, op_id: int, run: Callable[[], None], deps: tuple[int, ...]) -> None:
-        self._queue.put(Pending(op_id, run, tuple(self._events[d] for d in deps)))
+    def submit(self, op_id: int, run: Callable[[], Callable[[], None] | None],
+               deps: tuple[int, ...]) -> None:
+        self._queue.put(Pending(op_id, run, deps))
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=60)
 
     def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            for dep in item.deps:
-                while not (self._errors or dep.wait(timeout=1.0)):
-                    pass  # a failure elsewhere ends the wait (and skips the op)
-            if not self._errors:
-                try:
-                    item.run()
-                except BaseException as e:  # noqa: BLE001 - handed to the compute thread
-                    self._errors.append((self.name, item.op_id, e))
-            self._events[item.op_id].set()
+        with self._backend.stream(self.name):
+            while (item := self._queue.get()) is not None:
+                for d in item.deps:
+                    while not (self._errors or self._events[d].wait(timeout=1.0)):
+                        pass  # a failure elsewhere ends the wait (and skips the op)
+                if not self._errors:
+                    try:
+                        self._backend.order_after(item.deps, self.name)
+                        release = item.run()
+                        self._backend.issued(item.op_id, self.name)
+                        if release is not None:
+                            self._backend.release_after(item.op_id, release)
+                    except BaseException as e:  # noqa: BLE001 - handed to the compute thread
+                        self._errors.append((self.name, item.op_id, e))
+                self._events[item.op_id].set()
 
 
 def wait_for(events: dict[int, threading.Event], deps, errors: list) -> None:

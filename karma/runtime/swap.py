@@ -31,6 +31,7 @@ class Saved:
     device: torch.Tensor | None  # on the device: from pack to swap-out, swap-in to last unpack
     host: torch.Tensor | None  # in the host tier: from swap-out to swap-in
     refs: int  # unpacks still to come
+    stride: tuple[int, ...] | None = None  # the saved tensor's, to restore (None: contiguous)
 
 
 class SwapStore:
@@ -71,21 +72,36 @@ class SwapStore:
             entry.device = None
         return t
 
-    def swap_out(self) -> None:
-        """Copy every saved tensor to the host tier and drop it from the device."""
+    def swap_out(self):
+        """Copy every saved tensor to the host tier; the device copies are dropped once the
+        copy has finished (the returned release)."""
         self._by_view.clear()  # storages may be reused once dropped
+        leaving = []
         for e in self._entries:
             e.host = self._pool.empty(e.device.shape, e.device.dtype)
-            e.host.copy_(e.device)
+            e.host.copy_(e.device, non_blocking=True)
+            e.stride = e.device.stride() if _dense(e.device) else None
+            leaving.append(e.device)
             e.device = None
+        return leaving.clear
 
-    def swap_in(self, device: torch.device) -> None:
-        """Copy them back into fresh device tensors, ready for the block's backward."""
-        for e in self._entries:
-            e.device = torch.empty(e.host.shape, dtype=e.host.dtype, device=device)
-            e.device.copy_(e.host)
-            self._pool.free(e.host)
+    def swap_in(self, backend):
+        """Copy them back into fresh device tensors, ready for the block's backward; the host
+        slots are freed once the copy has finished (the returned release)."""
+        with backend.allocating():
+            fresh = [_like(e.stride, e.host, backend.device) for e in self._entries]
+        hosts = []
+        for e, t in zip(self._entries, fresh):
+            t.copy_(e.host, non_blocking=True)
+            e.device = t
+            hosts.append(e.host)
             e.host = None
+
+        def release():
+            for h in hosts:
+                self._pool.free(h)
+
+        return release
 
     def reset(self) -> None:
         """End of the iteration: forget every entry (all have been unpacked)."""
@@ -94,3 +110,22 @@ class SwapStore:
                 self._pool.free(e.host)
         self._entries.clear()
         self._by_view.clear()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill a block of memory exactly once (any order of dimensions)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _like(stride: tuple[int, ...] | None, host: torch.Tensor, device: torch.device):
+    """An empty device tensor for `host`'s values, with the saved tensor's strides where they
+    are dense: the backward then sees the layout the forward saved (a transposed weight
+    gradient picks the same kernel, and on CUDA the same result bits)."""
+    if stride is None:
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
+    return torch.empty_strided(host.shape, stride, dtype=host.dtype, device=device)

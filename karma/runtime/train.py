@@ -21,6 +21,7 @@ import torch
 from karma.errors import KarmaError
 from karma.modelfile import ModelFile, load_model_file
 from karma.runtime import distributed
+from karma.runtime.backend import make_backend
 from karma.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from karma.runtime.distributed import GradientExchange, Ranks
 from karma.runtime.engine import Engine
@@ -104,19 +105,21 @@ def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile
 
 def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
     """Train by replaying `schedule`: on one rank, or on each of the schedule's ranks."""
-    if dict(schedule.hardware).get("device_kind") == "cuda":
-        raise KarmaError("the CUDA backend is not built yet; plan with --hardware cpu to train "
+    backend = make_backend(dict(schedule.hardware).get("device_kind", "cpu"))
+    if backend.name == "cuda" and schedule.config.world_size > 1:
+        raise KarmaError("data parallelism on the CUDA backend (NCCL) is not built yet: plan "
+                         "with --world-size 1, or with --hardware cpu to train several ranks "
                          "on the CPU backend")
     ranks = distributed.join(schedule.config.world_size, schedule_sha256(schedule),
                              options.timeout_s)
     try:
-        return _train(schedule, mf, options, ranks)
+        return _train(schedule, mf, options, ranks, backend)
     finally:  # also after a failure: a process group left to the interpreter's exit aborts
         distributed.leave(ranks)
 
 
-def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks) -> RunReport:
-    device = torch.device("cpu")
+def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks,
+           backend) -> RunReport:
     log = options.log if ranks.main else _quiet
     return_freed_memory_promptly()
     seed = schedule.config.seed if options.seed is None else options.seed
@@ -128,13 +131,15 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks)
     baseline_data = data_bytes()
     log(f"baseline before the model: {format_bytes(baseline)} private, "
         f"{format_bytes(baseline_data)} data segment (what prlimit --data caps)")
+    meter = _PeakSampler(baseline) if backend.name == "cpu" else _DevicePeak(backend)
 
     torch.manual_seed(seed)
-    model = mf.build_model()
+    model = mf.build_model()  # on the CPU, so that initial weights do not depend on the device
     model.train()
-    pool = HostPool(int(schedule.predicted.host_bytes * 1.1) + (64 << 20), kind="file")
+    pool = HostPool(int(schedule.predicted.host_bytes * 1.1) + (64 << 20),
+                    kind=backend.pool_kind)
     exchange = GradientExchange(ranks) if ranks.world_size > 1 else None
-    engine = Engine(schedule, model, mf.make_optimizer, pool, device, exchange)
+    engine = Engine(schedule, model, mf.make_optimizer, pool, backend, exchange)
     data = mf.batches(schedule.config.batch_size, ranks.rank, ranks.world_size)
 
     start_step = 0
@@ -151,7 +156,6 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks)
             log(f"resumed from {found} (step {start_step})")
     distributed.barrier(ranks, "before the first step")  # every rank has built its model
 
-    sampler = _PeakSampler(baseline)
     steps: list[int] = []
     losses: list[float] = []
     times: list[float] = []
@@ -163,7 +167,11 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks)
         for step in range(start_step + 1, options.steps + 1):
             inputs, targets = next(data)
             inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-            sampler.start()
+            inputs = tuple(backend.to_device(x) if isinstance(x, torch.Tensor) else x
+                           for x in inputs)
+            if isinstance(targets, torch.Tensor):
+                targets = backend.to_device(targets)
+            meter.start()
             t0 = time.perf_counter()
             try:
                 engine.begin_iteration()
@@ -179,7 +187,7 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks)
                                            e.__cause__) from e
                 raise
             elapsed = time.perf_counter() - t0
-            peak = sampler.stop()
+            peak = meter.stop()
             steps.append(step)
             losses.append(loss.item())
             times.append(elapsed)
@@ -208,7 +216,7 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks)
         pool_peak = pool.peak_bytes
         pool.close()
     return RunReport(
-        steps=steps, losses=losses, step_s=times, peak_device_bytes=sampler.peak,
+        steps=steps, losses=losses, step_s=times, peak_device_bytes=meter.peak,
         predicted_step_s=predicted.iteration_s,
         predicted_peak_device_bytes=predicted.peak_device_bytes,
         capacity_bytes=schedule.config.capacity_bytes, host_tier_peak_bytes=pool_peak,
@@ -220,6 +228,23 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks)
 
 def _quiet(line: str) -> None:
     """Ranks other than 0 print no progress lines (their errors still reach stderr)."""
+
+
+class _DevicePeak:
+    """Peak device memory above what was allocated before the model was placed."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.baseline = backend.memory_baseline()
+        self.peak = 0
+
+    def start(self) -> None:
+        self._backend.reset_peak()
+
+    def stop(self) -> int:
+        step_peak = max(0, self._backend.peak_bytes() - self.baseline)
+        self.peak = max(self.peak, step_peak)
+        return step_peak
 
 
 class _PeakSampler:

@@ -37,17 +37,20 @@ class SharedStorage:
         self._refs[id(param)] = 0
         param.untyped_storage().resize_(0)
 
-    def fetch(self, params: list[torch.nn.Parameter]) -> None:
-        for p in params:
-            with self._lock:
+    def fetch(self, params: list[torch.nn.Parameter], backend) -> None:
+        fill = []
+        with self._lock:
+            for p in params:
                 self._refs[id(p)] += 1
-                if self._refs[id(p)] > 1:
-                    continue
-                storage = p.untyped_storage()
-                storage.resize_(p.numel() * p.element_size())
+                if self._refs[id(p)] == 1:
+                    fill.append(p)
+            with backend.allocating():  # on the compute stream (backend.py)
+                for p in fill:
+                    p.untyped_storage().resize_(p.numel() * p.element_size())
+        for p in fill:
             # the refill must not look like an in-place change to the views autograd saved
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
-                p.copy_(self._masters[id(p)])
+                p.copy_(self._masters[id(p)], non_blocking=True)
 
     def release(self, params: list[torch.nn.Parameter]) -> None:
         with self._lock:
@@ -64,7 +67,8 @@ class BlockWeights:
     """One block's own parameters and its optimizer."""
 
     def __init__(self, name: str, params: list[tuple[str, torch.nn.Parameter]], weights: str,
-                 optim: str, make_optimizer: Callable, pool: HostPool, shared: SharedStorage):
+                 optim: str, make_optimizer: Callable, pool: HostPool, shared: SharedStorage,
+                 device: torch.device | None = None):
         self.name = name
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -79,11 +83,15 @@ class BlockWeights:
             template = zero_state_template(make_optimizer) if self.optimizer else None
             if template is not None:
                 self._prefill_state(template)
+            for p in self.params:
+                _place(p, device, streamed=weights == "streamed")
             if weights == "streamed":
                 for p, m in zip(self.params, self.masters):
                     shared.register(p, m)
         else:
             self.masters, self.host_grads = [], []
+            for p in self.params:
+                _place(p, device, streamed=False)
             self.optimizer = make_optimizer(self.params) if self.params else None
 
     # --- the schedule's operations ---------------------------------------------------------
@@ -94,13 +102,18 @@ class BlockWeights:
             for p in self.params:
                 p.grad = None
 
-    def grads_to_host(self) -> None:
+    def grads_to_host(self):
+        """Copy the gradients into the host tier; the device gradients are dropped once the
+        copy has finished (the returned release)."""
+        leaving = []
         for p, g in zip(self.params, self.host_grads):
             if p.grad is None:
                 g.zero_()  # a parameter the loss does not depend on
             else:
-                g.copy_(p.grad)
+                g.copy_(p.grad, non_blocking=True)
+                leaving.append(p.grad)
             p.grad = None
+        return leaving.clear
 
     def host_step(self) -> None:
         if self.optimizer is None:
@@ -116,7 +129,7 @@ class BlockWeights:
     def upload(self) -> None:
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
-                p.copy_(m)
+                p.copy_(m, non_blocking=True)
 
     # --- checkpoints ---------------------------------------------------------------------
 
@@ -158,6 +171,17 @@ class BlockWeights:
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
                     state[key] = self._pool.copy_of(value)
         self._state_in_pool = True
+
+
+def _place(p: torch.nn.Parameter, device: torch.device | None, streamed: bool) -> None:
+    """Move a parameter built on the CPU to the compute device (a streamed one with no
+    bytes: its fetches fill it)."""
+    if device is None or device.type == "cpu" or p.device == device:
+        return
+    if streamed:
+        p.data = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device)
+    else:
+        p.data = p.data.to(device)
 
 
 StateTemplate = dict[str, tuple[bool, torch.dtype]]  # key -> (parameter-shaped?, dtype)

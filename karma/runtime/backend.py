@@ -1,0 +1,173 @@
+"""The two backends behind the engine: where compute runs and how the streams order work.
+
+Every operation of the schedule has two moments: *issued* (its work has been handed to its
+stream) and *done* (the work has finished). The engine and the stream workers wait for the
+issue of an operation's dependencies on the CPU (threading events), then ask the backend to
+order their own work after those dependencies:
+
+- `cpu`: operations run synchronously on their stream's worker thread, so issued is done and
+  there is nothing more to order. The host tier is file-backed.
+- `cuda`: operations are enqueued on CUDA streams (compute on the current stream, one stream
+  for each of h2d and d2h); each records a CUDA event when issued, and a device stream orders
+  itself after a dependency with `wait_event`, without blocking the CPU. Work on the host
+  (the host optimizer) waits for the event itself. The host tier is pinned memory.
+
+[Note: device memory across streams, without record_stream] A tensor that a copy stream reads
+(a swap-out's activations, a gradient on its way to the host) stays referenced until that
+copy's event has completed (`release_after`), and only then goes back to the caching
+allocator; a pinned host slot that a copy reads or writes is freed the same way. Device
+memory that a copy stream fills (a swap-in, a weight fetch) is allocated on the compute
+stream (`allocating`), and the copy stream waits for the compute stream first: the
+allocator may hand out a block the compute stream freed moments ago. `record_stream` would
+tie each block to the copy stream until the allocator next polls it, which fragments memory
+(PYTORCH_NOTES).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+
+import torch
+
+DEVICE_STREAMS = ("compute", "h2d", "d2h", "net")
+
+
+class CpuBackend:
+    """Compute on the CPU; copies and host steps finish on their worker thread."""
+
+    name = "cpu"
+    pool_kind = "file"
+
+    def __init__(self):
+        self.device = torch.device("cpu")
+
+    def stream(self, name: str):
+        return contextlib.nullcontext()
+
+    def begin_iteration(self, op_ids) -> None:
+        pass
+
+    def issued(self, op_id: int, stream: str) -> None:
+        pass
+
+    def order_after(self, deps, stream: str) -> None:
+        pass
+
+    def allocating(self):
+        return contextlib.nullcontext()
+
+    def release_after(self, op_id: int, release: Callable[[], None]) -> None:
+        release()  # the op has finished: nothing reads what it used any more
+
+    def end_iteration(self) -> None:
+        pass
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def memory_baseline(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak_bytes(self) -> int | None:
+        return None  # sampled from the process's private memory instead (train.py)
+
+
+class CudaBackend:
+    """Compute on the current CUDA device's current stream; h2d and d2h streams of their own."""
+
+    name = "cuda"
+    pool_kind = "pinned"
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        self.compute = torch.cuda.current_stream(self.device)
+        self.streams = {"compute": self.compute,
+                        "h2d": torch.cuda.Stream(self.device),
+                        "d2h": torch.cuda.Stream(self.device),
+                        "net": torch.cuda.Stream(self.device)}
+        self._events: dict[int, torch.cuda.Event] = {}
+        self._pending: list[tuple[torch.cuda.Event, Callable[[], None]]] = []
+        self._lock = threading.Lock()
+
+    def stream(self, name: str):
+        """The worker thread of `name` enqueues its work on this CUDA stream."""
+        if name in self.streams:
+            return torch.cuda.stream(self.streams[name])
+        return contextlib.nullcontext()  # host: CPU work
+
+    def begin_iteration(self, op_ids) -> None:
+        self._events = {i: torch.cuda.Event() for i in op_ids}
+
+    def issued(self, op_id: int, stream: str) -> None:
+        """The op's work is enqueued on `stream`: mark the point it ends at."""
+        if stream in self.streams:
+            self._events[op_id].record(self.streams[stream])
+
+    def order_after(self, deps, stream: str) -> None:
+        """Make `stream`'s next work wait for the device work of `deps` (already issued)."""
+        for d in deps:
+            event = self._events[d]
+            if stream in self.streams:
+                self.streams[stream].wait_event(event)
+            else:
+                event.synchronize()  # the host needs the bytes themselves
+
+    @contextlib.contextmanager
+    def allocating(self):
+        """Allocate on the compute stream (see the Note); the calling copy stream then waits
+        for everything the compute stream has enqueued so far."""
+        copy_stream = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.compute):
+            yield
+            allocated = torch.cuda.Event()
+            allocated.record(self.compute)
+        copy_stream.wait_event(allocated)
+
+    def release_after(self, op_id: int, release: Callable[[], None]) -> None:
+        """Run `release` once op `op_id`'s device work has finished (call after issued())."""
+        with self._lock:
+            self._pending.append((self._events[op_id], release))
+        self._poll()
+
+    def _poll(self) -> None:
+        with self._lock:
+            done = [(e, r, e.query()) for e, r in self._pending]
+            self._pending = [(e, r) for e, r, finished in done if not finished]
+        for _, release, finished in done:
+            if finished:
+                release()
+
+    def end_iteration(self) -> None:
+        for s in self.streams.values():
+            s.synchronize()
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for _, release in pending:
+            release()
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
+
+    def memory_baseline(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def make_backend(device_kind: str):
+    if device_kind == "cuda":
+        if not torch.cuda.is_available():
+            from karma.errors import KarmaError
+            raise KarmaError("this schedule was planned for a CUDA GPU and none is available "
+                             "here; re-plan with --hardware cpu to train on the CPU backend")
+        return CudaBackend()
+    return CpuBackend()

@@ -1,0 +1,45 @@
+"""The host tier: its pool's first-fit slots, and swapped activations going through it."""
+
+from __future__ import annotations
+
+import torch
+
+from karma.runtime.backend import CpuBackend
+from karma.runtime.host import ALIGN, HostPool
+from karma.runtime.swap import SwapStore
+
+
+def slot(t: torch.Tensor) -> tuple[int, int, int]:
+    return t._karma_slot  # noqa: SLF001
+
+
+def test_freed_slots_merge_and_are_reused():
+    pool = HostPool(1 << 20, kind="plain")
+    a, b, c = (pool.empty((1000,), torch.float32) for _ in range(3))
+    assert pool.used_bytes == 3 * slot(a)[2] and slot(a)[2] % ALIGN == 0
+    pool.free(a)
+    pool.free(b)  # a and b merge into one free run at offset 0
+    d = pool.empty((2000,), torch.float32)
+    assert slot(d)[1] == 0 and slot(c)[1] == 2 * slot(c)[2]
+    d.fill_(1.0)
+    c.fill_(2.0)
+    assert d.sum().item() == 2000 and c.sum().item() == 2000  # no overlap
+    pool.close()
+
+
+def test_a_swapped_activation_comes_back_with_its_values_and_strides():
+    pool = HostPool(1 << 20, kind="file")
+    store = SwapStore("b", pool, param_storages=set())
+    base = torch.randn(6, 4)
+    saved = [base.t(), base[:, :2], torch.randn(3, 1).expand(3, 5)]  # dense, strided, expanded
+    entries = [store.pack(t) for t in saved]
+    store.swap_out()()  # the copy, then its release
+    assert all(e.device is None for e in entries) and pool.used_bytes > 0
+    store.swap_in(CpuBackend())()
+    back = [store.unpack(e) for e in entries]
+    for t, b in zip(saved, back):
+        assert torch.equal(t, b)
+    assert back[0].stride() == saved[0].stride()  # a transposed view stays transposed
+    assert back[1].is_contiguous() and back[2].is_contiguous()  # the others come back dense
+    assert pool.used_bytes == 0
+    pool.close()
