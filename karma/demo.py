@@ -4,7 +4,8 @@ GPT-2 small (sequence 64, batch 2) needs about 2 GiB of memory to train in plain
 The demo plans it for an 800 MiB budget, shows plain PyTorch dying under a hard cap of that
 budget plus the process's fixed baseline (`prlimit --data`), then trains it with karma-run
 under the same cap, on the CPU backend, and checks its losses against the unlimited plain
-PyTorch run. Run it as `python -m karma.demo`.
+PyTorch run. With a CUDA GPU it does the same on the GPU: GPT-2 large planned for a smaller
+GPU, emulated with `karma-run --cap-device-memory`. Run it as `python -m karma.demo`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ BATCH = "2"
 BUDGET = "800M"
 STEPS = "5"
 SLACK = 128 << 20  # thread stacks and allocator arenas beyond the baseline (bench/RESULTS.md)
+# On a GPU: GPT-2 large as if on a 24 GiB GPU (bench/gpu_throughput.py compares the same).
+CUDA_ENV = {"KARMA_GPT": "large", "KARMA_SEQ": "1024"}
+CUDA_BATCH = "8"
+CUDA_BUDGET = "24G"
 
 
 def _bin(name: str) -> str:
@@ -36,7 +41,7 @@ def _run(cmd: list[str], env: dict, limit: int | None = None, show: bool = True,
          capture: bool = False) -> subprocess.CompletedProcess:
     if limit is not None:
         cmd = ["prlimit", f"--data={limit}", *cmd]
-    shown = " ".join(f"{k}={v}" for k, v in ENV.items()) + " " + " ".join(
+    shown = " ".join(f"{k}={v}" for k, v in env.items() if k in ENV or k in CUDA_ENV) + " " + " ".join(
         c.replace(str(ROOT) + "/", "") for c in cmd)
     print(f"\n$ {shown}", flush=True)
     if capture or not show:
@@ -45,6 +50,10 @@ def _run(cmd: list[str], env: dict, limit: int | None = None, show: bool = True,
 
 
 def main() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return main_cuda()
     env = {**os.environ, **ENV}
     OUT.mkdir(parents=True, exist_ok=True)
     schedule = OUT / "schedule.yaml"
@@ -81,16 +90,59 @@ def main() -> int:
         print("\n(prlimit is not installed: karma-run runs without a hard cap)")
 
     print("\nkarma-run under the same cap:", flush=True)
+    return _train_and_compare(schedule, env, ref, limit, [])
+
+
+def main_cuda() -> int:
+    """The same job on a GPU: the budget is a GPU smaller than this one, emulated with
+    torch.cuda.set_per_process_memory_fraction (karma-run --cap-device-memory)."""
+    import torch
+
+    env = {**os.environ, **CUDA_ENV}
+    OUT.mkdir(parents=True, exist_ok=True)
+    schedule = OUT / "schedule.yaml"
+    total = torch.cuda.get_device_properties(0).total_memory
+    print(f"karma demo on {torch.cuda.get_device_name()}: train GPT-2 large (774M parameters, "
+          f"sequence {CUDA_ENV['KARMA_SEQ']}, batch {CUDA_BATCH}) as if on a {CUDA_BUDGET} GPU.")
+    profile = OUT / "gpu.yaml"
+    r = _run([_bin("karma-profile"), "--quick", "-o", str(profile)], env)
+    if r.returncode != 0:
+        return r.returncode
+    r = _run([_bin("karma-plan"), "examples/gpt.py", "--hardware", str(profile), "--gpu-mem",
+              CUDA_BUDGET, "--batch-size", CUDA_BATCH, "-o", str(schedule)], env)
+    if r.returncode != 0:
+        return r.returncode
+    ref_cmd = [sys.executable, "-m", "karma.reference", "examples/gpt.py", "--batch-size",
+               CUDA_BATCH, "--steps", STEPS, "--device", "cuda"]
+    print("\nPlain PyTorch on the whole GPU (the reference karma must equal):", end="")
+    r = _run(ref_cmd, env, capture=True)
+    if r.returncode != 0:
+        print(r.stderr[-2000:])
+        return r.returncode
+    ref = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"  peak {format_bytes(ref['peak_cuda_bytes'])}")
+    fraction = (parse_size(CUDA_BUDGET) + (256 << 20)) / total
+    print(f"\nPlain PyTorch on {CUDA_BUDGET} (+256 MiB):", end="")
+    r = _run(ref_cmd + ["--memory-fraction", f"{fraction:.6f}"], env, capture=True)
+    last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+    print(f"  exit {r.returncode}: {last[:150]}")
+    print("\nkarma-run on the same budget:", flush=True)
+    return _train_and_compare(schedule, env, ref, None, ["--cap-device-memory"])
+
+
+def _train_and_compare(schedule: Path, env: dict, ref: dict, limit: int | None,
+                       extra: list[str]) -> int:
     report = OUT / "report.json"
     r = _run([_bin("karma-run"), str(schedule), "--steps", STEPS, "--report", str(report),
-              "--checkpoint-dir", str(OUT / "checkpoints")], env, limit)
+              "--checkpoint-dir", str(OUT / "checkpoints"), *extra], env, limit)
     if r.returncode != 0:
         return r.returncode
     got = json.loads(report.read_text())
     same = got["losses"] == ref["losses"]
+    fits = got["peak_device_bytes"] <= got["capacity_bytes"]
     print(f"\nlosses equal to plain PyTorch, bit for bit: {'yes' if same else 'NO'}"
           f"\nmeasured peak {format_bytes(got['peak_device_bytes'])} within the "
-          f"{BUDGET} budget: {'yes' if got['peak_device_bytes'] <= got['capacity_bytes'] else 'NO'}"
+          f"{format_bytes(got['capacity_bytes'])} budget: {'yes' if fits else 'NO'}"
           f"\nschedule, report and checkpoints are in {OUT.relative_to(ROOT)}/; inspect the plan "
           f"with: karma-inspect {schedule.relative_to(ROOT)} --plot out/demo/plan.png")
     return 0 if same else 1

@@ -90,7 +90,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1,
                    help="average the gradients of this many ranks' batches, in one process")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="on CUDA: torch.cuda.set_per_process_memory_fraction (a smaller GPU)")
     args = p.parse_args()
+    if args.memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     mf = load_model_file(args.model)
     mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])  # import-time costs, as karma-run
     baseline, baseline_data = private_bytes(), data_bytes()
@@ -101,8 +106,10 @@ def main() -> None:
         peak = max(peak, private_bytes() - baseline)
 
     run = train_reference(mf, args.batch_size, args.steps, args.seed, args.world_size,
-                          on_step=sample)
+                          on_step=sample, device=args.device)
+    cuda_peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
     print(json.dumps({"losses": run.losses, "peak_private_bytes": peak,
+                      "peak_cuda_bytes": cuda_peak,
                       "baseline_private_bytes": baseline, "baseline_data_bytes": baseline_data}))
 
 

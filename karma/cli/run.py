@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.add_argument("--report", type=Path, default=None,
                    help="write a JSON report here (on several ranks: rank 0's)")
+    p.add_argument("--cap-device-memory", action="store_true",
+                   help="on CUDA: let PyTorch's allocator hold only the schedule's budget "
+                        "(plus 256 MiB), as on a GPU of that size")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                    help="on several ranks: how long to wait for the rendezvous, and for a "
                         "rank that stops answering, before stopping with an error (a rank "
@@ -64,7 +67,8 @@ def _run(args: argparse.Namespace) -> int:
         report = train(schedule, mf, RunOptions(
             steps=args.steps, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every, resume=args.resume,
-            timeout_s=args.timeout, log=lambda line: print(line, flush=True)))
+            timeout_s=args.timeout, cap_device_memory=args.cap_device_memory,
+            log=lambda line: print(line, flush=True)))
     except (MemoryError, RuntimeError) as e:
         if not _out_of_memory(e):
             raise

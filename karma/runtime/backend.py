@@ -76,6 +76,11 @@ class CpuBackend:
     def peak_bytes(self) -> int | None:
         return None  # sampled from the process's private memory instead (train.py)
 
+    def cap(self, nbytes: int) -> int:
+        from karma.errors import KarmaError
+        raise KarmaError("--cap-device-memory caps a GPU's memory; on the CPU backend cap the "
+                         "process with prlimit --data=BYTES (see make demo)")
+
 
 class CudaBackend:
     """Compute on the current CUDA device's current stream; h2d and d2h streams of their own."""
@@ -110,6 +115,8 @@ class CudaBackend:
 
     def order_after(self, deps, stream: str) -> None:
         """Make `stream`'s next work wait for the device work of `deps` (already issued)."""
+        if stream == "compute":
+            self._poll()  # what finished copies hold goes back before compute allocates more
         for d in deps:
             event = self._events[d]
             if stream in self.streams:
@@ -161,6 +168,14 @@ class CudaBackend:
 
     def peak_bytes(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device)
+
+    def cap(self, nbytes: int) -> int:
+        """Let the caching allocator hold at most `nbytes` (a smaller GPU, emulated);
+        returns the device's total memory."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), self.device)
+        return total
 
 
 def make_backend(device_kind: str):

@@ -35,6 +35,10 @@ from karma.runtime.streams import OpFailed
 from karma.schedule import Schedule, schedule_sha256
 from karma.units import format_bytes, format_seconds
 
+# --cap-device-memory leaves the allocator this much beyond the budget: cuBLAS workspaces and
+# the allocator's rounding, which the planner does not count.
+DEVICE_SLACK_BYTES = 256 << 20
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -44,6 +48,7 @@ class RunOptions:
     checkpoint_every: int = 0  # 0: only the final step
     resume: bool = False
     timeout_s: float = 60.0  # how long a collective waits for the other ranks
+    cap_device_memory: bool = False  # CUDA: let the allocator have only the schedule's budget
     log: Callable[[str], None] = field(default=print)  # rank 0's progress lines
 
 
@@ -132,6 +137,10 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks,
     log(f"baseline before the model: {format_bytes(baseline)} private, "
         f"{format_bytes(baseline_data)} data segment (what prlimit --data caps)")
     meter = _PeakSampler(baseline) if backend.name == "cpu" else _DevicePeak(backend)
+    if options.cap_device_memory:
+        total = backend.cap(schedule.config.capacity_bytes + DEVICE_SLACK_BYTES)
+        log(f"device memory capped at {format_bytes(schedule.config.capacity_bytes)} + "
+            f"{format_bytes(DEVICE_SLACK_BYTES)} slack of {format_bytes(total)}")
 
     torch.manual_seed(seed)
     model = mf.build_model()  # on the CPU, so that initial weights do not depend on the device
