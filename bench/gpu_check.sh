@@ -19,9 +19,9 @@ fi
 nvidia-smi -L
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 start=$(date +%s)
-timeout 210 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --maxfail=5 \
+timeout 210 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
     2>&1 | tee "$OUT/gpu_tests.log"
 echo "gpu tests: $(( $(date +%s) - start )) s"
-timeout 140 $PY bench/gpu_throughput.py --size large --seq 1024 --batch-size 8 --cap 24G \
+timeout 150 $PY bench/gpu_throughput.py --size medium --seq 1024 --batch-size 8 --cap 16G \
     --steps 5 --out "$OUT/throughput" 2>&1 | tee "$OUT/throughput.log"
 echo "total: $(( $(date +%s) - start )) s"

@@ -1,10 +1,11 @@
 """Throughput on a smaller GPU, emulated: karma against PyTorch's own memory savers.
 
-    python bench/gpu_throughput.py [--size large] [--seq 1024] [--batch-size 8] [--cap 24G]
-                                   [--steps 6] [--out DIR]
+    python bench/gpu_throughput.py [--size medium] [--seq 1024] [--batch-size 8] [--cap 16G]
+                                   [--steps 5] [--out DIR]
 
 Every contender trains the same model file (examples/gpt.py: its init, AdamW and data) in its
-own process, under `torch.cuda.set_per_process_memory_fraction(cap / total)`:
+own process, under `torch.cuda.set_per_process_memory_fraction((cap + 256 MiB) / total)` (the
+slack `karma-run --cap-device-memory` leaves for cuBLAS workspaces and rounding):
 
 - `plain`: the plain loop (karma.reference), everything on the GPU;
 - `checkpoint`: every block of the model's ModuleLists under non-reentrant
@@ -14,8 +15,8 @@ own process, under `torch.cuda.set_per_process_memory_fraction(cap / total)`:
 - `karma`: `karma-plan --hardware h200-141g --gpu-mem CAP`, then `karma-run
   --cap-device-memory` (the same cap), both as `python -m` (no install needed).
 
-Prints a markdown table: samples/s (median of steps 2..N), peak device memory, or the error
-(out of memory). `--device cpu --size tiny` runs the same code on the CPU, as a smoke test.
+Prints a markdown row per contender as it finishes (samples/s, median of steps 2..N; peak
+device memory; or the error, out of memory), and saves them to OUT/results.json. `--device cpu --size tiny` runs the same code on the CPU, as a smoke test.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("plain", "checkpoint", "save_on_cpu")
+SLACK = 256 << 20  # as karma-run --cap-device-memory (karma/runtime/train.py)
 
 
 def contender(mode: str, steps: int, batch_size: int, cap_bytes: int, device: str) -> dict:
@@ -45,7 +47,7 @@ def contender(mode: str, steps: int, batch_size: int, cap_bytes: int, device: st
     mf = load_model_file(ROOT / "examples" / "gpt.py")
     if device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total))
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (cap_bytes + SLACK) / total))
     torch.manual_seed(0)
     model = mf.build_model().to(device)
     model.train()
@@ -97,7 +99,8 @@ def run_karma(args, env: dict, out: Path) -> dict:
     r = subprocess.run([sys.executable, "-m", "karma.cli.plan", "examples/gpt.py", "--hardware",
                         hardware,
                         "--gpu-mem", args.cap, "--batch-size", str(args.batch_size),
-                        "-o", str(schedule)], cwd=ROOT, env=env, capture_output=True, text=True)
+                        "--time-limit", "20", "-o", str(schedule)],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         return {"error": (r.stderr.strip().splitlines() or ["karma-plan failed"])[-1][:160]}
     print(r.stdout, flush=True)
@@ -115,11 +118,11 @@ def run_karma(args, env: dict, out: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--size", default="large")
+    p.add_argument("--size", default="medium")
     p.add_argument("--seq", default="1024")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--cap", default="24G", help="the GPU size to emulate")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--cap", default="16G", help="the GPU size to emulate")
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)
@@ -132,24 +135,27 @@ def main() -> None:
         print(json.dumps(contender(args.one, args.steps, args.batch_size, cap, args.device)))
         return
     env = {**os.environ, "KARMA_GPT": args.size, "KARMA_SEQ": args.seq,
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     out = args.out or Path(tempfile.mkdtemp(prefix="karma-gpu-"))
     out.mkdir(parents=True, exist_ok=True)
-    results = {mode: run_contender(mode, args, env) for mode in MODES}
-    results["karma"] = run_karma(args, env, out)
     print(f"\nGPT-2 {args.size}, sequence {args.seq}, batch {args.batch_size}, fp32, AdamW; "
           f"{args.device} capped at {args.cap}; medians of steps 2..{args.steps}\n")
-    print("| strategy | samples/s | step | peak | note |\n|---|---:|---:|---:|---|")
-    for mode, r in results.items():
-        if "error" in r:
-            print(f"| {mode} | - | - | - | {r['error']} |")
-            continue
-        step = statistics.median(r["step_s"][1:] or r["step_s"])
-        note = (f"predicted {format_seconds(r['predicted_step_s'])}"
-                if "predicted_step_s" in r else "")
-        print(f"| {mode} | {args.batch_size / step:.2f} | {format_seconds(step)} | "
-              f"{format_bytes(r['peak_bytes'])} | {note} |")
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print("| strategy | samples/s | step | peak | note |\n|---|---:|---:|---:|---|", flush=True)
+    results = {}
+    for mode in (*MODES, "karma"):
+        r = run_karma(args, env, out) if mode == "karma" else run_contender(mode, args, env)
+        results[mode] = r
+        print(_row(mode, r, args.batch_size, format_bytes, format_seconds), flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+
+
+def _row(mode: str, r: dict, batch_size: int, format_bytes, format_seconds) -> str:
+    if "error" in r:
+        return f"| {mode} | - | - | - | {r['error']} |"
+    step = statistics.median(r["step_s"][1:] or r["step_s"])
+    note = f"predicted {format_seconds(r['predicted_step_s'])}" if "predicted_step_s" in r else ""
+    return (f"| {mode} | {batch_size / step:.2f} | {format_seconds(step)} | "
+            f"{format_bytes(r['peak_bytes'])} | {note} |")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@
   3 steps on the GPU to the bits of the plain PyTorch loop on the same GPU (the model built on
   the CPU, then moved). Deterministic algorithms are switched on for both; the plain loop is
   first checked to reproduce itself, so that a failure says which of the two is at fault.
+  Where a block's optimizer runs on the host, it steps with the CPU's kernels, whose rounding
+  differs from the GPU's foreach kernels (addcmul, addcdiv): those schedules are compared to
+  a relative 1e-5 instead of bit for bit.
 - Capacity: GPT-2 small planned for half of what it needs trains under
   `torch.cuda.set_per_process_memory_fraction` of that budget (a smaller GPU, emulated), with
   its measured peak inside the budget, while the plain loop runs out of memory under it.
@@ -73,8 +76,12 @@ def test_cuda_training_is_bitwise_equal_to_plain_pytorch(name, strategy, fractio
         pytest.skip(f"{strategy} does not fit {fraction:g} of keep_all on {name}: {e}")
     ref_sd, ref_losses = reference(name)
     report = run(schedule, load_small(name), STEPS, checkpoint_dir=tmp_path)
-    assert report.losses == ref_losses
-    assert_bitwise_equal(load_model_pt(tmp_path, STEPS), ref_sd)
+    if all(b.optim == "device" for b in schedule.blocks):
+        assert report.losses == ref_losses
+        assert_bitwise_equal(load_model_pt(tmp_path, STEPS), ref_sd)
+    else:  # a host optimizer steps with the CPU's kernels (see the module docstring)
+        assert report.losses == pytest.approx(ref_losses, rel=1e-5)
+        torch.testing.assert_close(load_model_pt(tmp_path, STEPS), ref_sd, rtol=1e-5, atol=1e-6)
     assert 0 < report.peak_device_bytes <= max(schedule.config.capacity_bytes, 64 * MIB)
 
 

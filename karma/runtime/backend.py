@@ -17,8 +17,9 @@ order their own work after those dependencies:
 copy's event has completed (`release_after`), and only then goes back to the caching
 allocator; a pinned host slot that a copy reads or writes is freed the same way. Device
 memory that a copy stream fills (a swap-in, a weight fetch) is allocated on the compute
-stream (`allocating`), and the copy stream waits for the compute stream first: the
-allocator may hand out a block the compute stream freed moments ago. `record_stream` would
+stream by the compute thread when it issues the copy (`allocating`, engine._prepare), and the
+copy stream waits for the compute stream up to that point (`allocated`): the allocator may
+hand out a block the compute stream freed moments ago. `record_stream` would
 tie each block to the copy stream until the allocator next polls it, which fragments memory
 (PYTORCH_NOTES).
 """
@@ -52,11 +53,17 @@ class CpuBackend:
     def issued(self, op_id: int, stream: str) -> None:
         pass
 
-    def order_after(self, deps, stream: str) -> None:
+    def order_after(self, deps, stream: str, op_id: int | None = None) -> None:
         pass
 
     def allocating(self):
         return contextlib.nullcontext()
+
+    def allocated(self, op_id: int) -> None:
+        pass
+
+    def marker(self) -> Callable[[], None] | None:
+        return None  # work on the CPU is done when it returns: nothing to wait for
 
     def release_after(self, op_id: int, release: Callable[[], None]) -> None:
         release()  # the op has finished: nothing reads what it used any more
@@ -66,6 +73,9 @@ class CpuBackend:
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def warm_up(self) -> None:
+        pass
 
     def memory_baseline(self) -> int:
         return 0
@@ -96,6 +106,7 @@ class CudaBackend:
                         "d2h": torch.cuda.Stream(self.device),
                         "net": torch.cuda.Stream(self.device)}
         self._events: dict[int, torch.cuda.Event] = {}
+        self._allocated: dict[int, torch.cuda.Event] = {}
         self._pending: list[tuple[torch.cuda.Event, Callable[[], None]]] = []
         self._lock = threading.Lock()
 
@@ -113,27 +124,39 @@ class CudaBackend:
         if stream in self.streams:
             self._events[op_id].record(self.streams[stream])
 
-    def order_after(self, deps, stream: str) -> None:
-        """Make `stream`'s next work wait for the device work of `deps` (already issued)."""
+    def order_after(self, deps, stream: str, op_id: int | None = None) -> None:
+        """Make `stream`'s next work wait for the device work of `deps` (already issued), and
+        for the compute stream up to where op `op_id`'s memory was allocated."""
         if stream == "compute":
             self._poll()  # what finished copies hold goes back before compute allocates more
-        for d in deps:
-            event = self._events[d]
+        events = [self._events[d] for d in deps]
+        if op_id in self._allocated:
+            events.append(self._allocated.pop(op_id))
+        for event in events:
             if stream in self.streams:
                 self.streams[stream].wait_event(event)
             else:
                 event.synchronize()  # the host needs the bytes themselves
 
-    @contextlib.contextmanager
     def allocating(self):
-        """Allocate on the compute stream (see the Note); the calling copy stream then waits
-        for everything the compute stream has enqueued so far."""
-        copy_stream = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.compute):
-            yield
-            allocated = torch.cuda.Event()
-            allocated.record(self.compute)
-        copy_stream.wait_event(allocated)
+        """Allocate device memory that a copy stream will fill on the compute stream (see the
+        Note), from the compute thread."""
+        return torch.cuda.stream(self.compute)
+
+    def allocated(self, op_id: int) -> None:
+        """Op `op_id`'s memory was just allocated: its copy stream must not write it before
+        the compute stream reaches this point (the memory may have been compute's a moment
+        ago)."""
+        event = torch.cuda.Event()
+        event.record(self.compute)
+        self._allocated[op_id] = event
+
+    def marker(self) -> Callable[[], None]:
+        """A point on the calling thread's stream; calling the result makes the then-current
+        stream wait for it (an unpack waiting for its swap-in)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return lambda: torch.cuda.current_stream(self.device).wait_event(event)
 
     def release_after(self, op_id: int, release: Callable[[], None]) -> None:
         """Run `release` once op `op_id`'s device work has finished (call after issued())."""
@@ -159,6 +182,14 @@ class CudaBackend:
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
+
+    def warm_up(self) -> None:
+        """Make the allocations CUDA libraries keep for the process (cuBLAS workspaces on the
+        compute stream) before the baseline is taken."""
+        with torch.cuda.stream(self.compute):
+            a = torch.ones(64, 64, device=self.device, requires_grad=True)
+            (a @ a).sum().backward()
+        torch.cuda.synchronize(self.device)
 
     def memory_baseline(self) -> int:
         return torch.cuda.memory_allocated(self.device)

@@ -64,7 +64,7 @@ class Engine:
         _place_buffers(model, self.device)
         # after placement: a parameter's storage is the one on the device
         self.param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
-        self.swaps = {b.index: SwapStore(b.name, pool, self.param_storages)
+        self.swaps = {b.index: SwapStore(b.name, pool, self.param_storages, self.device)
                       for b in self.blocks if b.act == "swap"}
         self._named = named
         self._params_of_buffer: dict[str, list[torch.nn.Parameter]] = {}
@@ -269,7 +269,10 @@ class Engine:
         while self._issued < len(self.side_ops) and self.side_ops[self._issued].stage <= stage:
             op = self.side_ops[self._issued]
             self._issued += 1
-            run = self._action(op)
+            with self.backend.allocating():
+                run, allocated = self._prepare(op)
+            if allocated:
+                self.backend.allocated(op.id)
             releases = self.releases.get(op.id, ())
             if releases:  # weights freed when the op's work is done
                 run = partial(self._run_then_release, run, releases)
@@ -286,14 +289,27 @@ class Engine:
 
         return release
 
+    def _prepare(self, op):
+        """(what the op's stream runs, whether device memory was allocated for it here).
+
+        [Note: fetch memory allocated at issue] A fetch or a swap-in gets its device memory
+        here, on the compute thread, when the stage that issues it starts: on CUDA the copy
+        stream then waits for compute only up to that point (backend.allocated), not for
+        whatever compute was enqueued by the time the copy stream got to it.
+        """
+        if op.kind == "fetch":
+            fill = self.shared.claim(self._fetch_params(op.uses[0]))
+            return partial(self.shared.fill, fill), bool(fill)
+        if op.kind == "swap_in":
+            store = self.swaps[op.block]
+            fresh = store.allocate()
+            return partial(store.swap_in, fresh, self.backend), bool(fresh)
+        return self._action(op), False
+
     def _action(self, op):
         w = self.weights[op.block]
-        if op.kind == "fetch":
-            return partial(self.shared.fetch, self._fetch_params(op.uses[0]), self.backend)
         if op.kind == "swap_out":
             return self.swaps[op.block].swap_out
-        if op.kind == "swap_in":
-            return partial(self.swaps[op.block].swap_in, self.backend)
         if op.kind == "grads_to_host":
             return w.grads_to_host
         if op.kind == "host_step":

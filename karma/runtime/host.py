@@ -43,8 +43,9 @@ class HostPool:
     def capacity_bytes(self) -> int:
         return sum(a.numel() for a in self._arenas)
 
-    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor of `shape` and `dtype` (uninitialised)."""
+    def empty(self, shape, dtype: torch.dtype, stride=None) -> torch.Tensor:
+        """A host tensor of `shape` and `dtype` (uninitialised), contiguous or with `stride`
+        (which must be dense: a permutation of the contiguous strides)."""
         numel = 1
         for s in shape:
             numel *= s
@@ -52,7 +53,12 @@ class HostPool:
         with self._lock:
             arena, offset = self._alloc(max(nbytes, 1))
         raw = self._arenas[arena][offset:offset + nbytes]
-        t = raw.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        if not nbytes:
+            t = torch.empty(shape, dtype=dtype)
+        elif stride is None:
+            t = raw.view(dtype).view(shape)
+        else:
+            t = raw.view(dtype).as_strided(shape, stride)
         t._karma_slot = (arena, offset, _aligned(max(nbytes, 1)))  # noqa: SLF001
         return t
 
@@ -98,10 +104,10 @@ class HostPool:
                     self.used_bytes += size
                     self.peak_bytes = max(self.peak_bytes, self.used_bytes)
                     return arena, offset
-        self._grow(max(size, self.capacity_bytes // 2))
+        self._grow(max(size, self.capacity_bytes // 2), request=size)
         return self._alloc(nbytes)
 
-    def _grow(self, nbytes: int) -> None:
+    def _grow(self, nbytes: int, request: int = 0) -> None:
         nbytes = _aligned(nbytes)
         if self.kind == "file":
             path = Path(self._dir.name) / f"arena{len(self._arenas)}.bin"
@@ -110,11 +116,36 @@ class HostPool:
             arena = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
             os.unlink(path)  # the mapping stays; the name goes, so nothing is left behind
         elif self.kind == "pinned":
-            arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            for size in pinned_arena_sizes(nbytes, request):
+                self._arenas.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+                self._free.append([(0, size)])
+            return
         else:
             arena = torch.empty(nbytes, dtype=torch.uint8)
         self._arenas.append(arena)
         self._free.append([(0, nbytes)])
+
+
+PINNED_ARENA_BYTES = 1 << 30
+
+
+def pinned_arena_sizes(nbytes: int, request: int = 0) -> list[int]:
+    """Pinned arenas to grow by `nbytes` so that a slot of `request` bytes fits.
+
+    PyTorch's pinned allocator rounds every allocation up to a power of two, so the pool pins
+    powers of two: arenas of 1 GiB (a smaller power of two when less is needed), or one arena
+    of the next power of two for a request beyond 1 GiB, instead of paying for up to twice
+    what it asked.
+    """
+    if request > PINNED_ARENA_BYTES:
+        return [_power_of_two(request)]
+    if nbytes <= PINNED_ARENA_BYTES:
+        return [_power_of_two(max(nbytes, 1))]
+    return [PINNED_ARENA_BYTES] * -(-nbytes // PINNED_ARENA_BYTES)
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _aligned(n: int) -> int:

@@ -61,7 +61,7 @@ class StreamWorker:
                         pass  # a failure elsewhere ends the wait (and skips the op)
                 if not self._errors:
                     try:
-                        self._backend.order_after(item.deps, self.name)
+                        self._backend.order_after(item.deps, self.name, item.op_id)
                         release = item.run()
                         self._backend.issued(item.op_id, self.name)
                         if release is not None:

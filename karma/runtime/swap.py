@@ -12,6 +12,7 @@ entry with a reference count, so it is copied once each way and freed after its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,14 +32,19 @@ class Saved:
     device: torch.Tensor | None  # on the device: from pack to swap-out, swap-in to last unpack
     host: torch.Tensor | None  # in the host tier: from swap-out to swap-in
     refs: int  # unpacks still to come
-    stride: tuple[int, ...] | None = None  # the saved tensor's, to restore (None: contiguous)
+    shape: torch.Size
+    dtype: torch.dtype
+    stride: tuple[int, ...] | None  # the saved tensor's where dense, to restore; else None
+    ready: Callable[[], None] | None = None  # makes the unpacking stream wait for the swap-in
 
 
 class SwapStore:
     """The saved tensors of one swap block."""
 
-    def __init__(self, block: str, pool: HostPool, param_storages: set[int]):
+    def __init__(self, block: str, pool: HostPool, param_storages: set[int],
+                 device: torch.device | None = None):
         self.block = block
+        self.device = device or torch.device("cpu")
         self._pool = pool
         self._param_storages = param_storages  # _cdata of every parameter's storage
         self._entries: list[Saved] = []
@@ -50,11 +56,14 @@ class SwapStore:
     def pack(self, t: torch.Tensor):
         if t.untyped_storage()._cdata in self._param_storages:
             return t  # a parameter or a view of one: stays where the weights are
+        if t.device != self.device:
+            return t  # not device memory (the CPU RNG seeds a CUDA kernel saves, say)
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
                tuple(t.stride()), t.dtype)
         entry = self._by_view.get(key)
         if entry is None:
-            entry = Saved(device=t, host=None, refs=0)
+            entry = Saved(device=t, host=None, refs=0, shape=t.shape, dtype=t.dtype,
+                          stride=t.stride() if _dense(t) else None)
             self._by_view[key] = entry
             self._entries.append(entry)
         entry.refs += 1
@@ -67,6 +76,8 @@ class SwapStore:
         if t is None:
             raise DivergedError(f"block {self.block}: a swapped activation was needed before "
                                 "its swap-in; execution diverged from the schedule")
+        if entry.ready is not None:
+            entry.ready()  # a node of the block may run before the block's backward starts
         entry.refs -= 1
         if entry.refs == 0:
             entry.device = None
@@ -78,22 +89,27 @@ class SwapStore:
         self._by_view.clear()  # storages may be reused once dropped
         leaving = []
         for e in self._entries:
-            e.host = self._pool.empty(e.device.shape, e.device.dtype)
+            # same strides on the host: the copy is one memcpy, with no temporary
+            e.host = self._pool.empty(e.shape, e.dtype, e.stride)
             e.host.copy_(e.device, non_blocking=True)
-            e.stride = e.device.stride() if _dense(e.device) else None
             leaving.append(e.device)
             e.device = None
         return leaving.clear
 
-    def swap_in(self, backend):
-        """Copy them back into fresh device tensors, ready for the block's backward; the host
+    def allocate(self) -> list[torch.Tensor]:
+        """Empty device tensors for the swap-in, made on the compute thread when it issues
+        the swap-in (with the saved tensors' strides where they are dense)."""
+        return [_like(e, self.device) for e in self._entries]
+
+    def swap_in(self, fresh: list[torch.Tensor], backend):
+        """Copy the saved tensors back into `fresh`, ready for the block's backward; the host
         slots are freed once the copy has finished (the returned release)."""
-        with backend.allocating():
-            fresh = [_like(e.stride, e.host, backend.device) for e in self._entries]
-        hosts = []
         for e, t in zip(self._entries, fresh):
             t.copy_(e.host, non_blocking=True)
-            e.device = t
+        ready = backend.marker()
+        hosts = []
+        for e, t in zip(self._entries, fresh):
+            e.device, e.ready = t, ready
             hosts.append(e.host)
             e.host = None
 
@@ -122,10 +138,10 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _like(stride: tuple[int, ...] | None, host: torch.Tensor, device: torch.device):
+def _like(e: Saved, device: torch.device) -> torch.Tensor:
     """An empty device tensor for `host`'s values, with the saved tensor's strides where they
     are dense: the backward then sees the layout the forward saved (a transposed weight
     gradient picks the same kernel, and on CUDA the same result bits)."""
-    if stride is None:
-        return torch.empty(host.shape, dtype=host.dtype, device=device)
-    return torch.empty_strided(host.shape, stride, dtype=host.dtype, device=device)
+    if e.stride is None:
+        return torch.empty(e.shape, dtype=e.dtype, device=device)
+    return torch.empty_strided(e.shape, e.stride, dtype=e.dtype, device=device)

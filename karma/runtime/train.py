@@ -244,6 +244,7 @@ class _DevicePeak:
 
     def __init__(self, backend):
         self._backend = backend
+        backend.warm_up()  # cuBLAS's workspace: a one-time cost of CUDA, not of the schedule
         self.baseline = backend.memory_baseline()
         self.peak = 0
 

@@ -37,17 +37,21 @@ class SharedStorage:
         self._refs[id(param)] = 0
         param.untyped_storage().resize_(0)
 
-    def fetch(self, params: list[torch.nn.Parameter], backend) -> None:
+    def claim(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """Count a fetch of `params` (on the compute thread, when the fetch is issued) and give
+        storage back to those that had none: the ones `fill` must copy."""
         fill = []
         with self._lock:
             for p in params:
                 self._refs[id(p)] += 1
                 if self._refs[id(p)] == 1:
-                    fill.append(p)
-            with backend.allocating():  # on the compute stream (backend.py)
-                for p in fill:
                     p.untyped_storage().resize_(p.numel() * p.element_size())
-        for p in fill:
+                    fill.append(p)
+        return fill
+
+    def fill(self, params: list[torch.nn.Parameter]) -> None:
+        """Copy the host masters into the storage `claim` gave back (on the h2d stream)."""
+        for p in params:
             # the refill must not look like an in-place change to the views autograd saved
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
                 p.copy_(self._masters[id(p)], non_blocking=True)
