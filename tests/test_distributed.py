@@ -228,3 +228,13 @@ def test_torchrun_launches_karma_run(gpt_two_ranks, tmp_path):
     assert len(lines) == 2 and all("all-reduce" in line and "hidden" in line for line in lines)
     assert "all-reduce:" in result.stdout and "hidden under backward" in result.stdout
     assert json.loads(report.read_text())["world_size"] == RANKS
+
+
+def test_hidden_time_is_the_all_reduce_outside_compute_waits():
+    from karma.runtime.distributed import hidden_s
+
+    calls = [(0.0, 4.0), (10.0, 12.0)]
+    assert hidden_s(calls, []) == 6.0  # compute never waited: all of it hidden
+    assert hidden_s(calls, [(3.0, 5.0)]) == 5.0  # one second of the first call was waited on
+    assert hidden_s(calls, [(9.0, 13.0)]) == 4.0  # the whole second call was waited on
+    assert hidden_s(calls, [(-1.0, 0.5), (1.0, 2.0), (11.5, 20.0)]) == 4.0
