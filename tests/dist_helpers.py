@@ -10,9 +10,11 @@ OMP_NUM_THREADS=1 (as torchrun sets them), in the repository root.
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,11 +46,54 @@ def start_ranks(args: list[str], world_size: int, ranks: list[int] | None = None
             for r in (ranks if ranks is not None else range(world_size))]
 
 
+def wait_for_line(procs: list[subprocess.Popen], rank: int, text: str,
+                  timeout_s: float) -> None:
+    """Read rank `rank`'s stdout until a line contains `text` (killing every rank past
+    `timeout_s`). A thread keeps draining it afterwards, so the rank never blocks on a full
+    pipe; finish() then returns what was read after that line."""
+    lines: queue.Queue[str | None] = queue.Queue()
+    stream = procs[rank].stdout
+    rest: list[str] = []
+
+    def drain() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=drain, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            line = None
+        if line is None:
+            for p in procs:
+                p.kill()
+            raise AssertionError(f"rank {rank} printed no line with {text!r} in {timeout_s} s")
+        if text in line:
+            break
+
+    def keep_draining() -> None:
+        while (line := lines.get()) is not None:
+            rest.append(line)
+
+    threading.Thread(target=keep_draining, daemon=True).start()
+    _DRAINED[id(procs[rank])] = rest
+
+
+_DRAINED: dict[int, list[str]] = {}  # id(Popen) -> its stdout lines read by wait_for_line
+
+
 def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str, str]]:
     """Wait for every rank (killing all of them past `timeout_s`)."""
     deadline = time.monotonic() + timeout_s
     out = []
     for p in procs:
+        if id(p) in _DRAINED:  # its stdout belongs to wait_for_line's reader
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            out.append((p.returncode, "".join(_DRAINED.pop(id(p))), p.stderr.read()))
+            continue
         try:
             stdout, stderr = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired as e:

@@ -15,6 +15,7 @@ import hashlib
 import os
 import textwrap
 from functools import cache
+from pathlib import Path
 
 import torch
 
@@ -84,8 +85,12 @@ def load_with_env(path, env: dict[str, str] | None = None) -> ModelFile:
 
 @cache
 def load_small(name: str) -> ModelFile:
-    """examples/NAME.py at its small test size (tests/conftest.py SMALL_ENV), loaded once."""
-    return load_with_env(EXAMPLES / f"{name}.py", SMALL_ENV.get(name, {}))
+    """examples/NAME.py at its small test size (tests/conftest.py SMALL_ENV), or
+    tests/models/NAME.py, loaded once."""
+    path = EXAMPLES / f"{name}.py"
+    if not path.exists():
+        path = Path(__file__).resolve().parent / "models" / f"{name}.py"
+    return load_with_env(path, SMALL_ENV.get(name, {}))
 
 
 def model_env(mf: ModelFile) -> tuple[tuple[str, str], ...]:

@@ -25,12 +25,15 @@ from karma.planner.plan import InfeasiblePlan
 from karma.reference import train_reference
 from karma.runtime.checkpoint import latest_checkpoint
 from karma.schedule import dump_schedule
-from tests.dist_helpers import ROOT, finish, free_port, start_ranks
+from tests.dist_helpers import ROOT, finish, free_port, start_ranks, wait_for_line
 from tests.runtime_helpers import block_graph, load_small, plan
 from tests.test_runtime import MODELS, STEPS, STRATEGIES, load_model_pt
 
 RANKS = 2
-CASES = [(name, s, f) for name in MODELS for s, f in STRATEGIES]
+# the examples under every strategy, and a model with parameters that get no gradient
+CASES = [(name, s, f) for name in MODELS for s, f in STRATEGIES] + [
+    ("unused_frozen", s, f) for s, f in (("keep_all", 1.0), ("offload_all", 1.0),
+                                         ("ilp", 0.6))]
 
 
 def case_id(name: str, strategy: str, fraction: float) -> str:
@@ -85,21 +88,25 @@ def test_two_ranks_equal_one_process_averaging_their_gradients(two_rank_runs, na
         pytest.skip(f"{strategy} does not fit {fraction:g} of keep_all on {name}")
     schedule, out = two_rank_runs[(name, strategy, fraction)]
     assert schedule.config.world_size == RANKS
-    assert sum(op.kind == "allreduce" for op in schedule.ops) == sum(
-        1 for b in schedule.blocks if b.params)
+    assert sorted(op.block for op in schedule.ops if op.kind == "allreduce") == list(
+        range(len(schedule.blocks)))  # one per block (a block without weights sends nothing)
     ref_params, ref_losses = reference(name)
 
     saved = load_model_pt(out / "ckpt", STEPS)
     worst = {n: max_relative_difference(saved[n], ref) for n, ref in ref_params.items()}
     assert max(worst.values()) <= 1e-6, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
 
-    for rank in range(RANKS):  # every rank trained its own batches with the averaged updates
+    # every rank trained its own batches with the averaged updates (and karma-run checked
+    # that the ranks' final parameters are equal: else the run would have failed)
+    for rank in range(RANKS):
         report = json.loads((out / f"rank{rank}.json").read_text())
         assert report["rank"] == rank and report["world_size"] == RANKS
         assert report["losses"] == pytest.approx(ref_losses[rank], rel=1e-6)
         assert len(report["allreduce_s"]) == STEPS
         for total, hidden in zip(report["allreduce_s"], report["allreduce_hidden_s"]):
             assert 0 < total and 0 <= hidden <= total
+        # phased into the backward: compute ran on while some exchange was in flight
+        assert sum(report["allreduce_hidden_s"]) > 0
 
 
 # --- launching, bad input and faults -------------------------------------------------------
@@ -136,7 +143,9 @@ def test_an_unreachable_rendezvous_fails_within_the_timeout(gpt_two_ranks):
     assert code == 2, stderr
     assert "rank 1 could not join the other 1 rank(s) at the rendezvous 127.0.0.1:" in stderr
     assert "within 3 s" in stderr and "Traceback" not in stderr
-    assert elapsed < 3 + 15, elapsed  # the timeout, plus starting Python and importing torch
+    # the timeout, plus starting Python and importing torch on a loaded machine; without the
+    # watchdog the store's own retries take about twice the timeout
+    assert elapsed < 3 + 30, elapsed
 
 
 def test_ranks_running_different_schedules_stop(gpt_two_ranks, tmp_path):
@@ -151,14 +160,30 @@ def test_ranks_running_different_schedules_stop(gpt_two_ranks, tmp_path):
         assert "copy one schedule to all machines" in stderr
 
 
+def test_ranks_started_with_different_options_stop(gpt_two_ranks):
+    port = free_port()
+    procs = [start_ranks(karma_run(gpt_two_ranks, "--steps", "1", "--seed", seed), RANKS,
+                         ranks=[r], port=port)[0] for r, seed in enumerate(["0", "1"])]
+    for code, _, stderr in finish(procs, timeout_s=120):
+        assert code == 2
+        assert "the ranks disagree on the options" in stderr
+        assert "start every rank with the same karma-run arguments" in stderr
+
+
+def test_a_malformed_world_size_is_bad_input(gpt_two_ranks):
+    procs = start_ranks(karma_run(gpt_two_ranks, "--steps", "1"), RANKS, ranks=[0],
+                        extra_env={"WORLD_SIZE": "two"})
+    [(code, _, stderr)] = finish(procs, timeout_s=120)
+    assert code == 2 and "WORLD_SIZE='two' is not a whole number" in stderr
+    assert "Traceback" not in stderr
+
+
 def test_a_killed_rank_stops_the_others_and_resume_reproduces_the_run(gpt_two_ranks,
                                                                       tmp_path):
     ckpt = tmp_path / "ckpt"
     procs = start_ranks(karma_run(gpt_two_ranks, "--steps", "400", "--checkpoint-dir",
                                   str(ckpt), "--checkpoint-every", "2"), RANKS)
-    for line in procs[0].stdout:  # rank 0 prints the progress lines
-        if "checkpoint" in line and "step_2" in line:
-            break
+    wait_for_line(procs, 0, "/step_2", timeout_s=120)  # rank 0 prints the progress lines
     procs[1].send_signal(signal.SIGKILL)  # mid-step: the ranks checkpoint every 2 steps
     killed = time.monotonic()
     [(code, _, stderr), (killed_code, _, _)] = finish(procs, timeout_s=120)
@@ -199,19 +224,16 @@ def test_a_hung_rank_stops_the_others_after_the_timeout(gpt_two_ranks, tmp_path)
                                   str(tmp_path), "--checkpoint-every", "2", "--timeout", "5"),
                         RANKS)
     try:
-        for line in procs[0].stdout:
-            if "checkpoint" in line and "step_2" in line:
-                break
+        wait_for_line(procs, 0, "/step_2", timeout_s=120)
         procs[1].send_signal(signal.SIGSTOP)  # alive, connections open, never answering
         stopped = time.monotonic()
-        code = procs[0].wait(timeout=120)
+        procs[0].wait(timeout=120)  # its stdout is drained by wait_for_line's reader
         waited = time.monotonic() - stopped
     finally:
         procs[1].kill()
-    stderr = procs[0].stderr.read()
+    [(code, _, stderr), _] = finish(procs, timeout_s=60)
     assert code == 2 and "rank 0 of 2 lost the other ranks" in stderr, stderr
-    assert 4 < waited < 30, waited  # the 5 s timeout, not the 30 min of start-up barriers
-    finish(procs, timeout_s=60)
+    assert 4 < waited < 40, waited  # the 5 s timeout, not the 30 min of checkpoint waits
 
 
 def test_torchrun_launches_karma_run(gpt_two_ranks, tmp_path):

@@ -156,6 +156,22 @@ def test_training_is_bitwise_equal_to_plain_pytorch(name, strategy, fraction, tm
         assert report.host_tier_peak_bytes == held
 
 
+@pytest.mark.parametrize("strategy,fraction", [("keep_all", 1.0), ("offload_all", 1.0),
+                                               ("swap_all", 1.0), ("ilp", 0.6)])
+def test_parameters_without_gradients_are_skipped_as_in_plain_pytorch(strategy, fraction,
+                                                                     tmp_path):
+    """An unused parameter and a frozen layer get no gradient: the optimizer must skip them
+    (AdamW would otherwise decay them) wherever it runs, on the device or on the host."""
+    mf = load_small("unused_frozen")
+    schedule = schedule_or_skip("unused_frozen", strategy, fraction)
+    ref_sd, ref_losses = reference("unused_frozen", STEPS)
+    report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
+    assert report.losses == ref_losses
+    assert_bitwise_equal(load_model_pt(tmp_path, STEPS), ref_sd)
+    if strategy == "offload_all":
+        assert all(b.optim == "host" for b in schedule.blocks)
+
+
 def test_schedules_under_test_cover_every_decision():
     """The ILP budgets above really mix decisions (else the exactness tests prove little)."""
     seen = set()

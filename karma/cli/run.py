@@ -117,7 +117,7 @@ def _check_writable(path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     prog = "karma-run"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # say which rank an error comes from
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):  # say which rank fails
         prog += f" (rank {os.environ.get('RANK', '?')})"
     return run_cli(prog, _run, _parser(), argv)
 

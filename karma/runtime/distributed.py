@@ -4,8 +4,8 @@ karma-run joins a torch.distributed process group when the environment says it i
 several ranks (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; so can anyone).
 Two groups:
 
-- the default group, with a long timeout, for start-up checks and the barrier after a
-  checkpoint (rank 0 writes it while the others wait);
+- the default group, for start-up checks and barriers (after a checkpoint, which rank 0
+  writes while the others wait as long as it takes);
 - the `net` group, with the run's --timeout, for the gradient all-reduces. They run on the
   schedule's `net` stream, one block at a time as its backward completes, so they overlap with
   the backward of the blocks before it.
@@ -15,10 +15,12 @@ left them, on the device, before any copy to the host: the host optimizer then r
 averaged gradient with one device-to-host copy instead of one per rank, NCCL reduces device
 memory over the fastest links, and the planner's model (the all-reduce's stage between the
 block's backward and its gradients' copy or device step) is what runs. Gradients are summed
-and divided by the number of ranks, as DDP does; a parameter with no gradient contributes
-zeros, so every rank makes the same calls in the same order. A block's gradients travel as one
-flat buffer (the planner counts it): one collective per block instead of one per tensor cut a
-tiny GPT's exchange on gloo from 45 ms to 8 ms a step.
+and divided by the number of ranks, as DDP does. A parameter with no gradient on a rank
+contributes zeros there, and a flag counts the ranks that had one: where none had, it keeps
+no gradient and the optimizer skips it, as plain PyTorch does. Every rank makes the same calls
+in the same order. A block's gradients travel as one flat buffer per dtype (the planner counts
+it): one collective per block instead of one per tensor cut a tiny GPT's exchange on gloo
+from 45 ms to 8 ms a step.
 
 
 A rank that dies closes its connections, and the others' next collective fails at once; a
@@ -40,8 +42,8 @@ import torch.distributed as dist
 
 from karma.errors import KarmaError
 
-# Start-up and checkpoint barriers wait this long: rank 0 may be writing a large checkpoint.
-_LONG_TIMEOUT = datetime.timedelta(minutes=30)
+# After a checkpoint the ranks other than 0 wait this long: rank 0 may be writing a large one.
+CHECKPOINT_WAIT_S = 30 * 60.0
 
 
 class RankLost(KarmaError):
@@ -71,11 +73,11 @@ def _launch_hint(world_size: int) -> str:
             "several machines)")
 
 
-def join(world_size: int, schedule_sha256: str, timeout_s: float) -> Ranks:
+def join(world_size: int, schedule_sha256: str, options: dict, timeout_s: float) -> Ranks:
     """Join the run's ranks (from the environment torchrun sets) and check they agree.
 
     A schedule planned for `world_size` ranks runs only on that many; every rank must run
-    the same schedule (same hash).
+    the same schedule (same hash) with the same `options` (seed, steps, resume, ...).
     """
     joined = dist.is_available() and dist.is_initialized()
     size = dist.get_world_size() if joined else _env_int("WORLD_SIZE", 1)
@@ -89,13 +91,20 @@ def join(world_size: int, schedule_sha256: str, timeout_s: float) -> Ranks:
         return SINGLE
     if not joined:
         _init(size, timeout_s)
-    ranks = Ranks(dist.get_rank(), size, owns_group=not joined, net=_new_net_group(timeout_s))
+    ranks = Ranks(dist.get_rank(), size, owns_group=not joined, net=None)
     try:
-        _check_same(ranks, "schedule", schedule_sha256,
+        ranks = Ranks(ranks.rank, size, ranks.owns_group, dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+        _check_same(ranks, "schedule", schedule_sha256[:16],
                     "every rank must run the same schedule file: copy one schedule to all "
                     "machines")
-    except KarmaError:
+        _check_same(ranks, "options", " ".join(f"{k}={v}" for k, v in sorted(options.items())),
+                    "start every rank with the same karma-run arguments")
+    except RuntimeError as e:  # a rank died during the start-up checks
         leave(ranks)
+        raise lost(ranks, "at start-up", e) from e
+    except BaseException:
+        leave(ranks)  # a process group left to the interpreter's exit aborts the process
         raise
     return ranks
 
@@ -127,8 +136,7 @@ def _init(world_size: int, timeout_s: float) -> None:
     watchdog.daemon = True
     watchdog.start()
     try:
-        # the default group's timeout is for start-up checks and checkpoint barriers
-        dist.init_process_group("gloo", timeout=_LONG_TIMEOUT)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as e:
         raise KarmaError(f"{message} ({str(e).splitlines()[0][:200]})") from e
     finally:
@@ -140,22 +148,19 @@ def _give_up(message: str) -> None:
     os._exit(2)
 
 
-def _new_net_group(timeout_s: float):
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _check_same(ranks: Ranks, what: str, value, fix: str) -> None:
-    """Every rank must hold the same `value`; else an error naming the ranks that differ."""
+def _check_same(ranks: Ranks, what: str, value: str, fix: str) -> None:
+    """Every rank must hold the same `value` (a string); else an error naming the ranks and
+    what each holds."""
     values: list = [None] * ranks.world_size
     try:
         dist.all_gather_object(values, value)
     except RuntimeError as e:
-        raise lost(ranks, "at start-up", e) from e
+        raise lost(ranks, f"while comparing their {what}", e) from e
     if any(v != values[0] for v in values):
-        groups: dict = {}
+        groups: dict[str, list[int]] = {}
         for r, v in enumerate(values):
             groups.setdefault(v, []).append(r)
-        listed = "; ".join(f"ranks {', '.join(map(str, rs))}: {str(v)[:16]}"
+        listed = "; ".join(f"ranks {', '.join(map(str, rs))}: {v[:200]}"
                            for v, rs in groups.items())
         raise KarmaError(f"the ranks disagree on the {what} ({listed}); {fix}")
 
@@ -166,25 +171,27 @@ def agree(ranks: Ranks, what: str, value, fix: str) -> None:
         _check_same(ranks, what, value, fix)
 
 
-def barrier(ranks: Ranks, where: str, timeout_s: float | None = None) -> None:
-    """Wait for every rank. With `timeout_s`, rank 0 arrives last (it was writing a
-    checkpoint while the others waited) and waits only that long for them, so a rank that
-    hangs is noticed; the others wait for rank 0 as long as the write takes."""
+def barrier(ranks: Ranks, where: str, timeout_s: float, others_s: float | None = None) -> None:
+    """Wait for every rank: rank 0 at most `timeout_s`, the others at most `others_s`
+    (default the same). After a checkpoint rank 0 arrives last (it was writing while the
+    others waited): it waits only --timeout for them, so a rank that hangs is noticed, and
+    the others wait for it as long as the write takes."""
     if ranks.world_size == 1:
         return
+    wait_s = timeout_s if ranks.main or others_s is None else others_s
     try:
-        if timeout_s is None:
-            dist.barrier()
-        else:
-            dist.monitored_barrier(timeout=datetime.timedelta(
-                seconds=timeout_s) if ranks.main else _LONG_TIMEOUT)
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=wait_s))
     except RuntimeError as e:
         raise lost(ranks, where, e) from e
 
 
 def leave(ranks: Ranks) -> None:
-    if ranks.owns_group and dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    if ranks.owns_group:
         dist.destroy_process_group()
+    elif ranks.net is not None:  # the caller's process group lives on; this run's group not
+        dist.destroy_process_group(ranks.net)
 
 
 def lost(ranks: Ranks, where: str, error: BaseException) -> RankLost:
@@ -204,18 +211,34 @@ class GradientExchange:
 
     def allreduce(self, params: list[torch.nn.Parameter]) -> None:
         start = time.perf_counter()
-        for p in params:
-            if p.grad is None:  # no gradient here: the others may have one (see the Note)
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.ranks.net)
-            flat.div_(self.ranks.world_size)
-            with torch.no_grad():
-                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                    g.copy_(part.view_as(g))
+        trained = [p for p in params if p.requires_grad]  # frozen ones never have gradients
+        for dtype in sorted({p.dtype for p in trained}, key=str):  # the same order on all ranks
+            self._allreduce([p for p in trained if p.dtype == dtype])
         self.intervals.append((start, time.perf_counter()))
+
+    def _allreduce(self, params: list[torch.nn.Parameter]) -> None:
+        """One collective for `params` (one dtype): their gradients, zeros where a rank has
+        none, then one flag per parameter that counts the ranks that had one."""
+        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(
+            p.numel(), dtype=p.dtype, device=p.device) for p in params]
+        parts.append(torch.tensor([float(p.grad is not None) for p in params],
+                                  dtype=params[0].dtype, device=params[0].device))
+        flat = torch.cat(parts)
+        try:
+            dist.all_reduce(flat, group=self.ranks.net)
+        except RuntimeError as e:
+            raise lost(self.ranks, "in a gradient exchange", e) from e
+        counts = flat[-len(params):]
+        flat = flat[:-len(params)].div_(self.ranks.world_size)
+        with torch.no_grad():
+            for p, part, count in zip(params, flat.split([p.numel() for p in params]),
+                                      counts.tolist()):
+                if count == 0:
+                    p.grad = None  # no rank had one: the optimizer skips it, as in plain PyTorch
+                elif p.grad is None:
+                    p.grad = part.view_as(p).clone()
+                else:
+                    p.grad.copy_(part.view_as(p.grad))
 
     def take_intervals(self) -> list[tuple[float, float]]:
         out, self.intervals = self.intervals, []

@@ -8,6 +8,7 @@ data; nothing else draws from the global RNG before training starts.
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import statistics
 import threading
@@ -115,8 +116,10 @@ def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
         raise KarmaError("data parallelism on the CUDA backend (NCCL) is not built yet: plan "
                          "with --world-size 1, or with --hardware cpu to train several ranks "
                          "on the CPU backend")
-    ranks = distributed.join(schedule.config.world_size, schedule_sha256(schedule),
-                             options.timeout_s)
+    ranks = distributed.join(schedule.config.world_size, schedule_sha256(schedule), {
+        "seed": options.seed, "steps": options.steps, "resume": options.resume,
+        "checkpoints": options.checkpoint_dir is not None,
+        "checkpoint_every": options.checkpoint_every}, options.timeout_s)
     try:
         return _train(schedule, mf, options, ranks, backend)
     finally:  # also after a failure: a process group left to the interpreter's exit aborts
@@ -142,6 +145,7 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks,
         log(f"device memory capped at {format_bytes(schedule.config.capacity_bytes)} + "
             f"{format_bytes(DEVICE_SLACK_BYTES)} slack of {format_bytes(total)}")
 
+    built = time.perf_counter()
     torch.manual_seed(seed)
     model = mf.build_model()  # on the CPU, so that initial weights do not depend on the device
     model.train()
@@ -150,11 +154,14 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks,
     exchange = GradientExchange(ranks) if ranks.world_size > 1 else None
     engine = Engine(schedule, model, mf.make_optimizer, pool, backend, exchange)
     data = mf.batches(schedule.config.batch_size, ranks.rank, ranks.world_size)
+    # every rank has built its model (ranks that build slower than --timeout get that long)
+    distributed.barrier(ranks, "before the first step",
+                        options.timeout_s + time.perf_counter() - built)
 
     start_step = 0
     if options.resume:
         found = latest_checkpoint(options.checkpoint_dir) if options.checkpoint_dir else None
-        distributed.agree(ranks, "checkpoint to resume from", found and found.name,
+        distributed.agree(ranks, "checkpoint to resume from", found.name if found else "none",
                           "all ranks must see the same --checkpoint-dir (a shared file system)")
         if found is None:
             log("resume: no complete checkpoint found; starting from step 0")
@@ -163,7 +170,6 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks,
             for _ in range(start_step):  # the data stream continues where it stopped
                 next(data)
             log(f"resumed from {found} (step {start_step})")
-    distributed.barrier(ranks, "before the first step")  # every rank has built its model
 
     steps: list[int] = []
     losses: list[float] = []
@@ -191,9 +197,9 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks,
                 loss.backward()
                 engine.end_iteration()
             except OpFailed as e:
-                if e.stream == "net":
+                if isinstance(e.__cause__, distributed.RankLost):  # not, say, out of memory
                     raise distributed.lost(ranks, f"in step {step}'s gradient exchange",
-                                           e.__cause__) from e
+                                           e.__cause__.__cause__) from e
                 raise
             elapsed = time.perf_counter() - t0
             peak = meter.stop()
@@ -218,7 +224,11 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks,
                                            schedule, seed)
                     log(f"checkpoint {path}")
                 distributed.barrier(ranks, f"after the checkpoint of step {step}",
-                                    options.timeout_s)
+                                    options.timeout_s, distributed.CHECKPOINT_WAIT_S)
+        # the ranks stepped the same averaged gradients: their weights must be equal
+        if ranks.world_size > 1:
+            distributed.agree(ranks, "parameters after the last step", _digest(engine),
+                              "this is a bug in karma: please report it with the schedule")
         failed = False
     finally:
         engine.close(failed)
@@ -233,6 +243,16 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks,
         baseline_data_bytes=baseline_data, rank=ranks.rank, world_size=ranks.world_size,
         allreduce_s=allreduce_s, allreduce_hidden_s=hidden_s,
     )
+
+
+def _digest(engine: Engine) -> str:
+    """A fingerprint of the current parameters (the host masters where the host steps)."""
+    h = hashlib.sha256()
+    for w in engine.weights:
+        for name, t in w.current().items():
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def _quiet(line: str) -> None:

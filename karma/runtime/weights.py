@@ -83,6 +83,9 @@ class BlockWeights:
         if optim == "host":
             self.masters = [torch.nn.Parameter(pool.copy_of(p.detach())) for p in self.params]
             self.host_grads = [pool.empty(p.shape, p.dtype) for p in self.params]
+            # whether each host gradient holds this step's gradient: a parameter that got
+            # none (unused, frozen) is skipped by the optimizer, as in plain PyTorch
+            self.has_grad = [False] * len(self.params)
             self.optimizer = make_optimizer(self.masters) if self.params else None
             template = zero_state_template(make_optimizer) if self.optimizer else None
             if template is not None:
@@ -110,10 +113,9 @@ class BlockWeights:
         """Copy the gradients into the host tier; the device gradients are dropped once the
         copy has finished (the returned release)."""
         leaving = []
-        for p, g in zip(self.params, self.host_grads):
-            if p.grad is None:
-                g.zero_()  # a parameter the loss does not depend on
-            else:
+        for k, (p, g) in enumerate(zip(self.params, self.host_grads)):
+            self.has_grad[k] = p.grad is not None
+            if p.grad is not None:
                 g.copy_(p.grad, non_blocking=True)
                 leaving.append(p.grad)
             p.grad = None
@@ -122,8 +124,8 @@ class BlockWeights:
     def host_step(self) -> None:
         if self.optimizer is None:
             return
-        for m, g in zip(self.masters, self.host_grads):
-            m.grad = g
+        for m, g, has in zip(self.masters, self.host_grads, self.has_grad):
+            m.grad = g if has else None
         self.optimizer.step()
         for m in self.masters:
             m.grad = None
