@@ -43,3 +43,16 @@ def test_a_swapped_activation_comes_back_with_its_values_and_strides():
     assert back[1].is_contiguous() and back[2].is_contiguous()  # the others come back dense
     assert pool.used_bytes == 0
     pool.close()
+
+
+def test_writing_one_slot_is_not_an_inplace_change_of_another():
+    """Each slot has a version counter of its own (not a view of the arena's): a weight built
+    in the tier stays valid for backward while host gradients and masters are written."""
+    pool = HostPool(1 << 20, kind="file")
+    weight = torch.nn.Parameter(pool.empty((4, 4), torch.float32).fill_(1.0))
+    other = pool.empty((4, 4), torch.float32)
+    loss = (weight * torch.ones(4, 4, requires_grad=True)).sum()  # saves weight
+    other.fill_(2.0)
+    loss.backward()  # would raise "modified by an inplace operation" with a shared counter
+    assert torch.equal(weight.grad, torch.ones(4, 4))
+    pool.close()

@@ -172,6 +172,28 @@ def test_parameters_without_gradients_are_skipped_as_in_plain_pytorch(strategy, 
         assert all(b.optim == "host" for b in schedule.blocks)
 
 
+@pytest.mark.parametrize("strategy,fraction", [("keep_all", 1.0), ("offload_all", 1.0),
+                                               ("swap_all", 1.0), ("ilp", 0.6)])
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_a_model_built_in_the_host_tier_trains_exactly(name, strategy, fraction, tmp_path,
+                                                       monkeypatch):
+    """Every factory tensor of the build goes to the host tier (the threshold is what makes a
+    real model's weights go there); the weights then move where the schedule puts them."""
+    monkeypatch.setattr("karma.runtime.train.TIER_MIN_BYTES", 1)
+    schedule = schedule_or_skip(name, strategy, fraction)
+    ref_sd, ref_losses = reference(name, STEPS)
+    probe = Probe(load_small(name), schedule)
+    report = run(schedule, probe.mf, STEPS, checkpoint_dir=tmp_path)
+    assert report.losses == ref_losses
+    assert_bitwise_equal(load_model_pt(tmp_path, STEPS), ref_sd)
+    named = dict(probe.model.named_parameters())
+    for b in schedule.blocks:  # resident weights left the tier: storage of their own
+        for n in b.params:
+            if b.weights == "resident":
+                nbytes = named[n].numel() * named[n].element_size()
+                assert named[n].untyped_storage().nbytes() == nbytes, n
+
+
 def test_schedules_under_test_cover_every_decision():
     """The ILP budgets above really mix decisions (else the exactness tests prove little)."""
     seen = set()

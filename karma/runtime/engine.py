@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from karma.errors import KarmaError
 from karma.runtime.backend import CpuBackend
 from karma.runtime.distributed import GradientExchange
-from karma.runtime.host import HostPool
+from karma.runtime.host import BuildInTier, HostPool
 from karma.runtime.streams import StreamWorker, wait_for
 from karma.runtime.swap import DivergedError, SwapStore
 from karma.runtime.weights import BlockWeights, SharedStorage
@@ -42,8 +42,10 @@ class Engine:
     """Hooks a model so that each training iteration follows `schedule`."""
 
     def __init__(self, schedule: Schedule, model: torch.nn.Module, make_optimizer,
-                 pool: HostPool, backend=None, exchange: GradientExchange | None = None):
-        """`model` is built on the CPU; the engine places it on the backend's device."""
+                 pool: HostPool, backend=None, exchange: GradientExchange | None = None,
+                 tier: BuildInTier | None = None):
+        """`model` is built on the CPU (its large tensors in the host tier when built under
+        `tier`); the engine places it on the backend's device."""
         self.schedule = schedule
         self.model = model
         self.backend = backend or CpuBackend()
@@ -58,10 +60,10 @@ class Engine:
         self.shared = SharedStorage()
         self.weights = [
             BlockWeights(b.name, [(n, named[n]) for n in b.params], b.weights, b.optim,
-                         make_optimizer, pool, self.shared, self.device)
+                         make_optimizer, pool, self.shared, self.device, tier)
             for b in self.blocks
         ]
-        _place_buffers(model, self.device)
+        _place_buffers(model, self.device, tier, pool)
         # after placement: a parameter's storage is the one on the device
         self.param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
         self.swaps = {b.index: SwapStore(b.name, pool, self.param_storages, self.device)
@@ -335,14 +337,18 @@ class Engine:
         return self._params_of_buffer[buffer]
 
 
-def _place_buffers(model: torch.nn.Module, device: torch.device) -> None:
+def _place_buffers(model: torch.nn.Module, device: torch.device, tier: BuildInTier | None,
+                   pool: HostPool) -> None:
     """Module buffers (BatchNorm statistics, masks) live on the compute device."""
-    if device.type == "cpu":
-        return
     for module in model.modules():
         for name, buf in module._buffers.items():  # noqa: SLF001 - as Module._apply does
-            if buf is not None:
-                module._buffers[name] = buf.to(device)  # noqa: SLF001
+            if buf is None:
+                continue
+            built_in = tier.adopt(buf) if tier is not None else None
+            if built_in is not None or buf.device != device:
+                module._buffers[name] = buf.to(device, copy=True)  # noqa: SLF001
+            if built_in is not None:
+                pool.free(built_in)
 
 
 @contextlib.contextmanager

@@ -52,13 +52,15 @@ class HostPool:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         with self._lock:
             arena, offset = self._alloc(max(nbytes, 1))
-        raw = self._arenas[arena][offset:offset + nbytes]
-        if not nbytes:
-            t = torch.empty(shape, dtype=dtype)
-        elif stride is None:
-            t = raw.view(dtype).view(shape)
-        else:
-            t = raw.view(dtype).as_strided(shape, stride)
+        t = torch.empty(0 if nbytes else shape, dtype=dtype)  # no bytes of its own
+        if nbytes:
+            # [Note: a version counter of its own] set_ makes a tensor over the arena's bytes
+            # that is not a view of the arena: a view would share the arena's version
+            # counter, so that writing any slot (a host gradient, a master) would look to
+            # autograd like an in-place change of every other, weights built in the tier
+            # (BuildInTier) included.
+            t.set_(self._arenas[arena].untyped_storage(), offset // t.element_size(), shape,
+                   stride if stride is not None else _contiguous_strides(shape))
         t._karma_slot = (arena, offset, _aligned(max(nbytes, 1)))  # noqa: SLF001
         return t
 
@@ -148,6 +150,14 @@ def _power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -186,3 +196,62 @@ def _status_kib(key: str) -> int:
     except OSError:
         pass
     return 0
+
+
+class BuildInTier(torch.overrides.TorchFunctionMode):
+    """While the model is built: large CPU tensors from factory functions go to the host tier.
+
+    [Note: building a model larger than memory] The reference order builds the whole model on
+    the CPU (so that its initial weights do not depend on the device), and a model's weights
+    may not fit in the memory the schedule allows. Under this mode `torch.empty`, `zeros`,
+    `ones`, `rand`, `randn` and `full` of at least `min_bytes` on the CPU fill a slot of the
+    host tier through their `out=` form: the same kernel and the same draws from the RNG, so
+    the values are bit for bit those of a plain build. The engine then moves each weight where
+    its block's decisions put it (`adopt`), and frees the slot.
+    """
+
+    FACTORIES = ("empty", "zeros", "ones", "rand", "randn", "full")
+
+    def __init__(self, pool: HostPool, min_bytes: int = 1 << 20):
+        super().__init__()
+        self.pool = pool
+        self.min_bytes = min_bytes
+        self.slots: dict[int, torch.Tensor] = {}  # data_ptr -> the pool tensor that owns it
+        self._factories = {getattr(torch, name) for name in self.FACTORIES}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func not in self._factories or not self._eligible(kwargs):
+            return func(*args, **kwargs)
+        sizes = args[:-1] if func is torch.full else args
+        fill = args[-1:] if func is torch.full else ()
+        shape = tuple(sizes[0]) if len(sizes) == 1 and not isinstance(sizes[0], int) \
+            else tuple(sizes)
+        dtype = kwargs.pop("dtype", None) or (torch.get_default_dtype() if func is not torch.full
+                                              or isinstance(fill[0], float) else None)
+        numel = 1
+        for s in shape:
+            numel *= s
+        if dtype is None or numel * torch.empty((), dtype=dtype).element_size() < self.min_bytes:
+            return func(*args, **({"dtype": dtype} if dtype else {}), **kwargs)
+        requires_grad = kwargs.pop("requires_grad", False)
+        kwargs.pop("device", None)
+        out = self.pool.empty(shape, dtype)
+        func(shape, *fill, out=out, **kwargs)
+        self.slots[out.data_ptr()] = out
+        return out.requires_grad_(requires_grad)
+
+    @staticmethod
+    def _eligible(kwargs: dict) -> bool:
+        device = kwargs.get("device")
+        return (device is None or torch.device(device).type == "cpu") and kwargs.get(
+            "layout", torch.strided) == torch.strided and not kwargs.get("pin_memory") and \
+            kwargs.get("memory_format") in (None, torch.contiguous_format) and "out" not in kwargs
+
+    def adopt(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The pool tensor `t` was built in (and is a view of), or None; forgotten here."""
+        owner = self.slots.pop(t.data_ptr(), None)
+        if owner is not None and (owner.shape != t.shape or owner.dtype != t.dtype):
+            self.slots[t.data_ptr()] = owner  # a view of part of it: not a weight of its own
+            return None
+        return owner

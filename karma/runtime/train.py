@@ -7,6 +7,7 @@ data; nothing else draws from the global RNG before training starts.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import os
@@ -27,6 +28,7 @@ from karma.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_ch
 from karma.runtime.distributed import GradientExchange, Ranks
 from karma.runtime.engine import Engine
 from karma.runtime.host import (
+    BuildInTier,
     HostPool,
     data_bytes,
     private_bytes,
@@ -35,6 +37,9 @@ from karma.runtime.host import (
 from karma.runtime.streams import OpFailed
 from karma.schedule import Schedule, schedule_sha256
 from karma.units import format_bytes, format_seconds
+
+# On the CPU backend, factory tensors of at least this size are built in the host tier.
+TIER_MIN_BYTES = 1 << 20
 
 # --cap-device-memory leaves the allocator this much beyond the budget: cuBLAS workspaces and
 # the allocator's rounding, which the planner does not count.
@@ -146,13 +151,17 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks,
             f"{format_bytes(DEVICE_SLACK_BYTES)} slack of {format_bytes(total)}")
 
     built = time.perf_counter()
-    torch.manual_seed(seed)
-    model = mf.build_model()  # on the CPU, so that initial weights do not depend on the device
-    model.train()
     pool = HostPool(int(schedule.predicted.host_bytes * 1.1) + (64 << 20),
                     kind=backend.pool_kind)
+    # on the CPU backend the model is built in the host tier (host.BuildInTier): its weights
+    # need not fit in the memory the schedule allows
+    tier = BuildInTier(pool, TIER_MIN_BYTES) if backend.name == "cpu" else None
+    torch.manual_seed(seed)
+    with tier or contextlib.nullcontext():
+        model = mf.build_model()  # on the CPU: initial weights do not depend on the device
+    model.train()
     exchange = GradientExchange(ranks) if ranks.world_size > 1 else None
-    engine = Engine(schedule, model, mf.make_optimizer, pool, backend, exchange)
+    engine = Engine(schedule, model, mf.make_optimizer, pool, backend, exchange, tier)
     data = mf.batches(schedule.config.batch_size, ranks.rank, ranks.world_size)
     # every rank has built its model (ranks that build slower than --timeout get that long)
     distributed.barrier(ranks, "before the first step",

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from karma.runtime.host import HostPool
+from karma.runtime.host import BuildInTier, HostPool
 
 
 class SharedStorage:
@@ -72,7 +72,7 @@ class BlockWeights:
 
     def __init__(self, name: str, params: list[tuple[str, torch.nn.Parameter]], weights: str,
                  optim: str, make_optimizer: Callable, pool: HostPool, shared: SharedStorage,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, tier: BuildInTier | None = None):
         self.name = name
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
@@ -91,14 +91,14 @@ class BlockWeights:
             if template is not None:
                 self._prefill_state(template)
             for p in self.params:
-                _place(p, device, streamed=weights == "streamed")
+                _place(p, device, weights == "streamed", tier, pool)
             if weights == "streamed":
                 for p, m in zip(self.params, self.masters):
                     shared.register(p, m)
         else:
             self.masters, self.host_grads = [], []
             for p in self.params:
-                _place(p, device, streamed=False)
+                _place(p, device, False, tier, pool)
             self.optimizer = make_optimizer(self.params) if self.params else None
 
     # --- the schedule's operations ---------------------------------------------------------
@@ -179,15 +179,20 @@ class BlockWeights:
         self._state_in_pool = True
 
 
-def _place(p: torch.nn.Parameter, device: torch.device | None, streamed: bool) -> None:
-    """Move a parameter built on the CPU to the compute device (a streamed one with no
-    bytes: its fetches fill it)."""
-    if device is None or device.type == "cpu" or p.device == device:
+def _place(p: torch.nn.Parameter, device: torch.device | None, streamed: bool,
+           tier: BuildInTier | None = None, pool: HostPool | None = None) -> None:
+    """Move a parameter built on the CPU (or in the host tier, host.BuildInTier) to the
+    compute device; a streamed one gets no bytes there: its fetches fill it."""
+    device = device or torch.device("cpu")
+    built_in = tier.adopt(p) if tier is not None else None
+    if built_in is None and p.device == device:
         return
-    if streamed:
+    if streamed:  # the host master already holds its values; storage of its own, emptied
         p.data = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device)
     else:
-        p.data = p.data.to(device)
+        p.data = p.data.to(device, copy=True)
+    if built_in is not None:
+        pool.free(built_in)
 
 
 StateTemplate = dict[str, tuple[bool, torch.dtype]]  # key -> (parameter-shaped?, dtype)
