@@ -16,7 +16,8 @@ slack `karma-run --cap-device-memory` leaves for cuBLAS workspaces and rounding)
   --cap-device-memory` (the same cap), both as `python -m` (no install needed).
 
 Prints a markdown row per contender as it finishes (samples/s, median of steps 2..N; peak
-device memory; or the error, out of memory), and saves them to OUT/results.json. `--device cpu --size tiny` runs the same code on the CPU, as a smoke test.
+device memory; or the error, out of memory), and saves them to OUT/results.json.
+`--device cpu --size tiny` runs the same code on the CPU, as a smoke test.
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ def _run(cmd: list[str], env: dict, limit: int | None = None, show: bool = True,
          capture: bool = False) -> subprocess.CompletedProcess:
     if limit is not None:
         cmd = ["prlimit", f"--data={limit}", *cmd]
-    shown = " ".join(f"{k}={v}" for k, v in env.items() if k in ENV or k in CUDA_ENV) + " " + " ".join(
-        c.replace(str(ROOT) + "/", "") for c in cmd)
+    shown = " ".join(f"{k}={v}" for k, v in env.items() if k in ENV or k in CUDA_ENV)
+    shown += " " + " ".join(c.replace(str(ROOT) + "/", "") for c in cmd)
     print(f"\n$ {shown}", flush=True)
     if capture or not show:
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -1,10 +1,12 @@
 """The plain PyTorch training loop that karma must equal, as a command.
 
     python -m karma.reference examples/gpt.py --batch-size 2 --steps 5 [--seed 0]
+        [--world-size N] [--device cuda [--memory-fraction F]]
 
-Prints one JSON line: the losses (rank 0's with --world-size N), and the peak private memory above the process's baseline
-before the model was built. Used under `prlimit --data` to show that ordinary training cannot
-live where karma-run does (bench/out_of_core.py).
+Prints one JSON line: the losses (rank 0's with --world-size N), and the peak private memory
+above the process's baseline before the model was built (on CUDA, also the peak device
+memory). Used under `prlimit --data` to show that ordinary training cannot live where
+karma-run does (bench/out_of_core.py).
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ LAYERS_MODEL = textwrap.dedent('''
 _LOADED: dict[int, tuple[ModelFile, tuple[tuple[str, str], ...]]] = {}
 # id(ModelFile) -> its BlockGraph
 _GRAPHS: dict[int, BlockGraph] = {}
-# (id(mf), id(graph), strategy, fraction, seed, world_size, hardware) -> Schedule; graphs given are kept alive
+# (id(mf), id(graph), strategy, fraction, seed, world_size, hardware) -> Schedule; graphs
+# given are kept alive
 _SCHEDULES: dict[tuple, Schedule] = {}
 _KEEP_ALIVE: list[BlockGraph] = []
 

@@ -10,8 +10,9 @@ block's modules, a gradient hook on each block's input) and at each such point
 4. waits for the operation's dependencies (the stage barrier: swap-ins and fetches it needs).
 
 Copy streams, the all-reduces of several ranks (`net`) and the host optimizer are
-`StreamWorker`s; each of their operations waits for its own dependencies. Recompute blocks run under non-reentrant checkpointing, swap blocks
-under their `SwapStore`'s saved-tensors hooks.
+`StreamWorker`s; each of their operations waits for its own dependencies, and the backend
+(backend.py) orders the work on the device. Recompute blocks run under non-reentrant
+checkpointing, swap blocks under their `SwapStore`'s saved-tensors hooks.
 """
 
 from __future__ import annotations
