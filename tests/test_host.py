@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from karma.runtime.backend import CpuBackend
-from karma.runtime.host import ALIGN, HostPool
+from karma.runtime.host import ALIGN, BuildInTier, HostPool
 from karma.runtime.swap import SwapStore
 
 
@@ -55,4 +55,26 @@ def test_writing_one_slot_is_not_an_inplace_change_of_another():
     other.fill_(2.0)
     loss.backward()  # would raise "modified by an inplace operation" with a shared counter
     assert torch.equal(weight.grad, torch.ones(4, 4))
+    pool.close()
+
+
+def test_a_model_built_in_the_tier_has_the_values_of_a_plain_build():
+    pool = HostPool(1 << 20, kind="file")
+
+    def build():
+        torch.manual_seed(0)
+        return [torch.nn.Linear(64, 32), torch.randn(8, 16), torch.zeros(4, 4, dtype=torch.int64),
+                torch.full((3, 3), 2.5), torch.full((2,), 7), torch.ones(size=(5,)),
+                torch.rand(6, generator=torch.Generator().manual_seed(1))]
+
+    plain = build()
+    with BuildInTier(pool, min_bytes=1) as tier:
+        tiered = build()
+    for a, b in zip(plain, tiered):
+        for x, y in ([(a.weight, b.weight), (a.bias, b.bias)] if isinstance(a, torch.nn.Module)
+                     else [(a, b)]):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+    assert tiered[0].weight.requires_grad
+    assert tier.adopt(tiered[0].weight) is not None  # built in the tier
+    assert tier.adopt(tiered[5]) is None  # sizes as size=...: built as usual
     pool.close()

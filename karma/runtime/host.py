@@ -221,8 +221,8 @@ class BuildInTier(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func not in self._factories or not self._eligible(kwargs):
-            return func(*args, **kwargs)
+        if func not in self._factories or not args or not self._eligible(kwargs):
+            return func(*args, **kwargs)  # (sizes given as size=...: left as they are)
         sizes = args[:-1] if func is torch.full else args
         fill = args[-1:] if func is torch.full else ()
         shape = tuple(sizes[0]) if len(sizes) == 1 and not isinstance(sizes[0], int) \
