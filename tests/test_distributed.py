@@ -247,9 +247,11 @@ def test_torchrun_launches_karma_run(gpt_two_ranks, tmp_path):
         env={k: v for k, v in os.environ.items() if not k.startswith("KARMA_")})
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert len(lines) == 2 and all("all-reduce" in line and "hidden" in line for line in lines)
+    assert len(lines) == 2 and all("all-reduce" in line and "hidden; predicted" in line
+                                   for line in lines)
     assert "all-reduce:" in result.stdout and "hidden under backward" in result.stdout
-    assert json.loads(report.read_text())["world_size"] == RANKS
+    got = json.loads(report.read_text())
+    assert got["world_size"] == RANKS and got["predicted_allreduce_s"] > 0
 
 
 def test_hidden_time_is_the_all_reduce_outside_compute_waits():

@@ -86,8 +86,9 @@ def _run(args: argparse.Namespace) -> int:
     if report.world_size > 1 and report.rank == 0 and report.allreduce_s:
         total, hidden = sum(report.allreduce_s), sum(report.allreduce_hidden_s)
         print(f"all-reduce: {format_seconds(total / len(report.allreduce_s))} per step on "
-              f"{report.world_size} ranks, {100 * hidden / total if total else 100:.0f}% of it "
-              "hidden under backward")
+              f"{report.world_size} ranks (predicted "
+              f"{format_seconds(report.predicted_allreduce_s)}), "
+              f"{100 * hidden / total if total else 100:.0f}% of it hidden under backward")
     if args.report and report.rank == 0:
         tmp = args.report.with_name(f".{args.report.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(report.to_json(), indent=2))

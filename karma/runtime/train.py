@@ -75,6 +75,7 @@ class RunReport:
     world_size: int = 1
     allreduce_s: list[float] = field(default_factory=list)  # per step: all-reduces' wall time
     allreduce_hidden_s: list[float] = field(default_factory=list)  # the part compute hid
+    predicted_allreduce_s: float = 0.0  # the schedule's busy time on the net stream
 
     def to_json(self) -> dict:
         return {
@@ -82,6 +83,7 @@ class RunReport:
             "world_size": self.world_size,
             "allreduce_s": self.allreduce_s,
             "allreduce_hidden_s": self.allreduce_hidden_s,
+            "predicted_allreduce_s": self.predicted_allreduce_s,
             "steps": self.steps,
             "losses": self.losses,
             "step_s": self.step_s,
@@ -223,7 +225,8 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks,
                 allreduce_s.append(sum(end - begin for begin, end in calls))
                 hidden_s.append(distributed.hidden_s(calls, engine.blocked))
                 line += (f"  all-reduce {format_seconds(allreduce_s[-1])} "
-                         f"({format_seconds(hidden_s[-1])} hidden)")
+                         f"({format_seconds(hidden_s[-1])} hidden; predicted "
+                         f"{format_seconds(dict(predicted.busy_s).get('net', 0.0))})")
             log(line)
             final = step == options.steps
             every = options.checkpoint_every
@@ -251,6 +254,7 @@ def _train(schedule: Schedule, mf: ModelFile, options: RunOptions, ranks: Ranks,
         batch_size=schedule.config.batch_size, baseline_private_bytes=baseline,
         baseline_data_bytes=baseline_data, rank=ranks.rank, world_size=ranks.world_size,
         allreduce_s=allreduce_s, allreduce_hidden_s=hidden_s,
+        predicted_allreduce_s=dict(predicted.busy_s).get("net", 0.0),
     )
 
 
