@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from karma.runtime.backend import CpuBackend
+from karma.runtime.backend import CpuBackend, CudaBackend
 from tests.runtime_helpers import run
 from tests.test_runtime import MODELS, STRATEGIES, load_small, schedule_or_skip
 
@@ -78,3 +78,44 @@ def test_the_engine_keeps_the_backends_protocol(name, strategy, fraction, monkey
     assert report.steps == [1, 2]
     assert not backend.violations, backend.violations[:5]
     assert backend.calls > 2 * len(schedule.ops)  # the checks ran
+
+
+class FakeEvent:
+    """Stands in for a torch.cuda.Event: finished when the test says so."""
+
+    def __init__(self):
+        self.finished = False
+
+    def query(self) -> bool:
+        return self.finished
+
+
+class FakeStream:
+    def __init__(self, events: list[FakeEvent]):
+        self._events = events
+
+    def synchronize(self) -> None:  # all work done: every event finished
+        for e in self._events:
+            e.finished = True
+
+
+def test_cuda_releases_wait_for_their_copy():
+    """CudaBackend's bookkeeping (no GPU needed): a release runs only once its op's event has
+    finished, each exactly once, and all of them by the end of the iteration."""
+    events = [FakeEvent(), FakeEvent(), FakeEvent()]
+    backend = object.__new__(CudaBackend)  # no CUDA here: the fields a test needs, by hand
+    backend._events = dict(enumerate(events))  # noqa: SLF001
+    backend._pending = []  # noqa: SLF001
+    backend._lock = threading.Lock()  # noqa: SLF001
+    backend.streams = {"d2h": FakeStream(events)}
+    released: list[int] = []
+    backend.release_after(0, lambda: released.append(0))
+    backend.release_after(1, lambda: released.append(1))
+    assert released == []  # both copies in flight
+    events[1].finished = True
+    backend.release_after(2, lambda: released.append(2))  # polls
+    assert released == [1]
+    backend.end_iteration()  # synchronizes: the rest go
+    assert sorted(released) == [0, 1, 2]
+    backend.end_iteration()
+    assert sorted(released) == [0, 1, 2]  # each once

@@ -29,10 +29,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-DEVICE_STREAMS = ("compute", "h2d", "d2h", "net")
+
+class PendingRelease(NamedTuple):
+    """What an in-flight copy still holds, and the event after which it may go."""
+
+    done: torch.cuda.Event
+    release: Callable[[], None]
 
 
 class CpuBackend:
@@ -100,14 +106,24 @@ class CudaBackend:
 
     def __init__(self, device: torch.device | None = None):
         self.device = device or torch.device("cuda", torch.cuda.current_device())
+        # compute: forward (main thread) and backward (autograd's device thread, which runs
+        # each node on its forward's stream); it waits for the swap-ins and fetches of its op
         self.compute = torch.cuda.current_stream(self.device)
         self.streams = {"compute": self.compute,
+                        # swap-ins, weight fetches, uploads: wait for compute up to where their
+                        # memory was allocated, and for their stage barrier
                         "h2d": torch.cuda.Stream(self.device),
+                        # swap-outs, gradients to the host: wait for the compute that made them
                         "d2h": torch.cuda.Stream(self.device),
+                        # all-reduces (several ranks): wait for the block's backward
                         "net": torch.cuda.Stream(self.device)}
+        # op id -> recorded where the op's work ends on its stream (issued); streams wait on
+        # it with wait_event, the host optimizer with synchronize
         self._events: dict[int, torch.cuda.Event] = {}
+        # op id -> recorded on compute where a fetch's or swap-in's memory was allocated; its
+        # copy stream waits on it before writing
         self._allocated: dict[int, torch.cuda.Event] = {}
-        self._pending: list[tuple[torch.cuda.Event, Callable[[], None]]] = []
+        self._pending: list[PendingRelease] = []  # released by _poll once their copy is done
         self._lock = threading.Lock()
 
     def stream(self, name: str):
@@ -161,24 +177,24 @@ class CudaBackend:
     def release_after(self, op_id: int, release: Callable[[], None]) -> None:
         """Run `release` once op `op_id`'s device work has finished (call after issued())."""
         with self._lock:
-            self._pending.append((self._events[op_id], release))
+            self._pending.append(PendingRelease(self._events[op_id], release))
         self._poll()
 
     def _poll(self) -> None:
         with self._lock:
-            done = [(e, r, e.query()) for e, r in self._pending]
-            self._pending = [(e, r) for e, r, finished in done if not finished]
-        for _, release, finished in done:
-            if finished:
-                release()
+            finished = [p.done.query() for p in self._pending]  # once each: it may change
+            ready = [p for p, f in zip(self._pending, finished) if f]
+            self._pending = [p for p, f in zip(self._pending, finished) if not f]
+        for p in ready:
+            p.release()
 
     def end_iteration(self) -> None:
         for s in self.streams.values():
             s.synchronize()
         with self._lock:
             pending, self._pending = self._pending, []
-        for _, release in pending:
-            release()
+        for p in pending:
+            p.release()
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
