@@ -80,17 +80,7 @@ class CpuBackend:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def warm_up(self) -> None:
-        pass
-
-    def memory_baseline(self) -> int:
-        return 0
-
-    def reset_peak(self) -> None:
-        pass
-
-    def peak_bytes(self) -> int | None:
-        return None  # sampled from the process's private memory instead (train.py)
+    # No device-memory counters: the peak is the process's private memory (train._PeakSampler).
 
     def cap(self, nbytes: int) -> int:
         from karma.errors import KarmaError
@@ -213,7 +203,7 @@ class CudaBackend:
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def peak_bytes(self) -> int | None:
+    def peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
 
     def cap(self, nbytes: int) -> int:

@@ -8,6 +8,7 @@ data; nothing else draws from the global RNG before training starts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import os
@@ -78,25 +79,8 @@ class RunReport:
     predicted_allreduce_s: float = 0.0  # the schedule's busy time on the net stream
 
     def to_json(self) -> dict:
-        return {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "allreduce_s": self.allreduce_s,
-            "allreduce_hidden_s": self.allreduce_hidden_s,
-            "predicted_allreduce_s": self.predicted_allreduce_s,
-            "steps": self.steps,
-            "losses": self.losses,
-            "step_s": self.step_s,
-            "step_s_median": statistics.median(self.step_s) if self.step_s else None,
-            "predicted_step_s": self.predicted_step_s,
-            "peak_device_bytes": self.peak_device_bytes,
-            "predicted_peak_device_bytes": self.predicted_peak_device_bytes,
-            "capacity_bytes": self.capacity_bytes,
-            "host_tier_peak_bytes": self.host_tier_peak_bytes,
-            "batch_size": self.batch_size,
-            "baseline_private_bytes": self.baseline_private_bytes,
-            "baseline_data_bytes": self.baseline_data_bytes,
-        }
+        median = statistics.median(self.step_s) if self.step_s else None
+        return {**dataclasses.asdict(self), "step_s_median": median}
 
 
 def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile:
