@@ -4,13 +4,18 @@ A model file is a plain Python file that defines
 
     build_model() -> torch.nn.Module                        (required)
     example_batch(batch_size) -> (inputs, targets)          (required; factory functions only,
-                                                             so it also works on the meta device)
-    loss_fn(output, targets) -> Tensor                      (optional; default cross-entropy over
-                                                             the last dimension)
+                                                             so it also works on the meta device;
+                                                             inputs a Tensor, a tuple (positional)
+                                                             or a dict (keyword arguments))
+    loss_fn(output, targets) -> Tensor                      (optional; default: the output's
+                                                             `loss` if it has one, else
+                                                             cross-entropy over the last dimension)
     make_optimizer(params) -> torch.optim.Optimizer         (optional; default AdamW, lr=1e-3)
     batches(batch_size, rank, world_size) -> iterator       (optional; default: example_batch
                                                              once per step under a seed derived
                                                              from the step and the rank)
+    eval_batches(batch_size) -> finite iterable             (optional; held-out batches for
+                                                             karma-run --eval-every)
     BATCH_SIZE: int                                         (optional; default for --batch-size)
 
 Both the planner (through the IR) and the runtime load model files through `load_model_file`.
@@ -18,29 +23,94 @@ Both the planner (through the IR) and the runtime load model files through `load
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
+import inspect
 import sys
 import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 from karma.errors import ModelFileError
 
 Batch = tuple[Any, Any]
 
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """One batch's inputs as the model is called with them: `model(*args, **kwargs)`."""
+
+    args: tuple[torch.Tensor, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)  # tensors, or plain Python constants
+
+    def call(self, model: Callable) -> Any:
+        return model(*self.args, **self.kwargs)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (*self.args, *self.kwargs.values()) if isinstance(t, torch.Tensor)]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ModelInputs:
+        """The same inputs with `fn` applied to every tensor (e.g. a move to the device)."""
+        return ModelInputs(tuple(fn(t) for t in self.args),
+                           {k: fn(v) if isinstance(v, torch.Tensor) else v
+                            for k, v in self.kwargs.items()})
+
+
+def map_targets(targets: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`targets` (a Tensor, a tuple of Tensors or None) with `fn` applied to each tensor."""
+    return pytree.tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, targets)
+
 DEFAULT_BATCH_SIZE = 8
 
 
-def default_loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dimension, leading dimensions flattened."""
-    return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
+def default_loss_fn(output: Any, targets: Any) -> torch.Tensor:
+    """The output's own `loss` if it has one (a Hugging Face model given `labels`), else
+    cross-entropy of its logits over the last dimension, leading dimensions flattened."""
+    loss = output_field(output, "loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if targets is None:
+        raise ModelFileError(
+            "the model's output has no `loss` and example_batch/batches gave no targets; pass "
+            "`labels` in the inputs dict (Hugging Face models then compute their loss), return "
+            "targets, or define loss_fn(output, targets)")
+    logits = output_field(output, "logits")
+    if not isinstance(logits, torch.Tensor):
+        logits = next(iter(output_tensors(output)), None)
+    if logits is None:
+        raise ModelFileError("the model's output holds no tensor; return the logits or "
+                             "define loss_fn(output, targets)")
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def output_field(output: Any, name: str) -> Any:
+    """`output[name]` of a mapping (a Hugging Face ModelOutput is one), `output.name` of
+    another object, or None."""
+    if isinstance(output, torch.Tensor):
+        return None
+    if isinstance(output, Mapping):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """Every tensor in a model's output, wherever it sits: a Tensor, a tuple or list, a dict,
+    a dataclass or a Hugging Face ModelOutput (never by iterating a mapping, which yields
+    its keys)."""
+    to_tuple = getattr(output, "to_tuple", None)
+    if callable(to_tuple) and not isinstance(output, (tuple, torch.Tensor)):
+        output = to_tuple()
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        output = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
+    return [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
 
 
 def default_make_optimizer(params) -> torch.optim.Optimizer:
@@ -65,6 +135,38 @@ class ModelFile:
     make_optimizer: Callable[[Any], torch.optim.Optimizer]
     default_batch_size: int
     user_batches: Callable[[int, int, int], Iterator[Batch]] | None
+    eval_batches: Callable[[int], Iterable[Batch]] | None = None
+
+    def build(self, log: Callable[[str], None] | None = None) -> torch.nn.Module:
+        """build_model(), with a Hugging Face model's KV cache turned off (see use_cache_off)."""
+        model = self.build_model()
+        if use_cache_off(model) and log is not None:
+            log(USE_CACHE_NOTE)
+        return model
+
+    def checked_batches(self, batch_size: int, rank: int = 0,
+                        world_size: int = 1) -> Iterator[tuple[ModelInputs, Any]]:
+        """`batches`, each batch checked as example_batch's is: (ModelInputs, targets)."""
+        where = (f"{self.path}: batches({batch_size}, {rank}, {world_size})"
+                 if self.user_batches is not None else f"{self.path}: example_batch({batch_size})")
+        for batch in self.batches(batch_size, rank, world_size):
+            yield check_batch(batch, where)
+
+    def checked_eval_batches(self, batch_size: int) -> list[tuple[ModelInputs, Any]]:
+        """The model file's held-out batches, checked; an error if it defines none."""
+        if self.eval_batches is None:
+            raise ModelFileError(
+                f"model file {self.path} defines no eval_batches(batch_size); define it to "
+                "return a finite iterable of (inputs, targets), or drop --eval-every")
+        where = f"{self.path}: eval_batches({batch_size})"
+        try:
+            batches = list(self.eval_batches(batch_size))
+        except Exception as e:  # noqa: BLE001 - user code; report where it failed
+            raise ModelFileError(f"{where} raised {type(e).__name__}: {e}"
+                                 f"{_user_frame(e, self.path)}") from e
+        if not batches:
+            raise ModelFileError(f"{where} gave no batches; return at least one")
+        return [check_batch(b, where) for b in batches]
 
     def batches(self, batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
         """The model file's `batches`, or `example_batch` once per step under a derived seed.
@@ -84,8 +186,8 @@ class ModelFile:
             yield batch
             step += 1
 
-    def checked_example_batch(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """Call example_batch and check its shape: returns (inputs as a tuple, targets)."""
+    def checked_example_batch(self, batch_size: int) -> tuple[ModelInputs, Any]:
+        """Call example_batch and check its shape: returns (ModelInputs, targets)."""
         try:
             result = self.example_batch(batch_size)
         except Exception as e:  # noqa: BLE001 - user code; report where it failed
@@ -96,23 +198,62 @@ class ModelFile:
         return check_batch(result, f"{self.path}: example_batch({batch_size})")
 
 
-def check_batch(result: Any, where: str) -> tuple[tuple[torch.Tensor, ...], Any]:
-    """Check that `result` is (inputs, targets) with tensor inputs; return inputs as a tuple."""
-    fix = "return (inputs, targets), where inputs is a Tensor or a tuple of Tensors"
+def check_batch(result: Any, where: str) -> tuple[ModelInputs, Any]:
+    """Check that `result` is (inputs, targets) and return the inputs as `ModelInputs`.
+
+    inputs: a Tensor, a tuple or list of Tensors (positional arguments) or a dict of str to
+    Tensors (keyword arguments, `model(**inputs)`); targets: a Tensor, a tuple of Tensors or
+    None (the model computes its own loss).
+    """
+    fix = ("return (inputs, targets), where inputs is a Tensor, a tuple of Tensors or a dict "
+           "of keyword arguments, and targets a Tensor, a tuple of Tensors or None")
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise ModelFileError(f"{where} returned {_describe(result)}; {fix}")
     inputs, targets = result
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    elif not (isinstance(inputs, (tuple, list)) and inputs
-              and all(isinstance(t, torch.Tensor) for t in inputs)):
+    if isinstance(inputs, ModelInputs):  # checked already
+        model_inputs = inputs
+    elif isinstance(inputs, torch.Tensor):
+        model_inputs = ModelInputs((inputs,))
+    elif isinstance(inputs, (tuple, list)) and inputs \
+            and all(isinstance(t, torch.Tensor) for t in inputs):
+        model_inputs = ModelInputs(tuple(inputs))
+    elif isinstance(inputs, Mapping) and inputs:
+        bad = [k for k, v in inputs.items() if not isinstance(k, str)
+               or not isinstance(v, (torch.Tensor, bool, int, float, str, type(None)))]
+        if bad:
+            raise ModelFileError(
+                f"{where} returned an inputs dict whose entry {bad[0]!r} is "
+                f"{_describe(inputs[bad[0]])}; its keys must be the forward's argument names "
+                "and its values Tensors (or plain constants)")
+        model_inputs = ModelInputs((), dict(inputs))
+    else:
         raise ModelFileError(f"{where} returned inputs of type {_describe(inputs)}; {fix}")
-    if not _is_tensor_tree(targets):
+    if targets is not None and not _is_tensor_tree(targets):
         raise ModelFileError(
-            f"{where} returned targets of type {_describe(targets)}; targets must be a Tensor "
-            "or a tuple of Tensors"
+            f"{where} returned targets of type {_describe(targets)}; targets must be a Tensor, "
+            "a tuple of Tensors, or None when the model computes its own loss"
         )
-    return tuple(inputs), targets
+    return model_inputs, targets
+
+
+def check_signature(model: torch.nn.Module, inputs: ModelInputs, where: str) -> None:
+    """The model's forward accepts these arguments, or a ModelFileError that names them."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C forward: let the call itself say
+        return
+    params = signature.parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in inputs.kwargs if k not in params] if not takes_any else []
+    try:
+        if unknown:
+            raise TypeError(f"it takes no argument {', '.join(map(repr, unknown))}")
+        signature.bind(*inputs.args, **inputs.kwargs)
+    except TypeError as e:
+        raise ModelFileError(
+            f"{where}: {type(model).__name__}.forward({', '.join(params)}) does not accept "
+            f"these inputs ({e}); make the inputs dict's keys the forward's argument "
+            "names") from e
 
 
 def _is_tensor_tree(x: Any) -> bool:
@@ -191,7 +332,26 @@ def load_model_file(path: str | Path) -> ModelFile:
         make_optimizer=getattr(module, "make_optimizer", default_make_optimizer),
         default_batch_size=batch_size,
         user_batches=getattr(module, "batches", None),
+        eval_batches=getattr(module, "eval_batches", None),
     )
+
+
+USE_CACHE_NOTE = ("turned off the Hugging Face model's KV cache (config.use_cache = False): "
+                  "training never reads it, and Hugging Face's Trainer does the same under "
+                  "gradient checkpointing")
+
+
+def use_cache_off(model: torch.nn.Module) -> bool:
+    """Turn off a Hugging Face model's KV cache; True if it was on.
+
+    With `use_cache=True` the model returns a DynamicCache, which torch.export cannot trace
+    and training never needs.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        config.use_cache = False
+        return True
+    return False
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from karma.modelfile import ModelFile, load_model_file
+from karma.modelfile import ModelFile, load_model_file, map_targets
 from karma.runtime.host import data_bytes, private_bytes
 
 
@@ -26,6 +27,7 @@ from karma.runtime.host import data_bytes, private_bytes
 class ReferenceRun:
     model: torch.nn.Module  # after the last step
     rank_losses: list[list[float]]  # [rank][step]
+    evals: list[dict] = field(default_factory=list)  # {"step", "loss"}, as karma-run reports
 
     @property
     def losses(self) -> list[float]:
@@ -34,7 +36,7 @@ class ReferenceRun:
 
 def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
                     world_size: int = 1, on_step: Callable[[], None] | None = None,
-                    device: str = "cpu") -> ReferenceRun:
+                    device: str = "cpu", eval_every: int = 0) -> ReferenceRun:
     """Plain PyTorch training for `steps` steps.
 
     With world_size N it is what N data-parallel ranks compute, in one process: per step,
@@ -43,27 +45,29 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     are summed in rank order and divided by N, and the optimizer steps once. Only parameters
     are comparable then: buffers (BatchNorm statistics) see every rank's batch here.
     `on_step` runs after each backward and each optimizer step (memory sampling). On another
-    `device` the model is built on the CPU and then moved, as karma-run does.
+    `device` the model is built on the CPU and then moved, as karma-run does. With
+    `eval_every` N, every N steps the mean loss over the model file's eval_batches is taken
+    in evaluation mode under torch.no_grad(), as karma-run --eval-every does.
     """
     torch.manual_seed(seed)
-    model = mf.build_model()
+    model = mf.build()  # build_model(), a Hugging Face KV cache turned off as karma-run does
     model.to(device)
     model.train()
     opt = mf.make_optimizer(model.parameters())
-    data = [mf.batches(batch_size, r, world_size) for r in range(world_size)]
+    data = [mf.checked_batches(batch_size, r, world_size) for r in range(world_size)]
     rng = [torch.get_rng_state()] * world_size
     params = list(model.parameters())
     losses: list[list[float]] = [[] for _ in range(world_size)]
-    for _ in range(steps):
+    evals: list[dict] = []
+    held_out = mf.checked_eval_batches(batch_size) if eval_every else []
+    to_device = partial(torch.Tensor.to, device=device)
+    for step in range(1, steps + 1):
         summed: list[torch.Tensor | None] = [None] * len(params)
         for r in range(world_size):
             if world_size > 1:
                 torch.set_rng_state(rng[r])
             x, y = next(data[r])
-            x = x if isinstance(x, (tuple, list)) else (x,)
-            x = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in x)
-            y = y.to(device) if isinstance(y, torch.Tensor) else y
-            loss = mf.loss_fn(model(*x), y)
+            loss = mf.loss_fn(x.map(to_device).call(model), map_targets(y, to_device))
             loss.backward()
             if on_step is not None:
                 on_step()
@@ -81,7 +85,14 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
         opt.zero_grad()
         if on_step is not None:
             on_step()
-    return ReferenceRun(model, losses)
+        if eval_every and step % eval_every == 0:
+            model.eval()
+            with torch.no_grad():
+                eval_losses = [mf.loss_fn(x.map(to_device).call(model), map_targets(y, to_device))
+                               .item() for x, y in held_out]
+            model.train()
+            evals.append({"step": step, "loss": sum(eval_losses) / len(eval_losses)})
+    return ReferenceRun(model, losses, evals)
 
 
 def main() -> None:

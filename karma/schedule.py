@@ -155,6 +155,12 @@ class Schedule:
     buffers: tuple[Buffer, ...]
     version: int = SCHEDULE_VERSION
 
+    def save(self, path: str | Path) -> None:
+        """Write the schedule's YAML to `path` atomically (load it with load_schedule)."""
+        from karma.fileio import write_text_atomic
+
+        write_text_atomic(path, dump_schedule(self))
+
 
 class ScheduleFileError(KarmaError):
     """A schedule that cannot be read: a missing file, broken YAML, or an invalid schedule."""

@@ -73,7 +73,7 @@ class CheckingBackend(CpuBackend):
 def test_the_engine_keeps_the_backends_protocol(name, strategy, fraction, monkeypatch):
     schedule = schedule_or_skip(name, strategy, fraction)
     backend = CheckingBackend()
-    monkeypatch.setattr("karma.runtime.train.make_backend", lambda kind: backend)
+    monkeypatch.setattr("karma.runtime.runtime.make_backend", lambda kind: backend)
     report = run(schedule, load_small(name), 2)
     assert report.steps == [1, 2]
     assert not backend.violations, backend.violations[:5]

@@ -14,7 +14,7 @@ from tests.conftest import MODELS
 
 
 def real_saved_bytes_per_block(model: torch.nn.Module, graph: BlockGraph,
-                               inputs: tuple[torch.Tensor, ...]) -> list[int]:
+                               inputs) -> list[int]:
     """What autograd saves per block in a real CPU forward, attributed by module calls.
 
     Independent of the IR's graph splitting: a global forward pre-hook switches the current
@@ -41,7 +41,7 @@ def real_saved_bytes_per_block(model: torch.nn.Module, graph: BlockGraph,
     handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(*inputs)
+            inputs.call(model)
     finally:
         handle.remove()
     return [sum(s.values()) for s in saved]

@@ -179,7 +179,7 @@ def test_a_model_built_in_the_host_tier_trains_exactly(name, strategy, fraction,
                                                        monkeypatch):
     """Every factory tensor of the build goes to the host tier (the threshold is what makes a
     real model's weights go there); the weights then move where the schedule puts them."""
-    monkeypatch.setattr("karma.runtime.train.TIER_MIN_BYTES", 1)
+    monkeypatch.setattr("karma.runtime.runtime.TIER_MIN_BYTES", 1)
     schedule = schedule_or_skip(name, strategy, fraction)
     ref_sd, ref_losses = reference(name, STEPS)
     probe = Probe(load_small(name), schedule)

@@ -11,7 +11,6 @@ Exit codes: 0 planned; 2 bad input; 3 no plan fits the budget (the message gives
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 from karma.cli.common import positive_int, run_cli
 from karma.errors import KarmaError
 from karma.ir import build_block_graph
-from karma.modelfile import load_model_file, optimizer_profile
+from karma.modelfile import load_model_file
 from karma.units import format_bytes, format_seconds, parse_size
 
 
@@ -64,10 +63,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from karma.api import plan_report
     from karma.planner.hardware import load_hardware
-    from karma.planner.pipeline import STRATEGIES, PlanRequest, make_schedule
+    from karma.planner.pipeline import STRATEGIES
     from karma.planner.plan import InfeasiblePlan
-    from karma.schedule import ModelRef
 
     if not args.print_ir:  # check the cheap things before tracing
         if args.gpu_mem is None:
@@ -85,59 +84,39 @@ def _plan(args: argparse.Namespace) -> int:
         if args.output:
             _check_writable(Path(args.output))
 
-    mf = load_model_file(args.model)
-    graph = build_block_graph(mf, args.batch_size, args.blocks, model_name=args.model)
     if args.print_ir:
+        mf = load_model_file(args.model)
+        graph = build_block_graph(mf, args.batch_size, args.blocks, model_name=args.model)
+        _notes(graph.notes)
         print(graph.to_json() if args.json else graph.table())
         return 0
-
-    model = ModelRef(
-        path=args.model,
-        sha256=mf.sha256,
-        ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
-        env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_"))),
-    )
-    measured_s = _profile(mf, graph.batch_size, args.blocks, hardware) \
-        if args.profile_blocks else None
-    request = PlanRequest(
-        capacity_bytes=capacity, hardware=hardware, batch_size=graph.batch_size,
-        dtype=args.dtype, world_size=args.world_size, seed=args.seed, strategy=args.strategy,
-        time_limit_s=args.time_limit, gap=args.gap,
-        optimizer=optimizer_profile(mf), measured_s=measured_s,
-    )
     try:
-        report = make_schedule(graph, model, request)
+        report = plan_report(
+            args.model, capacity, hardware, args.batch_size, world_size=args.world_size,
+            dtype=args.dtype, strategy=args.strategy, seed=args.seed,
+            time_limit_s=args.time_limit, gap=args.gap, blocks=args.blocks,
+            profile_blocks=args.profile_blocks, log=lambda note: _notes([note]))
     except InfeasiblePlan as e:
         if args.json:
             print(json.dumps({"feasible": False, "capacity_bytes": capacity,
                               "min_capacity_bytes": e.min_capacity_bytes}, indent=2))
+        batch = args.batch_size or load_model_file(args.model).default_batch_size
         raise InfeasiblePlan(
             f"{e}. Try --gpu-mem {_ceil_gib(e.min_capacity_bytes)}"
-            + (" or a smaller --batch-size" if graph.batch_size > 1 else ""),
+            + (" or a smaller --batch-size" if batch > 1 else ""),
             e.min_capacity_bytes) from e
 
     if args.output:
-        from karma.schedule import dump_schedule
-
-        _write_atomic(Path(args.output), dump_schedule(report.schedule))
+        report.schedule.save(args.output)
     print(json.dumps(_summary_json(report), indent=2) if args.json
           else _summary_text(report, hardware.name, args.output))
     return 0
 
 
-def _profile(mf, batch_size: int, blocks: str | None, hardware) -> list[tuple[float, float]]:
-    import torch
-
-    from karma.ir.timing import profile_blocks
-
-    if hardware.device_kind == "cuda":
-        if not torch.cuda.is_available():
-            raise KarmaError(
-                f"--profile-blocks times blocks on this machine, which has no GPU, so it cannot "
-                f"stand for --hardware {hardware.name}; drop --profile-blocks or plan for "
-                "--hardware cpu")
-        return profile_blocks(mf, batch_size, blocks, device="cuda")
-    return profile_blocks(mf, batch_size, blocks, device="cpu")
+def _notes(notes) -> None:
+    """Notes about the model (a KV cache turned off) go to stderr: stdout may be JSON."""
+    for note in notes:
+        print(f"karma-plan: note: {note}", file=sys.stderr)
 
 
 def _summary_json(report) -> dict:
@@ -209,16 +188,6 @@ def _check_writable(path: Path) -> None:
         raise KarmaError(f"-o {path}: directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK):
         raise KarmaError(f"-o {path}: directory {parent} is not writable; choose another path")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:

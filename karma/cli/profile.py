@@ -11,16 +11,15 @@ local disk). The network is not measured: edit net_bytes_per_s and net_latency_s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from karma.cli.common import run_cli
 from karma.errors import KarmaError
+from karma.fileio import write_text_atomic
 from karma.planner.hardware import Hardware, dump_hardware
 from karma.units import format_bytes, format_number, format_seconds
 
@@ -60,7 +59,7 @@ def _profile(args: argparse.Namespace) -> int:
             f"# measured by {PROG}{' --quick' if args.quick else ''} on {today} ({conditions}).\n"
             f"# The network is not measured: set net_bytes_per_s and net_latency_s by hand.\n"
         )
-        _write_atomically(output, header + dump_hardware(hw))
+        write_text_atomic(output, header + dump_hardware(hw))
         print(f"wrote {output}")
     return 0
 
@@ -108,27 +107,6 @@ def _check_writable(path: Path) -> None:
         raise KarmaError(
             f"-o {path}: directory {parent} does not exist; create it or choose another path"
         )
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it over `path`."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise KarmaError(f"cannot write {path}: {e.strerror}; choose another -o path") from e
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private (0600)
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise KarmaError(f"cannot write {path}: {e.strerror}; choose another -o path") from e
 
 
 if __name__ == "__main__":

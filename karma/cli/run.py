@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also write a checkpoint every N steps")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --checkpoint-dir")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="every N steps, print the mean loss over the model file's "
+                        "eval_batches(batch_size), forward only (report: evals)")
     p.add_argument("--report", type=Path, default=None,
                    help="write a JSON report here (on several ranks: rank 0's)")
     p.add_argument("--cap-device-memory", action="store_true",
@@ -55,6 +58,8 @@ def _run(args: argparse.Namespace) -> int:
         raise KarmaError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
     if args.checkpoint_every < 0:
         raise KarmaError(f"--checkpoint-every {args.checkpoint_every} must be 0 or more")
+    if args.eval_every < 0:
+        raise KarmaError(f"--eval-every {args.eval_every} must be 0 (never) or more")
     if args.timeout <= 0:
         raise KarmaError(f"--timeout {args.timeout:g} must be a positive number of seconds")
     signal.signal(signal.SIGTERM, _stopped)
@@ -68,6 +73,7 @@ def _run(args: argparse.Namespace) -> int:
             steps=args.steps, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every, resume=args.resume,
             timeout_s=args.timeout, cap_device_memory=args.cap_device_memory,
+            eval_every=args.eval_every,
             log=lambda line: print(line, flush=True)))
     except (MemoryError, RuntimeError) as e:
         if not _out_of_memory(e):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from karma.errors import IRError
+from karma.errors import IRError, KarmaError
 from karma.ir.blocks import find_units, group_nodes
 from karma.ir.graph import Block, BlockGraph, Edge
 from karma.ir.measure import measure_blocks, saved_bytes
 from karma.ir.trace import trace
-from karma.modelfile import ModelFile
+from karma.modelfile import USE_CACHE_NOTE, ModelFile
 
 __all__ = ["Block", "BlockGraph", "Edge", "build_block_graph"]
 
@@ -27,19 +27,16 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
     gm = traced.gm
     specs = group_nodes(gm, find_units(traced.model, blocks_regex))
     try:
-        measured = measure_blocks(gm, specs, traced.inputs)
+        measured = measure_blocks(gm, specs, traced.flat_inputs)
     except Exception as e:  # noqa: BLE001 - name the stage that failed
         raise IRError(f"measuring the blocks of {mf.path} on the meta device failed: "
                       f"{type(e).__name__}: {str(e)[:300]}") from e
 
     params = dict(gm.named_parameters())  # unique parameters, first name of each
-    try:
-        output = measured.output
-        _, loss_act_bytes = saved_bytes(
-            mf.loss_fn, output.detach().requires_grad_(True), traced.targets)
-    except Exception as e:  # noqa: BLE001 - user code
-        raise IRError(f"{mf.path}: loss_fn(output, targets) failed on the model's output: "
-                      f"{type(e).__name__}: {e}") from e
+    # loss_fn sees the output as karma-run will hand it over: in its real structure (a
+    # ModelOutput, a dict, a tuple, ...), every floating-point tensor requiring grad
+    output = traced.output([_grad_leaf(t) for t in measured.flat_output])
+    loss_act_bytes = _loss_saved_bytes(mf, output, traced.targets)
 
     owner = {p: i for i, spec in enumerate(specs) for p in spec.params}
     blocks = tuple(
@@ -66,12 +63,40 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
         model=model_name or str(mf.path),
         batch_size=batch_size,
         total_param_bytes=sum(_nbytes(p) for p in params.values()),
-        input_bytes=sum(_nbytes(t) for t in traced.inputs),
+        input_bytes=sum(_nbytes(t) for t in traced.inputs.tensors()),
         loss_act_bytes=loss_act_bytes,
         blocks=blocks,
         edges=edges,
         tracer=traced.tracer,
+        notes=(USE_CACHE_NOTE,) if traced.cache_turned_off else (),
     )
+
+
+def _grad_leaf(t):
+    if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+        return t.detach().requires_grad_(True)
+    return t
+
+
+def _loss_saved_bytes(mf: ModelFile, output, targets) -> int:
+    """The bytes loss_fn saves for backward; checks that it returns a differentiable scalar."""
+    from karma.modelfile import _user_frame
+
+    try:
+        loss, nbytes = saved_bytes(mf.loss_fn, output, targets)
+    except KarmaError:
+        raise
+    except Exception as e:  # noqa: BLE001 - user code
+        raise IRError(f"{mf.path}: loss_fn(output, targets) failed on the model's output "
+                      f"({type(output).__name__}): {type(e).__name__}: {e}"
+                      f"{_user_frame(e, mf.path)}") from e
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        what = (f"a tensor of shape {tuple(loss.shape)}" + ("" if loss.requires_grad else
+                " that does not require grad") if isinstance(loss, torch.Tensor)
+                else type(loss).__name__)
+        raise IRError(f"{mf.path}: loss_fn(output, targets) returned {what}; return a scalar "
+                      "tensor computed from the model's output")
+    return nbytes
 
 
 def _shared_from(names: tuple[str, ...], owner: dict[str, int],

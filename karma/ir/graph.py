@@ -61,6 +61,7 @@ class BlockGraph:
     blocks: tuple[Block, ...]
     edges: tuple[Edge, ...]
     tracer: str  # "torch.export" or "torch.fx"
+    notes: tuple[str, ...] = ()  # what karma changed to trace the model (not in to_json)
 
     def __post_init__(self) -> None:
         owned = sum(b.param_bytes for b in self.blocks)

@@ -53,7 +53,7 @@ class BlockFigures:
 class Measured:
     blocks: tuple[BlockFigures, ...]
     edges: dict[tuple[int, int], int]  # (src, dst) -> bytes
-    output: object  # the model's output on meta tensors
+    flat_output: tuple  # the graph's outputs on meta tensors, flat (Traced.output rebuilds)
 
 
 def measure_blocks(gm: torch.fx.GraphModule, specs: list[BlockSpec],
@@ -71,8 +71,8 @@ def measure_blocks(gm: torch.fx.GraphModule, specs: list[BlockSpec],
     for i in range(len(specs)):
         args, from_block = probe.args[i]
         figures.append(_measure_one(getattr(split, f"submod_{i}"), args, from_block, skip))
-    output = flat_out[0] if isinstance(flat_out, (tuple, list)) and len(flat_out) == 1 else flat_out
-    return Measured(tuple(figures), probe.edges, output)
+    flat = tuple(flat_out) if isinstance(flat_out, (tuple, list)) else (flat_out,)
+    return Measured(tuple(figures), probe.edges, flat)
 
 
 def saved_bytes(fn, *args, skip: set[int] = frozenset()) -> tuple[object, int]:

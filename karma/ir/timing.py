@@ -17,6 +17,7 @@ from torch.fx.passes.split_module import split_module
 from karma.errors import IRError
 from karma.ir.blocks import find_units, group_nodes
 from karma.ir.measure import _differentiable, _Probe, _tensors
+from karma.ir.trace import _flat_inputs as _flatten
 from karma.ir.trace import trace
 from karma.modelfile import ModelFile
 
@@ -36,12 +37,19 @@ def profile_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = No
     probe = _Probe(split)
     try:
         with torch.no_grad():
-            probe.run(*inputs)
+            probe.run(*_flat_inputs(inputs, traced))
         return [_time_block(getattr(split, f"submod_{i}"), *probe.args[i], device, repeats)
                 for i in range(len(specs))]
     except torch.OutOfMemoryError as e:
         raise IRError(f"--profile-blocks ran out of memory on {device} at batch {batch_size}; "
                       "profile with a smaller --batch-size or without --profile-blocks") from e
+
+
+def _flat_inputs(inputs, traced) -> tuple[torch.Tensor, ...]:
+    """Real inputs in the order of the graph's placeholders (as Traced.flat_inputs)."""
+    if traced.out_spec is None:
+        return inputs.args
+    return _flatten(inputs, traced.gm.graph._codegen.pytree_info.in_spec)  # noqa: SLF001
 
 
 def _materialize(split: torch.nn.Module, device: torch.device) -> None:

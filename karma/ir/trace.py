@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from karma.errors import IRError, ModelFileError
-from karma.modelfile import ModelFile
+from karma.modelfile import ModelFile, ModelInputs, check_signature, use_cache_off
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,22 @@ class Traced:
 
     gm: torch.fx.GraphModule  # every node carries meta["nn_module_stack"]
     model: torch.nn.Module  # the original model, on the meta device, in training mode
-    inputs: tuple[torch.Tensor, ...]  # meta tensors
-    targets: object  # meta tensors
+    inputs: ModelInputs  # meta tensors, as the model is called with them
+    flat_inputs: tuple[torch.Tensor, ...]  # the same, in the order of gm's placeholders
+    targets: object  # meta tensors, or None
     tracer: str  # "torch.export" or "torch.fx"
+    out_spec: pytree.TreeSpec | None  # how gm's flat outputs make the model's output
+    cache_turned_off: bool = False  # a Hugging Face model's use_cache was set to False
+
+    def output(self, flat_out) -> object:
+        """The model's output in its real structure (a ModelOutput, a dict, ...) from the
+        graph's flat outputs."""
+        if self.out_spec is None:  # torch.fx: the output node returned it as it is
+            return flat_out[0] if len(flat_out) == 1 else tuple(flat_out)
+        return pytree.tree_unflatten(list(flat_out), self.out_spec)
 
 
-def build_meta(mf: ModelFile, batch_size: int) -> tuple[torch.nn.Module, tuple, object]:
+def build_meta(mf: ModelFile, batch_size: int) -> tuple[torch.nn.Module, ModelInputs, object]:
     """build_model() and example_batch() on the meta device."""
     with torch.device("meta"):
         try:
@@ -47,7 +58,8 @@ def build_meta(mf: ModelFile, batch_size: int) -> tuple[torch.nn.Module, tuple, 
                 "torch.nn.Module; return the model"
             )
         inputs, targets = mf.checked_example_batch(batch_size)
-    for t in inputs:
+    check_signature(model, inputs, f"{mf.path}: example_batch({batch_size})")
+    for t in inputs.tensors():
         if t.device.type != "meta":
             raise ModelFileError(
                 f"{mf.path}: example_batch made a tensor on {t.device}, not on the meta device; "
@@ -60,17 +72,37 @@ def build_meta(mf: ModelFile, batch_size: int) -> tuple[torch.nn.Module, tuple, 
 
 def trace(mf: ModelFile, batch_size: int) -> Traced:
     model, inputs, targets = build_meta(mf, batch_size)
+    cache_off = use_cache_off(model)
     try:
         with _quiet_torch_logs():
-            ep = torch.export.export(model, inputs, strict=False)
-        return Traced(_drop_guards(ep.module()), model, inputs, targets, "torch.export")
+            ep = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
+        gm = _drop_guards(ep.module())
+        info = gm.graph._codegen.pytree_info  # noqa: SLF001 - export's own in/out specs
+        return Traced(gm, model, inputs, _flat_inputs(inputs, info.in_spec), targets,
+                      "torch.export", info.out_spec, cache_off)
     except Exception as export_error:  # noqa: BLE001 - fall back, then report the first error
+        if inputs.kwargs:  # the torch.fx fallback takes positional tensors only
+            raise _untraceable(mf.path, export_error) from export_error
         try:
             with _quiet_torch_logs():
                 gm = torch.fx.symbolic_trace(model)
         except Exception:  # noqa: BLE001
             raise _untraceable(mf.path, export_error) from export_error
-        return Traced(gm, model, inputs, targets, "torch.fx")
+        return Traced(gm, model, inputs, inputs.args, targets, "torch.fx", None, cache_off)
+
+
+def _flat_inputs(inputs: ModelInputs, in_spec: pytree.TreeSpec) -> tuple[torch.Tensor, ...]:
+    """The batch's tensors in the order of the exported graph's placeholders.
+
+    torch.export flattens (args, kwargs) with the keyword arguments in the order its input
+    spec records (the forward's parameter order), not the batch dict's.
+    """
+    kwargs_spec = in_spec.child(1)
+    kwargs = {k: inputs.kwargs[k] for k in kwargs_spec.context}
+    leaves, spec = pytree.tree_flatten((inputs.args, kwargs))
+    if spec != in_spec:
+        raise IRError(f"torch.export's input spec {in_spec} does not match the batch's {spec}")
+    return tuple(leaves)
 
 
 @contextlib.contextmanager
@@ -100,15 +132,18 @@ def _drop_guards(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def _untraceable(path: Path, e: BaseException) -> IRError:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    """Where in the model file tracing failed and the fix. Data-dependent control flow has
+    a known fix, so its first line is enough; any other failure carries the tracer's whole
+    error, which is the only explanation the user gets."""
+    text = str(e).strip() or type(e).__name__
     where = _location(e, path)
-    hint = (
-        "the model's forward has Python control flow that depends on tensor values "
-        "(e.g. `if (x < 0).any():`); make the branch not depend on data, e.g. with torch.where"
-        if "data-dependent" in str(e).lower() or "guard" in str(e).lower()
-        else "make the forward traceable by torch.export (see its error above)"
-    )
-    return IRError(f"cannot trace the model in {path}: {first[:300]}{where}; {hint}")
+    if "data-dependent" in text.lower() or "guard" in text.lower():
+        return IRError(
+            f"cannot trace the model in {path}: {text.splitlines()[0][:300]}{where}; the "
+            "model's forward has Python control flow that depends on tensor values (e.g. "
+            "`if (x < 0).any():`); make the branch not depend on data, e.g. with torch.where")
+    return IRError(f"cannot trace the model in {path}{where}; make its forward traceable by "
+                   f"torch.export, whose error follows:\n{type(e).__name__}: {text}")
 
 
 def _location(e: BaseException, path: Path) -> str:

@@ -24,7 +24,8 @@ FORMAT = "karma-checkpoint-1"
 FILES = ("model.pt", "optimizer.pt", "meta.json")
 
 
-def model_state(model: torch.nn.Module, engine, scratch: Path) -> dict[str, torch.Tensor]:
+def model_state(model: torch.nn.Module, engine, scratch: Path,
+                snapshot: bool = False) -> dict[str, torch.Tensor]:
     """The model's state_dict with each parameter's up-to-date value (host masters included)."""
     current: dict[str, torch.Tensor] = {}
     for w in engine.weights:
@@ -35,13 +36,14 @@ def model_state(model: torch.nn.Module, engine, scratch: Path) -> dict[str, torc
         if isinstance(value, torch.nn.Parameter):
             value = current[canonical[id(value)]]
         if id(value) not in copies:  # a tied weight is saved once, under both names
-            copies[id(value)] = _standalone(value.detach().cpu(), scratch)
+            copies[id(value)] = _standalone(value.detach().cpu(), scratch, snapshot)
         state[name] = copies[id(value)]
     return state
 
 
-def _standalone(t: torch.Tensor, scratch: Path) -> torch.Tensor:
-    """`t` if it owns its whole storage, else a copy in a file-backed storage of its own.
+def _standalone(t: torch.Tensor, scratch: Path, snapshot: bool = False) -> torch.Tensor:
+    """`t` if it owns its whole storage (and no `snapshot` is asked for), else a copy in a
+    file-backed storage of its own.
 
     [Note: saving views of the host tier] torch.save writes a view's whole storage, and the
     host tier's tensors are views of large arenas; cloning them would take private memory
@@ -49,7 +51,8 @@ def _standalone(t: torch.Tensor, scratch: Path) -> torch.Tensor:
     neither.
     """
     nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().nbytes() == nbytes and t.storage_offset() == 0 and t.is_contiguous():
+    if not snapshot and t.untyped_storage().nbytes() == nbytes and t.storage_offset() == 0 \
+            and t.is_contiguous():
         return t
     fd, name = tempfile.mkstemp(dir=scratch, suffix=".bin")
     with os.fdopen(fd, "wb") as f:
@@ -58,6 +61,47 @@ def _standalone(t: torch.Tensor, scratch: Path) -> torch.Tensor:
     os.unlink(name)  # the mapping stays until the copy is dropped
     out.copy_(t)
     return out
+
+
+def runtime_state(model: torch.nn.Module, engine, scratch: Path, snapshot: bool = False) -> dict:
+    """The training state: {"model": model.pt's state_dict, "optimizer": optimizer.pt's}.
+
+    With `snapshot`, every tensor is a copy (file-backed: no private memory), which later
+    steps leave as it is; without, a tensor may be the live one (written out at once).
+    """
+    return {
+        "model": model_state(model, engine, scratch, snapshot),
+        "optimizer": {
+            "format": FORMAT,
+            "blocks": [_detached_state(w.optimizer, scratch, snapshot) for w in engine.weights],
+            "rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+        },
+    }
+
+
+def load_runtime_state(state: dict, model: torch.nn.Module, engine, source: str) -> None:
+    """Restore parameters, buffers, each block's optimizer and the RNG from `state`."""
+    values, opt = state.get("model"), state.get("optimizer")
+    if not isinstance(values, dict) or not isinstance(opt, dict) \
+            or opt.get("format") != FORMAT or len(opt.get("blocks", ())) != len(engine.weights):
+        raise KarmaError(f"{source} was written for another schedule; load it with the "
+                         "schedule that wrote it")
+    missing = sorted(set(model.state_dict()) - set(values))
+    if missing:
+        raise KarmaError(f"{source} lacks {len(missing)} of the model's entries (e.g. "
+                         f"{missing[0]}); load a state of this model")
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(values[name])
+    for w, block_state in zip(engine.weights, opt["blocks"]):
+        w.load(values)
+        if w.optimizer is not None and block_state is not None:
+            w.optimizer.load_state_dict(block_state)
+            w.reset_state_placement()
+    torch.set_rng_state(opt["rng_state"])
+    if opt.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(opt["cuda_rng_state"])
 
 
 def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: int) -> Path:
@@ -73,13 +117,10 @@ def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: i
         tmp.mkdir()
         scratch = tmp / "scratch"
         scratch.mkdir()
-        _save(tmp / "model.pt", model_state(model, engine, scratch))
-        _save(tmp / "optimizer.pt", {
-            "format": FORMAT,
-            "blocks": [_detached_state(w.optimizer, scratch) for w in engine.weights],
-            "rng_state": torch.get_rng_state(),
-            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
-        })
+        state = runtime_state(model, engine, scratch)
+        _save(tmp / "model.pt", state["model"])
+        _save(tmp / "optimizer.pt", state["optimizer"])
+        del state
         scratch.rmdir()
         meta = {"format": FORMAT, "step": step, "seed": seed,
                 "schedule_sha256": schedule_sha256(schedule),
@@ -123,29 +164,16 @@ def load_checkpoint(path: Path, model, engine) -> int:
     except (OSError, ValueError, RuntimeError) as e:
         raise KarmaError(f"cannot read checkpoint {path}: {e}; delete it to resume from the "
                          "one before") from e
-    if opt.get("format") != FORMAT or len(opt["blocks"]) != len(engine.weights):
-        raise KarmaError(f"checkpoint {path} was written for another schedule; resume with "
-                         "the schedule that wrote it")
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            buf.copy_(values[name])
-    for w, state in zip(engine.weights, opt["blocks"]):
-        w.load(values)
-        if w.optimizer is not None and state is not None:
-            w.optimizer.load_state_dict(state)
-            w.reset_state_placement()
-    torch.set_rng_state(opt["rng_state"])
-    if opt.get("cuda_rng_state") is not None:
-        torch.cuda.set_rng_state(opt["cuda_rng_state"])
+    load_runtime_state({"model": values, "optimizer": opt}, model, engine, f"checkpoint {path}")
     return int(meta["step"])
 
 
-def _detached_state(optimizer, scratch: Path) -> dict | None:
+def _detached_state(optimizer, scratch: Path, snapshot: bool = False) -> dict | None:
     """The optimizer's state_dict, its tensors out of the host tier's arenas (_standalone)."""
     if optimizer is None:
         return None
     sd = optimizer.state_dict()
-    sd["state"] = {k: {n: _standalone(v.cpu(), scratch) if isinstance(v, torch.Tensor) else v
+    sd["state"] = {k: {n: _standalone(v.cpu(), scratch, snapshot) if isinstance(v, torch.Tensor) else v
                        for n, v in st.items()}
                    for k, st in sd["state"].items()}
     return sd

@@ -28,6 +28,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from karma.errors import KarmaError
+from karma.modelfile import output_tensors
 from karma.runtime.backend import CpuBackend
 from karma.runtime.distributed import GradientExchange
 from karma.runtime.host import BuildInTier, HostPool
@@ -89,6 +90,7 @@ class Engine:
         self._restore: list = []
         self._install_hooks()
         self._active = False
+        self._evaluating = False
 
     # --- one iteration -------------------------------------------------------------------
 
@@ -104,6 +106,7 @@ class Engine:
         self._current_block: int | None = None
         self._ran_in_block: set[str] = set()
         self._hooks_ctx = None
+        self._output_grad_seen = False
         self.blocked = []
         self._active = True
         self._issue_through(0)  # the prologue's fetches
@@ -144,7 +147,7 @@ class Engine:
         for name, blocks in by_module.items():
             module = modules[name]
             self._handles.append(module.register_forward_pre_hook(
-                partial(self._on_module, name, blocks)))
+                partial(self._on_module, name, blocks), with_kwargs=True))
             # [Note: recomputing blocks of several modules] a head or tail block is not one
             # call: its modules that own parameters are checkpointed one by one, and the
             # parameter-free ones between them (activations, pooling, often in place) run
@@ -155,8 +158,8 @@ class Engine:
                 self._wrap_recompute(module)
         self._handles.append(self.model.register_forward_hook(self._on_model_output))
 
-    def _on_module(self, name: str, blocks: list[int], module, args) -> None:
-        if not self._active:
+    def _on_module(self, name: str, blocks: list[int], module, args, kwargs) -> None:
+        if not self._active and not self._evaluating:
             return
         call = self._calls[id(module)]
         self._calls[id(module)] += 1
@@ -166,9 +169,12 @@ class Engine:
             return  # another module of the block that is running
         self._leave_block()
         self._ran_in_block = {name}
+        if self._evaluating:
+            self._eval_enter(i)
+            return
         if i > 0:
-            first = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad),
-                         None)
+            first = next((a for a in (*args, *kwargs.values())
+                          if isinstance(a, torch.Tensor) and a.requires_grad), None)
             if first is not None:  # its gradient is ready when block i's backward ends
                 first.register_hook(partial(self._on_grad, i - 1))
         self._arrive("forward", i)
@@ -178,16 +184,55 @@ class Engine:
             self._hooks_ctx.__enter__()
 
     def _on_model_output(self, module, args, output) -> None:
+        """The last block's backward starts when the first gradient reaches a tensor of the
+        model's output, wherever it sits (a loss, logits, an encoder's last state)."""
         if not self._active:
             return
-        out = output if isinstance(output, torch.Tensor) else next(
-            (t for t in output if isinstance(t, torch.Tensor)), None)
-        if out is not None and out.requires_grad:
-            out.register_hook(partial(self._on_grad, len(self.blocks) - 1))
+        for t in output_tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad):
+        if not self._output_grad_seen:
+            self._output_grad_seen = True
+            self._arrive("backward", len(self.blocks) - 1)
+        return None
 
     def _on_grad(self, block: int, grad):
         self._arrive("backward", block)
         return None
+
+    # --- evaluation: forward only, streamed weights fetched block by block ----------------
+
+    def begin_eval(self) -> None:
+        """A forward without gradients: nothing is saved, so nothing is swapped or
+        recomputed; each block's streamed weights are fetched before it runs and released
+        after (synchronously: evaluation is rare and needs no overlap)."""
+        if self._active:
+            raise KarmaError("evaluate() was called inside a training iteration")
+        self._evaluating = True
+        self._calls = defaultdict(int)
+        self._current_block = None
+        self._eval_claimed: list[torch.nn.Parameter] = []
+
+    def end_eval(self) -> None:
+        self._eval_release()
+        self._current_block = None
+        self._evaluating = False
+
+    def _eval_enter(self, i: int) -> None:
+        self._eval_release()
+        b = self.blocks[i]
+        streamed = [p for n in (*b.params, *b.shared_params)
+                    if self.shared.is_streamed(p := self._named[n])]
+        self.shared.fill(self.shared.claim(streamed))
+        self._eval_claimed = streamed
+        self._current_block = i
+
+    def _eval_release(self) -> None:
+        if self._eval_claimed:  # claim, fill, compute and release all run on the compute
+            self.shared.release(self._eval_claimed)  # stream: the allocator orders reuse
+        self._eval_claimed = []
 
     def _leave_block(self) -> None:
         if self._hooks_ctx is not None:
@@ -233,14 +278,23 @@ class Engine:
             if (op.kind, op.block) == (kind, block):
                 self._start(op)
                 return
-            name = self.blocks[block].name if block >= 0 else "-"
-            raise DivergedError(
-                f"execution diverged from the schedule: expected {op.kind} of block {op.block} "
-                f"({self.blocks[op.block].name}), but {kind} of block {block} ({name}) ran; the "
-                "model's forward calls its blocks in another order than when it was planned "
-                "(data-dependent control flow?): make the order fixed, or re-plan")
+            raise DivergedError(self._divergence(op, kind, block))
         self._finish_previous()
         self._issue_through(float("inf"))
+
+    def _divergence(self, op, kind: str, block: int) -> str:
+        """What was expected and what ran; control flow is blamed only when the forward
+        called its blocks in another order (else it is karma's hooks that lost their way)."""
+        name = self.blocks[block].name if block >= 0 else "-"
+        text = (f"execution diverged from the schedule: expected {op.kind} of block "
+                f"{op.block} ({self.blocks[op.block].name}), but {kind} of block {block} "
+                f"({name}) ran")
+        if kind == "forward" and op.kind == "forward":
+            return (f"{text}; the model's forward (build_model() in the model file) called its "
+                    "blocks in another order than when it was planned: data-dependent control "
+                    "flow? Make the order fixed, or re-plan")
+        return (f"{text}; karma's hooks saw the backward out of the planned order: this is a "
+                "bug in karma; please report it with the schedule and the model file")
 
     def _start(self, op) -> None:
         self._finish_previous()

@@ -37,6 +37,9 @@ class SharedStorage:
         self._refs[id(param)] = 0
         param.untyped_storage().resize_(0)
 
+    def is_streamed(self, param: torch.nn.Parameter) -> bool:
+        return id(param) in self._masters
+
     def claim(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         """Count a fetch of `params` (on the compute thread, when the fetch is issued) and give
         storage back to those that had none: the ones `fill` must copy."""

@@ -1,0 +1,86 @@
+"""karma's planning API: what `karma-plan` does, as a function.
+
+    import karma
+    schedule = karma.plan("examples/gpt.py", gpu_mem="16G", hardware="v100-16g", batch_size=8)
+    schedule.save("schedule.yaml")           # the YAML karma-run replays
+    schedule = karma.load_schedule("schedule.yaml")
+
+`karma-plan` is a thin layer over `plan_report` (it prints the report); `plan` returns the
+report's schedule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from karma.errors import KarmaError
+from karma.ir import build_block_graph
+from karma.modelfile import ModelFile, load_model_file, optimizer_profile
+from karma.planner.hardware import Hardware, load_hardware
+from karma.planner.pipeline import STRATEGIES, PlanReport, PlanRequest, make_schedule
+from karma.schedule import ModelRef, Schedule
+from karma.units import parse_size
+
+
+def plan(model_file: str | Path, gpu_mem: str | int = "16G", hardware: str | Hardware = "v100-16g",
+         batch_size: int | None = None, **options) -> Schedule:
+    """Plan training of a model file within `gpu_mem` bytes of device memory ("16G" or an
+    int) on `hardware` (a built-in profile's name, a karma-profile file, or a Hardware).
+    Options, as karma-plan's flags: world_size, dtype, strategy, seed, time_limit_s, gap,
+    blocks, profile_blocks. Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
+    return plan_report(model_file, gpu_mem, hardware, batch_size, **options).schedule
+
+
+def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hardware,
+                batch_size: int | None = None, *, world_size: int = 1, dtype: str = "fp32",
+                strategy: str = "ilp", seed: int = 0, time_limit_s: float = 60.0,
+                gap: float = 0.01, blocks: str | None = None, profile_blocks: bool = False,
+                log: Callable[[str], None] | None = None) -> PlanReport:
+    """`plan`, with everything karma-plan prints: the chosen plan's evaluation and every
+    baseline's. `log` gets notes about the model (e.g. a KV cache turned off)."""
+    capacity = gpu_mem if isinstance(gpu_mem, int) else parse_size(str(gpu_mem), "gpu_mem")
+    if capacity <= 0:
+        raise KarmaError(f"gpu_mem {gpu_mem!r} must be more than zero, e.g. 16G")
+    if strategy not in STRATEGIES:
+        raise KarmaError(f"strategy {strategy!r} is not a strategy; use one of "
+                         f"{', '.join(STRATEGIES)}")
+    if time_limit_s <= 0 or not 0 <= gap < 1:
+        raise KarmaError("the time limit must be positive and the gap in [0, 1), e.g. 60 and "
+                         "0.01")
+    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    mf = load_model_file(model_file)
+    graph = build_block_graph(mf, batch_size, blocks, model_name=str(model_file))
+    for note in graph.notes:
+        (log or (lambda line: None))(note)
+    model = ModelRef(
+        path=str(model_file),
+        sha256=mf.sha256,
+        ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
+        env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_"))),
+    )
+    request = PlanRequest(
+        capacity_bytes=capacity, hardware=hw, batch_size=graph.batch_size, dtype=dtype,
+        world_size=world_size, seed=seed, strategy=strategy, time_limit_s=time_limit_s,
+        gap=gap, optimizer=optimizer_profile(mf),
+        measured_s=_profile(mf, graph.batch_size, blocks, hw) if profile_blocks else None,
+    )
+    return make_schedule(graph, model, request)
+
+
+def _profile(mf: ModelFile, batch_size: int, blocks: str | None,
+             hardware: Hardware) -> list[tuple[float, float]]:
+    import torch
+
+    from karma.ir.timing import profile_blocks
+
+    if hardware.device_kind == "cuda":
+        if not torch.cuda.is_available():
+            raise KarmaError(
+                f"--profile-blocks times blocks on this machine, which has no GPU, so it cannot "
+                f"stand for --hardware {hardware.name}; drop --profile-blocks or plan for "
+                "--hardware cpu")
+        return profile_blocks(mf, batch_size, blocks, device="cuda")
+    return profile_blocks(mf, batch_size, blocks, device="cpu")

@@ -1,0 +1,362 @@
+"""karma's runtime as a library: one object that trains a model by replaying its schedule.
+
+    import karma
+    schedule = karma.plan("examples/gpt.py", gpu_mem="600M", hardware="cpu", batch_size=2)
+    with karma.Runtime(schedule, seed=0) as rt:
+        for inputs, targets in my_data:
+            loss = rt.step(inputs, targets)      # one planned training iteration
+        eval_loss = rt.evaluate(inputs, targets)  # forward only, under the same budget
+        torch.save(rt.state_dict(), "state.pt")
+
+`karma-run` is a loop over this object (train.py). Initialisation follows the reference
+order exactly, so that runs are reproducible and equal to plain PyTorch:
+torch.manual_seed(seed), build_model() on the CPU, the optimizer; the caller's data comes
+after. Inside torchrun the object joins the process group as karma-run does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from karma.errors import KarmaError, ModelFileError
+from karma.modelfile import (
+    ModelFile,
+    ModelInputs,
+    check_batch,
+    check_signature,
+    load_model_file,
+    map_targets,
+    output_tensors,
+)
+from karma.runtime import distributed
+from karma.runtime.backend import make_backend
+from karma.runtime.checkpoint import load_runtime_state, runtime_state
+from karma.runtime.distributed import GradientExchange, Ranks
+from karma.runtime.engine import Engine
+from karma.runtime.host import (
+    BuildInTier,
+    HostPool,
+    data_bytes,
+    private_bytes,
+    return_freed_memory_promptly,
+)
+from karma.runtime.streams import OpFailed
+from karma.schedule import Schedule, load_schedule, schedule_sha256
+from karma.units import format_bytes
+
+# On the CPU backend, factory tensors of at least this size are built in the host tier.
+TIER_MIN_BYTES = 1 << 20
+
+# --cap-device-memory leaves the allocator this much beyond the budget: cuBLAS workspaces and
+# the allocator's rounding, which the planner does not count.
+DEVICE_SLACK_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one training iteration measured."""
+
+    loss: float
+    step_s: float
+    peak_bytes: int  # above the baseline: private memory (CPU) or device memory (CUDA)
+    allreduce_intervals: tuple[tuple[float, float], ...]  # (start, end) of each all-reduce
+    blocked: tuple[tuple[float, float], ...]  # when the compute thread waited for a stream
+
+
+def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile:
+    """The schedule's model file, with its environment, checked against its fingerprint."""
+    for key, value in schedule.model.env:
+        os.environ[key] = value
+    path = Path(schedule.model.path)
+    if not path.is_absolute() and not path.exists() and schedule_path is not None:
+        beside = schedule_path.resolve().parent / path
+        path = beside if beside.exists() else path
+    mf = load_model_file(path)
+    if mf.sha256 != schedule.model.sha256:
+        raise KarmaError(
+            f"model file {path} has changed since the schedule was planned (fingerprint "
+            f"{mf.sha256[:12]}, schedule has {schedule.model.sha256[:12]}); re-plan it with "
+            f"karma-plan {schedule.model.path} ... -o SCHEDULE.yaml")
+    return mf
+
+
+class Runtime:
+    """Trains the schedule's model: `step`, `evaluate`, `state_dict`, `close`."""
+
+    def __init__(self, schedule: Schedule | str | Path, seed: int | None = None, *,
+                 model_file: ModelFile | None = None, timeout_s: float = 60.0,
+                 cap_device_memory: bool = False, log: Callable[[str], None] = print,
+                 agree: dict[str, Any] | None = None):
+        """`schedule`: a Schedule or a schedule file's path. `seed`: default the schedule's.
+        `timeout_s`: on several ranks, how long to wait for a rank that stops answering.
+        `agree`: further options every rank must share (karma-run's steps, checkpoints)."""
+        path = None
+        if not isinstance(schedule, Schedule):
+            path = Path(schedule)
+            schedule = load_schedule(path)
+        self.schedule = schedule
+        self.model_file = model_file or open_model_file(schedule, path)
+        self.seed = schedule.config.seed if seed is None else seed
+        self.timeout_s = timeout_s
+        self.backend = make_backend(dict(schedule.hardware).get("device_kind", "cpu"))
+        if self.backend.name == "cuda" and schedule.config.world_size > 1:
+            raise KarmaError("data parallelism on the CUDA backend (NCCL) is not built yet: plan "
+                             "with --world-size 1, or with --hardware cpu to train several "
+                             "ranks on the CPU backend")
+        self.ranks: Ranks = distributed.join(
+            schedule.config.world_size, schedule_sha256(schedule),
+            {"seed": self.seed, **(agree or {})}, timeout_s)
+        self.log = log if self.ranks.main else _quiet
+        self._closed = False
+        self._failed = False
+        self._checked_output = False
+        self.last: StepStats | None = None  # the latest step's measurements
+        self.iterations = 0  # steps taken by this object (a resumed run counts from its start)
+        self.last_eval_peak_bytes = 0  # the latest evaluate()'s peak, as StepStats.peak_bytes
+        try:
+            self._build(cap_device_memory)
+        except BaseException:
+            distributed.leave(self.ranks)
+            raise
+
+    def _build(self, cap_device_memory: bool) -> None:
+        schedule, mf, backend = self.schedule, self.model_file, self.backend
+        return_freed_memory_promptly()
+        # The first optimizer a process makes imports torch._dynamo (about 70 MiB): a one-time
+        # cost of PyTorch, not of the schedule, so it happens before the baseline is taken.
+        mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
+        gc.collect()  # what an earlier model in this process left is not this run's baseline
+        self.baseline_private_bytes = private_bytes()
+        self.baseline_data_bytes = data_bytes()
+        self.log(f"baseline before the model: {format_bytes(self.baseline_private_bytes)} "
+                 f"private, {format_bytes(self.baseline_data_bytes)} data segment (what "
+                 "prlimit --data caps)")
+        self.meter = _PeakSampler(self.baseline_private_bytes) if backend.name == "cpu" \
+            else _DevicePeak(backend)
+        if cap_device_memory:
+            total = backend.cap(schedule.config.capacity_bytes + DEVICE_SLACK_BYTES)
+            self.log(f"device memory capped at {format_bytes(schedule.config.capacity_bytes)} "
+                     f"+ {format_bytes(DEVICE_SLACK_BYTES)} slack of {format_bytes(total)}")
+
+        built = time.perf_counter()
+        self.pool = HostPool(int(schedule.predicted.host_bytes * 1.1) + (64 << 20),
+                             kind=backend.pool_kind)
+        # on the CPU backend the model is built in the host tier (host.BuildInTier): its
+        # weights need not fit in the memory the schedule allows
+        tier = BuildInTier(self.pool, TIER_MIN_BYTES) if backend.name == "cpu" else None
+        torch.manual_seed(self.seed)
+        with tier or contextlib.nullcontext():
+            self.model = mf.build(self.log)  # on the CPU: initial values do not depend on it
+        self.model.train()
+        self.exchange = GradientExchange(self.ranks) if self.ranks.world_size > 1 else None
+        self.engine = Engine(schedule, self.model, mf.make_optimizer, self.pool, backend,
+                             self.exchange, tier)
+        self.optimizer = BlockOptimizers([w.optimizer for w in self.engine.weights
+                                          if w.optimizer is not None])
+        # every rank has built its model (ranks that build slower than the timeout get longer)
+        distributed.barrier(self.ranks, "before the first step",
+                            self.timeout_s + time.perf_counter() - built)
+
+    # --- training and evaluation -----------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return self.schedule.config.batch_size
+
+    def step(self, inputs: Any, targets: Any = None) -> float:
+        """One planned training iteration on this batch (inputs as in the model-file
+        protocol: a Tensor, a tuple, or a dict of keyword arguments); returns the loss."""
+        model_inputs, targets = self._batch(inputs, targets, "Runtime.step")
+        self.meter.start()
+        t0 = time.perf_counter()
+        try:
+            self.engine.begin_iteration()
+            output = model_inputs.call(self.model)
+            self._check_output(output)
+            self.engine.before_loss()
+            loss = self._loss(output, targets)
+            del output
+            loss.backward()
+            self.engine.end_iteration()
+        except BaseException as e:
+            self._failed = True
+            self.meter.stop()
+            if isinstance(e, OpFailed) and isinstance(e.__cause__, distributed.RankLost):
+                raise distributed.lost(  # not, say, out of memory
+                    self.ranks, f"in iteration {self.iterations + 1}'s gradient exchange",
+                    e.__cause__.__cause__) from e
+            raise
+        elapsed = time.perf_counter() - t0
+        peak = self.meter.stop()
+        calls = tuple(self.exchange.take_intervals()) if self.exchange is not None else ()
+        self.last = StepStats(loss.item(), elapsed, peak, calls, tuple(self.engine.blocked))
+        self.iterations += 1
+        return self.last.loss
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Any, targets: Any = None) -> float:
+        """The loss of a forward pass in evaluation mode (`model.eval()`, no gradients),
+        under the same budget: weights the schedule streams are fetched block by block.
+
+        [Note: evaluation fits in the training budget] Without gradients nothing is saved
+        for backward, so at block j an evaluation holds the resident weights, the device
+        optimizer state, block j's weights, inputs, outputs and temporaries: a subset of
+        what the training forward holds at block j (which also holds the saved activations
+        of blocks before j and block j+1's prefetched weights). The schedule's training
+        peak, which the planner fits in the budget, bounds it.
+        """
+        model_inputs, targets = self._batch(inputs, targets, "Runtime.evaluate")
+        self.model.eval()
+        self.meter.start()
+        try:
+            self.engine.begin_eval()
+            output = model_inputs.call(self.model)
+            loss = self._loss(output, targets).item()
+        finally:
+            self.engine.end_eval()
+            self.model.train()
+            self.last_eval_peak_bytes = self.meter.stop()
+        return loss
+
+    def _batch(self, inputs: Any, targets: Any, where: str) -> tuple[ModelInputs, Any]:
+        model_inputs, targets = check_batch((inputs, targets), where)
+        check_signature(self.model, model_inputs, where)
+        to_device = self.backend.to_device
+        return model_inputs.map(to_device), map_targets(targets, to_device)
+
+    def _loss(self, output: Any, targets: Any) -> torch.Tensor:
+        loss = self.model_file.loss_fn(output, targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ModelFileError(f"{self.model_file.path}: loss_fn(output, targets) returned "
+                                 f"{type(loss).__name__}; return a scalar tensor")
+        return loss
+
+    def _check_output(self, output: Any) -> None:
+        if self._checked_output:
+            return
+        if not any(t.requires_grad for t in output_tensors(output)):
+            raise ModelFileError(
+                f"{self.model_file.path}: the forward of build_model()'s model returned no "
+                f"tensor that requires grad ({type(output).__name__}); return its output "
+                "without .detach() or torch.no_grad(), and leave parameters trainable")
+        self._checked_output = True
+
+    # --- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """{"model": the model's state_dict (current values), "optimizer": each block's
+        optimizer state and the RNG state}: what karma-run's checkpoints hold. A snapshot:
+        its tensors are copies (file-backed, so they take no private memory)."""
+        with tempfile.TemporaryDirectory(prefix="karma-state-") as scratch:
+            return runtime_state(self.model, self.engine, Path(scratch), snapshot=True)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_runtime_state(state, self.model, self.engine, "the state")
+
+    # --- the end ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the streams, free the host tier, leave the process group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.close(self._failed)
+            self.pool_peak_bytes = self.pool.peak_bytes
+            self.pool.close()
+        finally:  # also after a failure: a process group left to the interpreter's exit aborts
+            distributed.leave(self.ranks)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._failed = True
+        self.close()
+
+
+class BlockOptimizers:
+    """The per-block optimizers as one: their param_groups (an LR schedule sets `lr` in
+    each), zero_grad, and their states."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> list[dict]:
+        return [opt.state_dict() for opt in self.optimizers]
+
+
+def _quiet(line: str) -> None:
+    """Ranks other than 0 print no progress lines (their errors still reach stderr)."""
+
+
+class _DevicePeak:
+    """Peak device memory above what was allocated before the model was placed."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        backend.warm_up()  # cuBLAS's workspace: a one-time cost of CUDA, not of the schedule
+        self.baseline = backend.memory_baseline()
+        self.peak = 0
+
+    def start(self) -> None:
+        self._backend.reset_peak()
+
+    def stop(self) -> int:
+        step_peak = max(0, self._backend.peak_bytes() - self.baseline)
+        self.peak = max(self.peak, step_peak)
+        return step_peak
+
+
+class _PeakSampler:
+    """Peak private memory above a baseline, sampled every millisecond on a thread."""
+
+    def __init__(self, baseline: int):
+        self.baseline = baseline
+        self.peak = 0  # over the whole run
+        self.step_peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start sampling a new step (stop() returns that step's peak)."""
+        self.step_peak = 0
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+        return self.step_peak
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self._sample()
+
+    def _sample(self) -> None:
+        now = private_bytes() - self.baseline
+        self.step_peak = max(self.step_peak, now)
+        self.peak = max(self.peak, now)
