@@ -1,4 +1,4 @@
-"""Hugging Face BERT (BertForMaskedLM) built from a config (no weights downloaded), unmodified.
+"""Hugging Face BERT (BertForMaskedLM) from a config (no weights downloaded), unmodified.
 
 Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
 

@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 (GPT2LMHeadModel) built from a config (no weights downloaded), unmodified.
+"""Hugging Face GPT-2 (GPT2LMHeadModel) from a config (no weights downloaded), unmodified.
 
 Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
 

@@ -1,4 +1,4 @@
-"""Hugging Face Llama (LlamaForCausalLM) built from a config (no weights downloaded), unmodified.
+"""Hugging Face Llama (LlamaForCausalLM) from a config (no weights downloaded), unmodified.
 
 Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
 

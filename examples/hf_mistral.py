@@ -1,4 +1,4 @@
-"""Hugging Face Mistral (MistralForCausalLM) built from a config (no weights downloaded), unmodified.
+"""Hugging Face Mistral (MistralForCausalLM) from a config (no weights downloaded), unmodified.
 
 Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
 

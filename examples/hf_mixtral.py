@@ -1,4 +1,4 @@
-"""Hugging Face Mixtral (MixtralForCausalLM) built from a config (no weights downloaded), unmodified.
+"""Hugging Face Mixtral (MixtralForCausalLM) from a config (no weights downloaded), unmodified.
 
 Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
 
@@ -12,7 +12,9 @@ experts of a layer are stored as two 3-D parameters ([experts, 2 * ffn, hidden] 
 [experts, hidden, ffn]) and run with "grouped_mm": tokens sorted by expert, one grouped
 matrix multiply whose group sizes are tensors. Every shape is then static (tokens x top-k
 rows), so torch.export traces it; the "eager" implementation loops over the experts that
-received tokens, a data-dependent loop that torch.export cannot trace. The inputs are keyword
+received tokens, a data-dependent loop that torch.export cannot trace. In the exported fp32
+graph the expert matmuls are the custom op `transformers::grouped_mm_fallback`, which
+torch's FlopCounterMode does not count (nor `aten._grouped_mm`). The inputs are keyword
 arguments, `model(input_ids=..., labels=...)`; the model computes its own next-token loss
 (`output.loss`; no router auxiliary loss), so there are no targets.
 """

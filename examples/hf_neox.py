@@ -1,4 +1,4 @@
-"""Hugging Face GPT-NeoX (GPTNeoXForCausalLM) built from a config (no weights downloaded), unmodified.
+"""Hugging Face GPT-NeoX (GPTNeoXForCausalLM) from a config (no weights downloaded), unmodified.
 
 Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
 

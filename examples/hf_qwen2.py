@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 (Qwen2ForCausalLM) built from a config (no weights downloaded), unmodified.
+"""Hugging Face Qwen2 (Qwen2ForCausalLM) from a config (no weights downloaded), unmodified.
 
 Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
 

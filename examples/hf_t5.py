@@ -1,4 +1,4 @@
-"""Hugging Face T5 (T5ForConditionalGeneration) built from a config (no weights downloaded), unmodified.
+"""Hugging Face T5 (T5ForConditionalGeneration) from a config (no weights downloaded), unmodified.
 
 Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
 

@@ -1,4 +1,4 @@
-"""Hugging Face ViT (ViTForImageClassification) built from a config (no weights downloaded), unmodified.
+"""Hugging Face ViT (ViTForImageClassification) from a config (no weights downloaded), unmodified.
 
 Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
 
