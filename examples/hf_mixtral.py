@@ -14,7 +14,8 @@ matrix multiply whose group sizes are tensors. Every shape is then static (token
 rows), so torch.export traces it; the "eager" implementation loops over the experts that
 received tokens, a data-dependent loop that torch.export cannot trace. In the exported fp32
 graph the expert matmuls are the custom op `transformers::grouped_mm_fallback`, which
-torch's FlopCounterMode does not count (nor `aten._grouped_mm`). The inputs are keyword
+torch's FlopCounterMode does not know (nor `aten._grouped_mm`); karma registers their FLOP
+formulas when it measures blocks (karma/ir/measure.py). The inputs are keyword
 arguments, `model(input_ids=..., labels=...)`; the model computes its own next-token loss
 (`output.loss`; no router auxiliary loss), so there are no targets.
 """

@@ -155,7 +155,7 @@ def test_hf_gpt2_has_one_block_per_layer(example):
     pytest.importorskip("transformers")
     graph = build_block_graph(example("hf_gpt2"), batch_size=2)
     names = [b.name for b in graph.blocks]
-    assert names == ["head", "lm.transformer.h.0", "lm.transformer.h.1", "tail"]
-    assert "lm.transformer.wte" in graph.blocks[0].modules
+    assert names == ["head", "transformer.h.0", "transformer.h.1", "tail"]
+    assert "transformer.wte" in graph.blocks[0].modules
     # the causal mask built in the head reaches every layer
     assert (0, 2) in {(e.src, e.dst) for e in graph.edges}

@@ -59,6 +59,7 @@ class Measured:
 def measure_blocks(gm: torch.fx.GraphModule, specs: list[BlockSpec],
                    inputs: tuple[torch.Tensor, ...]) -> Measured:
     _reroute_sdpa(gm)
+    _count_grouped_mm()
     block_of = {node: i for i, spec in enumerate(specs) for node in spec.nodes}
     split = split_module(gm, gm, lambda n: block_of[n.name], keep_original_order=True)
 
@@ -235,3 +236,36 @@ def _sdpa_cpu_flop(query, key, value, *args, out_val=None, **kwargs) -> int:
 @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward, get_raw=True)
 def _sdpa_cpu_backward_flop(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
     return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+# --- grouped matmuls (mixture-of-experts layers) -----------------------------------------
+
+def _count_grouped_mm() -> None:
+    """FLOP formulas for the grouped matmuls of mixture-of-experts layers, which
+    FlopCounterMode does not know: `aten._grouped_mm` and the custom op Hugging Face exports
+    its experts as (`transformers::grouped_mm_fallback` and its backward). An input [S, K]
+    sorted by expert against weights [E, K, N] costs 2*S*K*N whichever expert each row
+    goes to; the backward twice that. Registered once, when the op exists."""
+    from torch.utils.flop_counter import flop_registry
+
+    ops = [getattr(aten, "_grouped_mm", None)]
+    hf = getattr(torch.ops, "transformers", None)
+    if hf is not None and hasattr(hf, "grouped_mm_fallback"):
+        ops.append(hf.grouped_mm_fallback)
+    for op in ops:
+        if op is not None and op not in flop_registry:
+            register_flop_formula(op, get_raw=True)(_grouped_mm_flop)
+    if hf is not None and hasattr(hf, "grouped_mm_fallback_backward") \
+            and hf.grouped_mm_fallback_backward not in flop_registry:
+        register_flop_formula(hf.grouped_mm_fallback_backward, get_raw=True)(
+            _grouped_mm_backward_flop)
+
+
+def _grouped_mm_flop(input, weight, *args, out_val=None, **kwargs) -> int:
+    if input.dim() != 2 or weight.dim() != 3:  # other layouts of aten._grouped_mm
+        return 0
+    return 2 * input.shape[0] * input.shape[1] * weight.shape[2]
+
+
+def _grouped_mm_backward_flop(input, weight, *args, out_val=None, **kwargs) -> int:
+    return 2 * _grouped_mm_flop(input, weight)
