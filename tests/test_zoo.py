@@ -1,0 +1,36 @@
+"""The Hugging Face zoo: unmodified models from configs (examples/hf_*.py, tiny sizes) train
+under karma-run with a plan at half of keep_all's peak, bitwise as the plain loop does.
+
+Needs transformers (a dev dependency); skipped without it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import EXAMPLES
+from tests.runtime_helpers import (
+    assert_bitwise_equal,
+    load_with_env,
+    plan,
+    reference_train,
+    run,
+)
+
+pytest.importorskip("transformers")
+
+ZOO = ["hf_llama", "hf_qwen2", "hf_mistral", "hf_neox", "hf_bert", "hf_t5", "hf_vit",
+       "hf_mixtral", "hf_gpt2"]
+TINY = {"KARMA_HF": "tiny", "KARMA_HF_GPT2": "tiny"}
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_model_trains_bitwise_at_half_of_keep_all(name, tmp_path):
+    mf = load_with_env(EXAMPLES / f"{name}.py", TINY)
+    schedule = plan(mf, "ilp", 0.5)
+    assert any(b.act != "keep" or b.weights == "streamed" for b in schedule.blocks)
+    ref_sd, ref_losses = reference_train(mf, schedule.config.batch_size, 3)
+    report = run(schedule, mf, 3, checkpoint_dir=tmp_path)
+    assert report.losses == ref_losses
+    assert_bitwise_equal(torch.load(tmp_path / "step_3" / "model.pt", weights_only=True), ref_sd)
