@@ -226,3 +226,17 @@ def test_report_lists_the_evals(tmp_path, capsys):
     assert "eval at step 2: loss" in out
     evals = json.loads(report.read_text())["evals"]
     assert [e["step"] for e in evals] == [2] and evals[0]["loss"] > 0
+
+
+def test_a_hugging_face_model_with_its_default_config(tmp_path, capsys):
+    """use_cache=True by default: karma turns it off (and says so) for planning and
+    training, and loss_fn gets the ModelOutput both times."""
+    pytest.importorskip("transformers")
+    schedule = tmp_path / "s.yaml"
+    model = str(MODELS / "hf_default_config.py")
+    assert plan_main([model, "--hardware", "cpu", "--gpu-mem", "64M", "-o", str(schedule)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("note: turned off the Hugging Face model's KV cache") == 1
+    assert run_main([str(schedule), "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "turned off the Hugging Face model's KV cache" in out and "step 2/2" in out
