@@ -71,6 +71,7 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
         blocks=blocks,
         edges=edges,
         tracer=traced.tracer,
+        shared_saved=measured.shared_saved,
     )
 
 
