@@ -30,7 +30,7 @@ from karma.planner.baselines import BASELINES, keep_all
 from karma.planner.ilp import min_capacity_bytes, solve_ilp
 from karma.planner.lowering import Choice, stage_memory, valid_choices
 from karma.planner.plan import Evaluation, InfeasiblePlan, Plan, evaluate
-from karma.planner.problem import BlockCost, Problem
+from karma.planner.problem import BlockCost, HeldSaved, Problem
 from karma.planner.simulate import ScheduleError, simulate
 from karma.units import format_bytes
 
@@ -92,7 +92,7 @@ def random_problem(rng: random.Random, n: int, world_size: int = 1) -> Problem:
     tied = n > 1 and params[0] > 0 and rng.random() < 0.5
     shared = [()] * (n - 1) + [((0, params[0]),) if tied else ()]
     link = rng.choice([2e9, 6e9, 12e9])
-    return chain(
+    problem = chain(
         n,
         fwd_s=[rng.uniform(0.05, 1.0) for _ in range(n)],
         bwd_s=[rng.uniform(0.1, 2.0) for _ in range(n)],
@@ -112,6 +112,24 @@ def random_problem(rng: random.Random, n: int, world_size: int = 1) -> Problem:
         pinned_mem_bytes=rng.choice([HUGE, 2 * GB]),
         world_size=world_size,
     )
+    return with_shared_outputs(problem, [rng.choice([0, rng.randint(10, 200) * 10**6])
+                                         for _ in range(n - 1)])
+
+
+def with_shared_outputs(problem: Problem, shared: list[int]) -> Problem:
+    """Block i's last shared[i] saved bytes also saved by block i + 1 as its input (a ResNet
+    bottleneck's final relu output, the next one's first conv input)."""
+    blocks = list(problem.blocks)
+    for i, nbytes in enumerate(shared):
+        blocks[i] = dataclasses.replace(
+            blocks[i], shared_saved_bytes=blocks[i].shared_saved_bytes + nbytes,
+            shared_made_bytes=blocks[i].shared_made_bytes + nbytes)
+        nxt = blocks[i + 1]
+        blocks[i + 1] = dataclasses.replace(
+            nxt, shared_saved_bytes=nxt.shared_saved_bytes + nbytes,
+            in_bytes=nxt.in_bytes + nbytes, held_in_bytes=nxt.held_in_bytes + nbytes)
+    held = tuple(HeldSaved(i, i, i + 1, nbytes) for i, nbytes in enumerate(shared) if nbytes)
+    return dataclasses.replace(problem, blocks=tuple(blocks), held_saved=held)
 
 
 def keep_all_peak(problem: Problem) -> int:
@@ -522,3 +540,41 @@ def test_every_update_reads_gradients_after_their_all_reduce(optim):
     assert len(readers) == 4 and len(done) == 4
     for o in readers:
         assert sim.start_s[o.id] >= done[o.block], (o.kind, o.block)
+
+
+# --- saved tensors several blocks hold ----------------------------------------------------
+
+
+def test_a_shared_saved_tensor_is_held_until_the_backward_of_a_reader_that_keeps_it():
+    # Three 1 GB blocks; block 0's last 0.5 GB is also block 1's input, which it saves.
+    # Stages: 0 prologue, 1-3 forwards, 4 bwd 2, 5 bwd 1, 6 bwd 0, 7 epilogue, 8 update.
+    G, half = GB, GB // 2
+    problem = with_shared_outputs(chain(3, act_bytes=G), [half, 0])
+    # all keep: the 0.5 GB counted once, from block 0's forward to its backward
+    assert stage_memory(problem, [KEEP] * 3) == [
+        0, G + half, 2 * G + half, 3 * G + half, 3 * G + half, 2 * G + half, G + half, 0, 0]
+    # block 1 swaps: out go its own 1 GB and a copy of the 0.5 GB; its swap-in (stage 4)
+    # brings back 1.5 GB beside the original, which block 0 still holds
+    swap1 = stage_memory(problem, [KEEP, SWAP, KEEP])
+    assert swap1[4] == G + G + (G + half) + half  # act 0, act 2, act 1 back in, shared
+    ops = evaluate(problem, Plan("x", (KEEP, SWAP, KEEP)), HUGE).ops
+    assert {op.bytes for op in ops if op.kind in ("swap_out", "swap_in")} == {G + half}
+    # block 0 recomputes: the original is held until block 1's backward (stage 5), then
+    # block 0's recompute makes it again with its own 1 GB (stage 6)
+    assert stage_memory(problem, [RECOMPUTE, KEEP, KEEP]) == [
+        0, half, G + half, 2 * G + half, 2 * G + half, G + half, G + half, 0, 0]
+    # block 1 recomputes: its checkpoint is the held tensor, nothing more
+    assert stage_memory(problem, [KEEP, RECOMPUTE, KEEP]) == [
+        0, G + half, G + half, 2 * G + half, 2 * G + half, 2 * G + half, G + half, 0, 0]
+
+
+def test_ilp_objective_and_memory_match_the_simulator_with_shared_saved_tensors():
+    problem = random_problem(random.Random(11), 6)
+    assert problem.held_saved
+    low, high = min_capacity_bytes(problem), keep_all_peak(problem)
+    for cap in (low, (low + high) // 2):
+        plan = solve_ilp(problem, cap, gap=0.0)
+        ev = evaluate(problem, plan, cap)
+        assert ev.feasible and ev.stage_peak_bytes <= cap
+        assert ev.peak_device_bytes <= ev.stage_peak_bytes
+        assert ev.iteration_s == pytest.approx(objective_s(plan), rel=1e-7, abs=1e-6)

@@ -354,7 +354,9 @@ def test_the_layers_model_trains_exactly_in_its_planned_order(layers_model, stra
 @pytest.mark.parametrize("strategy", ["keep_all", "swap_all", "offload_all"])
 def test_execution_that_leaves_the_schedule_fails_loudly(layers_model, strategy, order,
                                                          tmp_path, monkeypatch):
-    schedule = plan(layers_model, strategy)
+    # every tensor these layers save is also saved by a neighbour (x and tanh(x)), so a swap's
+    # copies duplicate them: swap_all needs more than keep_all here
+    schedule = plan(layers_model, strategy, fraction=1.5 if strategy == "swap_all" else 1.0)
     monkeypatch.setenv("LAYER_ORDER", order)
     with pytest.raises(DivergedError, match="diverged from the schedule: expected"):
         run(schedule, layers_model, 1, checkpoint_dir=tmp_path)

@@ -68,6 +68,7 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
         blocks=blocks,
         edges=edges,
         tracer=traced.tracer,
+        shared_saved=measured.shared_saved,
         notes=(USE_CACHE_NOTE,) if traced.cache_turned_off else (),
     )
 

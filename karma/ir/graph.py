@@ -4,6 +4,16 @@ A *block* is the unit of every decision the planner makes: a contiguous run of t
 forward (a transformer layer, a ResNet bottleneck, the embedding "head", the output "tail").
 Blocks are listed in execution order; edges carry the tensors that flow between them,
 long skips (block i -> block j > i+1) included.
+
+[Note: each saved storage counted once] Autograd often saves one storage for several blocks:
+a ResNet bottleneck's final relu saves its output, which the next bottleneck's first conv
+saves as its input; a rotary cos/sin table or an attention mask made in the head is saved by
+every layer. Each saved storage is counted once: in the `act_bytes` of the one block that
+saves it when no other block does and a block made it, else in one `SharedSaved` entry
+(saved by several blocks, or made outside every block: the model's inputs). No block's swap
+or recompute frees a shared storage (another block still holds it), so it is live on the
+device from its producer's forward to the backward of its first reader, the last of its
+readers to run backward.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ class Block:
     shared_params: tuple[str, ...]  # parameters it uses that an earlier block owns
     shared_from: tuple[tuple[int, int], ...]  # (owner block, bytes) of those parameters
     param_bytes: int  # bytes of the parameters it owns
-    act_bytes: int  # bytes autograd saves for backward (parameters and buffers excluded)
+    act_bytes: int  # bytes autograd saves for backward that no other block saves (parameters,
+    # buffers and the model's inputs excluded; see [Note: each saved storage counted once])
     out_bytes: int  # bytes of the tensors the block returns
     fwd_flops: int
     bwd_flops: int
@@ -50,6 +61,27 @@ class Edge:
 
 
 @dataclass(frozen=True)
+class SharedSaved:
+    """Saved storages that no one block's decision frees (see [Note: each saved storage
+    counted once]), grouped by who made them and which blocks save them."""
+
+    producer: int  # the block whose forward made them; -1: the model's inputs (or constants)
+    readers: tuple[int, ...]  # the blocks whose backward reads them, ascending
+    bytes: int
+
+    def __post_init__(self) -> None:
+        if not self.readers or list(self.readers) != sorted(set(self.readers)):
+            raise ValueError(f"{self}: readers must be distinct block indices, ascending")
+        if self.producer > self.readers[0] or self.bytes < 0:
+            raise ValueError(f"{self}: made after its first reader, or negative bytes")
+
+    @property
+    def freed_after(self) -> int:
+        """The block whose backward is the last to read them (the first reader)."""
+        return self.readers[0]
+
+
+@dataclass(frozen=True)
 class BlockGraph:
     """A model's blocks in execution order and the tensors between them."""
 
@@ -61,6 +93,7 @@ class BlockGraph:
     blocks: tuple[Block, ...]
     edges: tuple[Edge, ...]
     tracer: str  # "torch.export" or "torch.fx"
+    shared_saved: tuple[SharedSaved, ...] = ()  # saved storages several blocks hold
     notes: tuple[str, ...] = ()  # what karma changed to trace the model (not in to_json)
 
     def __post_init__(self) -> None:
@@ -72,6 +105,20 @@ class BlockGraph:
         for e in self.edges:
             if not 0 <= e.src < e.dst < len(self.blocks):
                 raise ValueError(f"edge {e} does not go forward between blocks")
+        for sh in self.shared_saved:
+            if sh.readers[-1] >= len(self.blocks):
+                raise ValueError(f"{sh} reads a block beyond the last")
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes autograd saves for the blocks' backward, each storage once (loss excluded)."""
+        return sum(b.act_bytes for b in self.blocks) + sum(s.bytes for s in self.shared_saved)
+
+    def block_saved_bytes(self, i: int) -> int:
+        """Bytes block i's backward reads: its own act_bytes and the shared storages it saves
+        (what a swap of block i copies)."""
+        return self.blocks[i].act_bytes + sum(s.bytes for s in self.shared_saved
+                                              if i in s.readers)
 
     def digraph(self) -> nx.DiGraph:
         """The blocks as a networkx DiGraph (nodes are block indices, edges carry `bytes`)."""
@@ -105,6 +152,8 @@ class BlockGraph:
                 for b in self.blocks
             ],
             "edges": [asdict(e) for e in self.edges],
+            "shared_saved": [{"producer": s.producer, "readers": list(s.readers),
+                              "bytes": s.bytes} for s in self.shared_saved],
         }
 
     def to_json(self) -> str:
@@ -132,7 +181,7 @@ class BlockGraph:
                 f" {b.out_bytes / mib:>9.2f} {b.fwd_flops / 1e9:>10.2f} {b.bwd_flops / 1e9:>10.2f}"
                 f"  {mods}"
             )
-        total_act = sum(b.act_bytes for b in self.blocks)
+        total_act = self.saved_bytes
         total_fwd = sum(b.fwd_flops for b in self.blocks)
         total_bwd = sum(b.bwd_flops for b in self.blocks)
         lines.append("-" * len(head))
@@ -142,6 +191,15 @@ class BlockGraph:
         )
         lines.append(
             f"inputs {self.input_bytes / mib:.2f} MiB; loss saves {self.loss_act_bytes / mib:.2f} MiB"
+        )
+        shared = sum(s.bytes for s in self.shared_saved)
+        lines.append(
+            f"shared saved: {shared / mib:.2f} MiB of the total acts, in {len(self.shared_saved)}"
+            " groups" + "".join(
+                f"; {'input' if s.producer < 0 else s.producer}->"
+                f"{','.join(map(str, s.readers))} {s.bytes / mib:.2f}"
+                for s in self.shared_saved[:6])
+            + ("; ..." if len(self.shared_saved) > 6 else "")
         )
         skips = [e for e in self.edges if e.dst > e.src + 1]
         lines.append(

@@ -1,10 +1,13 @@
 """Measure each block on the meta device: saved bytes, output bytes, FLOPs, and edges.
 
 The traced graph is split into one sub-module per block (`torch.fx.passes.split_module`).
-A forward of the split module on meta tensors records what flows between blocks. Then each
-block runs again on its own, with autograd, on fresh meta inputs: a counting saved-tensors
-hook gives the bytes autograd saves for backward (parameters and buffers excluded, each
-storage counted once), and `FlopCounterMode` counts forward and backward FLOPs.
+A forward of the whole split module on meta tensors, with autograd, records what flows
+between blocks and takes the census of saved storages: a saved-tensors hook notes, for every
+storage autograd saves (parameters and buffers excluded), the blocks whose forward saved it,
+and a dispatch mode the block whose forward made it (see [Note: each saved storage counted
+once] in karma/ir/graph.py). Then each block runs again on its own, with autograd, on fresh
+meta inputs (requiring grad where they did in the whole model): `FlopCounterMode` counts
+forward and backward FLOPs, and the live storages give its temporaries.
 
 [Note: fused attention on the meta device] On meta tensors `scaled_dot_product_attention`
 takes its math path, which saves the T x T attention matrix; the fused kernels that CPUs and
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -35,13 +38,14 @@ from torch.utils.flop_counter import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from karma.ir.blocks import BlockSpec
+from karma.ir.graph import SharedSaved
 
 aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
 class BlockFigures:
-    act_bytes: int
+    act_bytes: int  # saved storages that only this block saves and a block made
     out_bytes: int
     fwd_flops: int
     bwd_flops: int
@@ -54,6 +58,7 @@ class Measured:
     blocks: tuple[BlockFigures, ...]
     edges: dict[tuple[int, int], int]  # (src, dst) -> bytes
     flat_output: tuple  # the graph's outputs on meta tensors, flat (Traced.output rebuilds)
+    shared_saved: tuple[SharedSaved, ...] = ()
 
 
 def measure_blocks(gm: torch.fx.GraphModule, specs: list[BlockSpec],
@@ -63,17 +68,18 @@ def measure_blocks(gm: torch.fx.GraphModule, specs: list[BlockSpec],
     block_of = {node: i for i, spec in enumerate(specs) for node in spec.nodes}
     split = split_module(gm, gm, lambda n: block_of[n.name], keep_original_order=True)
 
-    probe = _Probe(split)
-    with torch.no_grad():
-        flat_out = probe.run(*inputs)
     skip = {s.untyped_storage()._cdata for s in (*split.parameters(), *split.buffers())}
+    census = _Census(split, skip)
+    flat_out = census.run_with_autograd(*inputs)
+    private, shared = census.attribute(len(specs))
 
     figures = []
     for i in range(len(specs)):
-        args, from_block = probe.args[i]
-        figures.append(_measure_one(getattr(split, f"submod_{i}"), args, from_block, skip))
+        args, from_block = census.args[i]
+        fig = _measure_one(getattr(split, f"submod_{i}"), args, from_block, skip)
+        figures.append(replace(fig, act_bytes=private[i]))
     flat = tuple(flat_out) if isinstance(flat_out, (tuple, list)) else (flat_out,)
-    return Measured(tuple(figures), probe.edges, flat)
+    return Measured(tuple(figures), census.edges, flat, shared)
 
 
 def saved_bytes(fn, *args, skip: set[int] = frozenset()) -> tuple[object, int]:
@@ -93,8 +99,11 @@ def saved_bytes(fn, *args, skip: set[int] = frozenset()) -> tuple[object, int]:
 
 def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
                  skip: set[int]) -> BlockFigures:
+    """The block's figures on its own; act_bytes here counts every storage it saves."""
+    # an input requires grad where it did in the whole model: a rotary table or a mask made
+    # from buffers does not, and made to, it would make its readers save more
     fresh = [
-        a.detach().requires_grad_(True) if fb and _differentiable(a) else a
+        a.detach().requires_grad_(a.requires_grad) if fb and isinstance(a, torch.Tensor) else a
         for a, fb in zip(args, from_block)
     ]
     live = LiveBytes(known=[*fresh, *submod.parameters(), *submod.buffers()])
@@ -189,6 +198,74 @@ class _Probe(torch.fx.Interpreter):
 
     def _source_block(self, arg) -> int | None:
         return self._block_of_node.get(arg) if isinstance(arg, torch.fx.Node) else None
+
+
+class _Census(_Probe):
+    """Runs the split module once with autograd: the probe's records, and for every saved
+    storage which block made it and which blocks saved it."""
+
+    def __init__(self, split: torch.fx.GraphModule, skip: set[int]):
+        super().__init__(split)
+        self._skip = skip  # _cdata of parameter and buffer storages
+        self._made = _MadeBy()
+        self._saved: dict[int, tuple[torch.Tensor, int, set[int]]] = {}  # _cdata -> (t, maker, savers)
+
+    def run_with_autograd(self, *inputs):
+        for t in _tensors(inputs):  # a view of an input is not a storage the view made
+            self._made.made_by[t.untyped_storage()] = -1
+        with torch.enable_grad(), self._made, \
+                torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            return self.run(*inputs)
+
+    def run_node(self, n: torch.fx.Node):
+        is_block = n.op == "call_module" and n.target.startswith("submod_")
+        self._made.block = int(n.target.removeprefix("submod_")) if is_block else -1
+        try:
+            return super().run_node(n)
+        finally:
+            self._made.block = -1
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in self._skip:
+            # the tensor is kept so that its storage (and _cdata) stays unique until the end
+            entry = self._saved.setdefault(
+                storage._cdata, (t, self._made.made_by.get(storage, -1), set()))
+            entry[2].add(self._made.block)
+        return t
+
+    def attribute(self, n_blocks: int) -> tuple[list[int], tuple[SharedSaved, ...]]:
+        """Per block, the bytes only it saves and a block made; the rest as SharedSaved."""
+        private = [0] * n_blocks
+        groups: dict[tuple[int, tuple[int, ...]], int] = {}
+        for t, maker, savers in self._saved.values():
+            nbytes = t.untyped_storage().nbytes()
+            if len(savers) == 1 and maker >= 0:
+                private[next(iter(savers))] += nbytes
+            else:
+                key = (maker, tuple(sorted(savers)))
+                groups[key] = groups.get(key, 0) + nbytes
+        self._saved.clear()
+        shared = tuple(SharedSaved(maker, readers, nbytes)
+                       for (maker, readers), nbytes in sorted(groups.items()))
+        return private, shared
+
+
+class _MadeBy(TorchDispatchMode):
+    """Which block's forward made each storage (the first op that returned it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = -1  # the block running now; -1 between blocks
+        self.made_by = WeakIdKeyDictionary()  # untyped storage -> block
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            if storage not in self.made_by:
+                self.made_by[storage] = self.block
+        return out
 
 
 def _tensors(value) -> list[torch.Tensor]:

@@ -56,8 +56,8 @@ def greedy(problem: Problem, capacity_bytes: int) -> Plan:
         if fits():
             break
         b, nxt = problem.blocks[i], problem.blocks[min(i + 1, n - 1)]
-        hidden = (problem.d2h_s(b.act_bytes) <= nxt.fwd_s
-                  and problem.h2d_s(b.act_bytes) <= nxt.bwd_s)
+        hidden = (problem.d2h_s(b.swap_bytes) <= nxt.fwd_s
+                  and problem.h2d_s(b.swap_bytes) <= nxt.bwd_s)
         choices[i] = SWAP if hidden and i < n - 1 else RECOMPUTE
     for weights, optim in (("resident", "host"), ("streamed", "host")):
         for i in sorted(range(n), key=lambda i: -problem.blocks[i].param_bytes):

@@ -174,21 +174,29 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
     f.buffer(f"tmp.f.{i}", i, b.fwd_temp_bytes, fwd, fwd)
     f.buffer(f"tmp.b.{i}", i, b.bwd_temp_bytes, bwd, bwd)
 
-    # activations
+    # activations; the saved tensors it shares with later blocks, held until their backward,
+    # or its own (see [Note: how long a shared saved tensor is held] in problem.py)
+    for h in problem.held_saved:
+        if h.first_reader == i:
+            f.buffer(f"shared.{h.made_by}.{i}.{h.next_reader}", i, h.bytes,
+                     ("forward", h.made_by), ("backward", h.freed_after(c.act)))
     if c.act == "keep":
         f.buffer(f"act.{i}", i, b.act_bytes, fwd, bwd)
     elif c.act == "swap":
+        # the swap copies every tensor the block saved, shared ones included; only its own
+        # leave the device, and the swap-in makes a second copy of the shared ones
         out = f.op(("swap_out", i), "swap_out", i, st.fwd(i + 1), "d2h",
-                   problem.d2h_s(b.act_bytes), b.act_bytes, uses=(f"act.{i}",))
+                   problem.d2h_s(b.swap_bytes), b.swap_bytes, uses=(f"act.{i}",))
         into = f.op(("swap_in", i), "swap_in", i, st.bwd(i + c.ahead), "h2d",
-                    problem.h2d_s(b.act_bytes), b.act_bytes)
+                    problem.h2d_s(b.swap_bytes), b.swap_bytes)
         f.buffer(f"act.{i}", i, b.act_bytes, fwd, out)
-        f.buffer(f"act.{i}@in", i, b.act_bytes, into, bwd)
-        f.host_bytes += b.act_bytes
-        f.pinned_bytes += b.act_bytes
+        f.buffer(f"act.{i}@in", i, b.swap_bytes, into, bwd)
+        f.host_bytes += b.swap_bytes
+        f.pinned_bytes += b.swap_bytes
     else:
-        f.buffer(f"ckpt.{i}", i, b.in_bytes, fwd, bwd)
-        f.buffer(f"act.{i}@re", i, b.act_bytes, ("recompute", i), bwd)
+        f.buffer(f"ckpt.{i}", i, b.ckpt_bytes, fwd, bwd)
+        # the recompute makes its own saved tensors again, shared ones it made included
+        f.buffer(f"act.{i}@re", i, b.act_bytes + b.shared_made_bytes, ("recompute", i), bwd)
         f.buffer(f"tmp.r.{i}", i, b.fwd_temp_bytes, ("recompute", i), ("recompute", i))
 
     # weights: this block's, then its copies for later blocks that share them

@@ -35,8 +35,8 @@ class BlockCost:
     param_bytes: int  # weights it owns, on the device
     shared_from: tuple[tuple[int, int], ...]  # (owner block, device bytes) it also uses
     optim_bytes: int  # device optimizer state of its weights (fp32 moments, fp32 master)
-    act_bytes: int  # saved for backward
-    in_bytes: int  # its inputs from earlier blocks (what a recomputed block keeps)
+    act_bytes: int  # saved for backward, by this block only (see held_saved)
+    in_bytes: int  # its inputs from earlier blocks
     out_bytes: int
     host_step_s: float  # host optimizer step of its weights
     device_step_s: float  # device optimizer step of its weights
@@ -44,6 +44,55 @@ class BlockCost:
     fwd_temp_bytes: int = 0  # peak temporaries of its forward beyond what it saves and returns
     bwd_temp_bytes: int = 0  # peak temporaries of its backward (input gradients included)
     step_temp_bytes: int = 0  # temporaries of an optimizer step (a multiple of its largest weight)
+    shared_saved_bytes: int = 0  # what it saves that another block (or the batch) also holds:
+    # a swap copies it out and back too, into a second device copy
+    shared_made_bytes: int = 0  # of shared_saved_bytes, what it made itself: a recompute makes
+    # it again
+    held_in_bytes: int = 0  # of in_bytes, the shared saved tensors made by earlier blocks:
+    # held for it already (HeldSaved), so a recompute's checkpoint keeps nothing more for them
+
+    @property
+    def swap_bytes(self) -> int:
+        """What a swap copies out and back: everything the block saves."""
+        return self.act_bytes + self.shared_saved_bytes
+
+    @property
+    def ckpt_bytes(self) -> int:
+        """What a recompute keeps from its forward to its backward: its inputs, less those
+        held anyway."""
+        return self.in_bytes - self.held_in_bytes
+
+
+@dataclass(frozen=True)
+class HeldSaved:
+    """Saved bytes several blocks hold (see [Note: each saved storage counted once] in
+    karma/ir/graph.py), on the device from the forward of the block that made them to the
+    backward of their first reader, the last of their readers to run backward.
+
+    [Note: how long a shared saved tensor is held] Only the first reader's choice can shorten
+    that: each later reader is assumed to hold the tensor until its backward whatever it
+    chooses (conservative: a swap lets go of it earlier), so it is live at least until the
+    backward of the next reader. The first reader
+      keeps: it holds the tensor until its own backward;
+      swaps: its copies out and back are its own buffers (BlockCost.swap_bytes), so the
+        original is held only by the later readers;
+      recomputes a tensor it made: the recompute makes it again (BlockCost.shared_made_bytes),
+        so likewise;
+      recomputes a tensor an earlier block made: it is one of its inputs, which its
+        checkpoint holds until its backward (so BlockCost.ckpt_bytes leaves it out).
+    """
+
+    made_by: int
+    first_reader: int
+    next_reader: int  # the second reader: it holds the tensor until its backward at least
+    bytes: int
+
+    def freed_after(self, first_reader_act: str) -> int:
+        """The block whose backward frees them, given the first reader's act choice."""
+        if first_reader_act == "keep" or (
+                first_reader_act == "recompute" and self.made_by < self.first_reader):
+            return self.first_reader
+        return self.next_reader
 
 
 @dataclass(frozen=True)
@@ -61,12 +110,19 @@ class Problem:
     world_size: int
     dtype: str
     host_temps_on_device: bool = False  # cpu: the host optimizer's temporaries are private
+    held_saved: tuple[HeldSaved, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.blocks:
             raise ValueError("a problem needs at least one block")
         if self.world_size < 1:
             raise ValueError(f"world_size = {self.world_size} < 1")
+        spans = [(h.made_by, h.first_reader, h.next_reader) for h in self.held_saved]
+        if len(set(spans)) != len(spans) or any(
+                not 0 <= p <= r0 < r1 < len(self.blocks) for p, r0, r1 in spans):
+            raise ValueError(f"held_saved {spans}: each (made_by, first_reader, next_reader) "
+                             f"once, 0 <= made_by <= first_reader < next_reader < "
+                             f"{len(self.blocks)}")
 
     def h2d_s(self, nbytes: int) -> float:
         return nbytes / self.h2d_bytes_per_s
@@ -101,12 +157,23 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
     in_bytes = [0] * len(graph.blocks)
     for e in graph.edges:
         in_bytes[e.dst] += e.bytes
+    shared_saved, shared_made, held_in = ([0] * len(graph.blocks) for _ in range(3))
+    held: dict[tuple[int, int, int], int] = {}
+    for sh in graph.shared_saved:
+        for r in sh.readers:
+            shared_saved[r] += sh.bytes
+            shared_made[r] += sh.bytes if sh.producer == r else 0
+            # a block saves what another block made only if it is one of its inputs
+            held_in[r] += sh.bytes if 0 <= sh.producer < r else 0
+        if sh.producer >= 0:  # the model's inputs are resident anyway (Problem.input_bytes)
+            key = (sh.producer, sh.readers[0], sh.readers[1])
+            held[key] = held.get(key, 0) + sh.bytes
 
     blocks = []
     for i, b in enumerate(graph.blocks):
         param_bytes = int(b.param_bytes * scale)
         act_bytes, out_bytes = int(b.act_bytes * scale), int(b.out_bytes * scale)
-        traffic = act_bytes + out_bytes + param_bytes
+        traffic = act_bytes + int(shared_saved[i] * scale) + out_bytes + param_bytes
         if measured_s is not None:
             fwd_s, bwd_s = measured_s[i]
         else:
@@ -130,6 +197,9 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
             device_step_s=DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s,
             allreduce_s=ring_allreduce_s(param_bytes, world_size, hw.net_bytes_per_s,
                                          hw.net_latency_s),
+            shared_saved_bytes=int(shared_saved[i] * scale),
+            shared_made_bytes=int(shared_made[i] * scale),
+            held_in_bytes=int(held_in[i] * scale),
         ))
     loss_act_bytes = int(graph.loss_act_bytes * scale)
     return Problem(
@@ -146,4 +216,6 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         # On the CPU backend the "device" is the process's private memory, where the host
         # optimizer's temporaries also land; on a GPU they are host memory.
         host_temps_on_device=hw.device_kind == "cpu",
+        held_saved=tuple(HeldSaved(p, r0, r1, int(nbytes * scale))
+                         for (p, r0, r1), nbytes in sorted(held.items())),
     )
