@@ -6,10 +6,15 @@
 Size by environment variable KARMA_GPT = tiny | small | medium | large | xl (default small);
 sequence length by KARMA_SEQ (default 1024; 32 for tiny). `tiny` is for fast tests on a CPU.
 The token embedding and the output head share their weight, as in GPT-2.
+
+It trains on real text that needs no download: the documentation Python ships for `help()`
+(`pydoc_data.topics`, about 465 KB), one token per byte. `batches` walks the first 95% of it,
+`eval_batches` is the held-out last 5%.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -18,6 +23,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # name: (n_layer, n_head, n_embd, vocab_size, default sequence length)
+# The data are ASCII bytes (token = byte value < 128; see `text`), so `tiny`'s 128 tokens are
+# exactly its alphabet. small..xl keep GPT-2's 50257 tokens so that what karma plans and
+# benchmarks for them is GPT-2's real size; they see only the first 128 ids, and the first
+# steps visibly teach them so (the loss falls from ln 50257 = 10.8).
 SIZES = {
     "tiny": (2, 2, 32, 128, 32),
     "small": (12, 12, 768, 50257, 1024),
@@ -113,5 +122,80 @@ def build_model() -> nn.Module:
 
 
 def example_batch(batch_size: int):
+    """A batch of the shape and dtype `batches` yields, from factory functions only (the planner
+    calls it on the meta device)."""
     tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
     return tokens[:, :-1], tokens[:, 1:]
+
+
+# --- Data: Python's own documentation, one token per byte --------------------------------
+# The text is split at held_out_start() into a training part and a held-out part, and each
+# part is cut into windows of SEQ + 1 bytes that start every SEQ bytes: training window w is
+# text[w * SEQ : w * SEQ + SEQ + 1], wholly before the split. A window's first SEQ bytes are
+# the inputs, its last SEQ the targets (the inputs shifted by one). The training windows are
+# put in one fixed shuffled order (the topics come in name order, and a model trained on them
+# in that order learns one topic's style after another); rank r of N owns every N-th window
+# of that order from the r-th, and walks them in it, batch_size at a time, wrapping around.
+# The shuffle has its own generator: karma-run and the plain loop that it must equal bit for
+# bit draw these batches between their own uses of the global RNG, which must stay untouched.
+HELD_OUT = 0.05  # the last 5% of the text, never trained on
+EVAL_BATCHES = 4
+
+
+@functools.cache
+def text() -> torch.Tensor:
+    """The corpus as a 1-D int64 tensor of byte values: every topic of `help()`, in name order,
+    as ASCII (the few hundred non-ASCII characters become "?")."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:
+        raise RuntimeError(
+            "examples/gpt.py trains on the documentation in pydoc_data.topics, which this Python "
+            "lacks (some distributions strip it); install the full standard library, or define "
+            "your own batches()") from e
+    data = "\n\n".join(topics[name] for name in sorted(topics)).encode("ascii", "replace")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
+
+
+def held_out_start() -> int:
+    """The offset of the first held-out byte."""
+    return len(text()) - int(len(text()) * HELD_OUT)
+
+
+def _windows(part: torch.Tensor, what: str) -> torch.Tensor:
+    """[n, SEQ + 1]: the windows of `part`, a view."""
+    if len(part) < SEQ + 1:
+        raise ValueError(f"the {what} text ({len(part)} bytes) is shorter than one window of "
+                         f"KARMA_SEQ={SEQ} + 1 bytes; use a smaller KARMA_SEQ")
+    return part.unfold(0, SEQ + 1, SEQ)
+
+
+def batches(batch_size: int, rank: int, world_size: int):
+    """Training batches for rank `rank` of `world_size`, endlessly (see the layout above)."""
+    windows = _windows(text()[:held_out_start()], "training")
+    if world_size > len(windows):
+        raise ValueError(f"{world_size} ranks are more than the {len(windows)} training windows "
+                         f"of KARMA_SEQ={SEQ} bytes; use fewer ranks or a smaller KARMA_SEQ")
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(0))
+    return _rows(windows, order[rank::world_size], batch_size, count=None)
+
+
+def eval_batches(batch_size: int):
+    """EVAL_BATCHES batches of held-out windows spread evenly over the held-out text, the same
+    on every call (fewer batches when it holds fewer windows; a window repeats only when one
+    batch is larger than all of them)."""
+    windows = _windows(text()[held_out_start():], "held-out")
+    count = max(1, min(EVAL_BATCHES, len(windows) // batch_size))
+    spread = torch.arange(count * batch_size) * len(windows) // (count * batch_size)
+    return _rows(windows, spread, batch_size, count)
+
+
+def _rows(windows: torch.Tensor, order: torch.Tensor, batch_size: int, count: int | None):
+    """(inputs, targets) of the windows numbered `order`, `batch_size` at a time, wrapping
+    around: `count` batches, or endlessly."""
+    step = 0
+    while count is None or step < count:
+        rows = torch.arange(step * batch_size, (step + 1) * batch_size) % len(order)
+        tokens = windows[order[rows]]
+        yield tokens[:, :-1], tokens[:, 1:]
+        step += 1
