@@ -1,6 +1,6 @@
 """IR accuracy: the IR's saved bytes against what autograd really saves.
 
-    .venv/bin/python bench/ir_accuracy.py
+    .venv/bin/python bench/ir_accuracy.py [--whole-model]
 
 1. Per block: for each example at its small test size and batch 4, the largest relative
    difference between what the IR says a block's backward reads (its act_bytes and the
@@ -40,6 +40,10 @@ WHOLE_MODEL_CASES = [
     ("hf_gpt2 tiny", "examples/hf_gpt2.py", {"KARMA_HF_GPT2": "tiny"}, 2),
     ("unet", "tests/models/unet.py", {}, 4),
     ("llama tiny", "tests/models/hf_llama_tiny.py", {}, 2),
+    # the Hugging Face zoo, unmodified (examples/hf_*.py at KARMA_HF=tiny)
+    *[(f"{name} tiny", f"examples/{name}.py", {"KARMA_HF": "tiny"}, 2)
+      for name in ("hf_llama", "hf_qwen2", "hf_mistral", "hf_mixtral", "hf_neox", "hf_bert",
+                   "hf_t5", "hf_vit")],
 ]
 
 
@@ -82,5 +86,6 @@ def whole_model() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    per_block()
+    if "--whole-model" not in sys.argv[1:]:
+        per_block()
     whole_model()

@@ -27,6 +27,7 @@ KIB = 1024
 
 
 def main() -> None:
+    from karma.planner.plan import InfeasiblePlan
     from tests.runtime_helpers import load_with_env, plan, reference_train
 
     p = argparse.ArgumentParser()
@@ -43,7 +44,11 @@ def main() -> None:
                            {"KARMA_HF": "tiny", "KARMA_HF_GPT2": "tiny"})
         reference = None
         for strategy in args.strategies.split(","):
-            schedule = plan(mf, strategy, args.fraction if strategy == "ilp" else 1.0)
+            try:
+                schedule = plan(mf, strategy, args.fraction if strategy == "ilp" else 1.0)
+            except InfeasiblePlan as e:
+                print(f"{name:<11} {strategy:<13} does not fit: {e}", flush=True)
+                continue
             if reference is None:
                 reference = reference_train(mf, schedule.config.batch_size, args.steps)
             print(_row(name, strategy, mf, schedule, reference, args.steps), flush=True)
