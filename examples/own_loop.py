@@ -1,7 +1,7 @@
 """Your own training loop, with karma as a library: plan, train, evaluate, save.
 
     python examples/own_loop.py                                   # tiny GPT, CPU backend
-    python examples/own_loop.py --model examples/mlp.py --gpu-mem 2M --steps 20
+    python examples/own_loop.py --model examples/mlp.py --gpu-mem 40M --steps 20
     KARMA_GPT=small python examples/own_loop.py --gpu-mem 800M --batch-size 2 --steps 50
 
 The loop, the data, the logging and the evaluation are yours; karma plans the memory
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -71,4 +72,8 @@ def _held_out(mf, batch_size: int) -> list:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except karma.KarmaError as e:  # bad input: one line that says what and how to fix it
+        print(f"own_loop: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

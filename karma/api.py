@@ -21,6 +21,7 @@ from karma.ir import build_block_graph
 from karma.modelfile import ModelFile, load_model_file, optimizer_profile
 from karma.planner.hardware import Hardware, load_hardware
 from karma.planner.pipeline import STRATEGIES, PlanReport, PlanRequest, make_schedule
+from karma.planner.plan import InfeasiblePlan
 from karma.schedule import ModelRef, Schedule
 from karma.units import parse_size
 
@@ -67,7 +68,11 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
         gap=gap, optimizer=optimizer_profile(mf),
         measured_s=_profile(mf, graph.batch_size, blocks, hw) if profile_blocks else None,
     )
-    return make_schedule(graph, model, request)
+    try:
+        return make_schedule(graph, model, request)
+    except InfeasiblePlan as e:
+        e.batch_size = graph.batch_size  # for the advice of a smaller batch
+        raise
 
 
 def _profile(mf: ModelFile, batch_size: int, blocks: str | None,

@@ -100,10 +100,9 @@ def _plan(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"feasible": False, "capacity_bytes": capacity,
                               "min_capacity_bytes": e.min_capacity_bytes}, indent=2))
-        batch = args.batch_size or load_model_file(args.model).default_batch_size
         raise InfeasiblePlan(
             f"{e}. Try --gpu-mem {_ceil_gib(e.min_capacity_bytes)}"
-            + (" or a smaller --batch-size" if batch > 1 else ""),
+            + (" or a smaller --batch-size" if e.batch_size > 1 else ""),
             e.min_capacity_bytes) from e
 
     if args.output:

@@ -24,6 +24,7 @@ class InfeasiblePlan(KarmaError):
     def __init__(self, message: str, min_capacity_bytes: int):
         super().__init__(message)
         self.min_capacity_bytes = min_capacity_bytes
+        self.batch_size = 1  # the batch planned for, where known (karma.api sets it)
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,10 @@ class Runtime:
         try:
             self._build(cap_device_memory)
         except BaseException:
+            if hasattr(self, "engine"):  # its streams are running
+                self.engine.close(failed=True)
+            if hasattr(self, "pool"):
+                self.pool.close()
             distributed.leave(self.ranks)
             raise
 
