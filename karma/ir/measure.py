@@ -14,7 +14,10 @@ takes its math path, which saves the T x T attention matrix; the fused kernels t
 GPUs run save only the output and a log-sum-exp. Measuring the math path would overstate a
 transformer layer's activations several times, so SDPA calls are rerouted to the fused CPU
 kernel's meta implementation while measuring (whose saved tensors match the GPU's flash
-kernel up to a few bytes of RNG state).
+kernel up to a few bytes of RNG state). Two details follow what SDPA does in eager, on any
+device: a boolean mask becomes a new additive float mask at every call (and that is what is
+saved), and grouped-query attention (`enable_gqa=True`) goes to the fused kernel with the
+key and value unexpanded (saved: query, key, value as given, output, log-sum-exp).
 """
 
 from __future__ import annotations
@@ -286,10 +289,19 @@ def _differentiable(t) -> bool:
 
 def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                 scale=None, enable_gqa=False):
-    if query.device.type != "meta" or enable_gqa or dropout_p > 0.0:
+    if query.device.type != "meta" or dropout_p > 0.0:
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa)
+    # The fused kernels take grouped-query attention (fewer key/value heads) as it is and
+    # save the key and value unexpanded; the CPU flash kernel's meta function does the same.
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # What scaled_dot_product_attention does before any kernel (ATen's
+        # convert_boolean_attn_mask): a fresh additive mask in the query's dtype, per call,
+        # which the kernel saves; the boolean mask itself is not saved.
+        attn_mask = torch.where(attn_mask.logical_not(), float("-inf"),
+                                torch.scalar_tensor(0.0, dtype=query.dtype,
+                                                    device=attn_mask.device))
     return aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 

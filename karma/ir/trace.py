@@ -10,6 +10,7 @@ import contextlib
 import io
 import logging
 import re
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,7 @@ def trace(mf: ModelFile, batch_size: int) -> Traced:
     model, inputs, targets = build_meta(mf, batch_size)
     cache_off = use_cache_off(model)
     try:
-        with _quiet_torch_logs():
+        with _quiet_torch_logs(), _eager_attention_masks(inputs):
             ep = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
         gm = _drop_guards(ep.module())
         info = gm.graph._codegen.pytree_info  # noqa: SLF001 - export's own in/out specs
@@ -89,6 +90,59 @@ def trace(mf: ModelFile, batch_size: int) -> Traced:
         except Exception:  # noqa: BLE001
             raise _untraceable(mf.path, export_error) from export_error
         return Traced(gm, model, inputs, inputs.args, targets, "torch.fx", None, cache_off)
+
+
+@contextlib.contextmanager
+def _eager_attention_masks(inputs: ModelInputs):
+    """Hugging Face models decide under torch.export as they do in eager, for batches without
+    a padding mask.
+
+    In eager, transformers skips the attention mask of a batch without padding and calls SDPA
+    with no mask (`is_causal=True` for a decoder; for grouped-query attention also
+    `enable_gqa=True` on the unexpanded key and value heads). While exporting it builds an
+    explicit [B, 1, T, T] boolean mask instead (`masking_utils._ignore_causal_mask_sdpa` and
+    `_ignore_bidirectional_mask_sdpa` answer False under `is_torchdynamo_exporting()`, lest an
+    exported model hard-code the decision) and, with a mask, repeats the key and value heads
+    (`repeat_kv`): a graph that saves more than what karma-run executes, the eager model
+    (SDPA saves a float copy of a boolean mask at every call). karma measures the graph and
+    never deploys it, so the decision is made as in eager for batches without a padding mask;
+    a padding mask (BERT, T5) is left as it is, and so is a sliding window shorter than the
+    sequence (a mask in eager too). Likewise the check for packed sequences (position ids that
+    restart within a row, which need a mask): eager reads the position ids, a trace cannot,
+    so transformers assumes packing; when the batch passes no position ids the model makes
+    them itself (0, 1, 2, ...), never packed, so the check answers "not packed" as eager
+    would. Nothing happens unless the model imported transformers.
+    """
+    mu = sys.modules.get("transformers.masking_utils")
+    names = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa",
+             "is_torchdynamo_exporting", "find_packed_sequence_indices")
+    if mu is None or not all(hasattr(mu, name) for name in names):
+        yield
+        return
+    originals = {name: getattr(mu, name) for name in names}
+    exporting = originals["is_torchdynamo_exporting"]
+
+    def as_in_eager(decide):
+        def decide_as_in_eager(padding_mask, *args, **kwargs):
+            if padding_mask is not None:
+                return decide(padding_mask, *args, **kwargs)
+            mu.is_torchdynamo_exporting = lambda: False
+            try:
+                return decide(padding_mask, *args, **kwargs)
+            finally:
+                mu.is_torchdynamo_exporting = exporting
+        return decide_as_in_eager
+
+    for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
+        setattr(mu, name, as_in_eager(originals[name]))
+    # position ids could come positionally only after input_ids and attention_mask
+    if "position_ids" not in inputs.kwargs and len(inputs.args) < 3:
+        mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(mu, name, original)
 
 
 def _flat_inputs(inputs: ModelInputs, in_spec: pytree.TreeSpec) -> tuple[torch.Tensor, ...]:
