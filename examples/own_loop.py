@@ -65,7 +65,7 @@ def _held_out(mf, batch_size: int) -> list:
     """The model file's eval_batches, or else one example batch drawn aside (the global RNG,
     which the training's dropout draws from, is left as it was)."""
     if mf.eval_batches is not None:
-        return list(mf.eval_batches(batch_size))
+        return mf.checked_eval_batches(batch_size)  # drawn aside from the global RNG too
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(12345)
         return [mf.example_batch(batch_size)]

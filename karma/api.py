@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,7 +42,8 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
                 gap: float = 0.01, blocks: str | None = None, profile_blocks: bool = False,
                 log: Callable[[str], None] | None = None) -> PlanReport:
     """`plan`, with everything karma-plan prints: the chosen plan's evaluation and every
-    baseline's. `log` gets notes about the model (e.g. a KV cache turned off)."""
+    baseline's. `log` gets notes about the model (e.g. a KV cache turned off; default:
+    printed to stderr)."""
     capacity = gpu_mem if isinstance(gpu_mem, int) else parse_size(str(gpu_mem), "gpu_mem")
     if capacity <= 0:
         raise KarmaError(f"gpu_mem {gpu_mem!r} must be more than zero, e.g. 16G")
@@ -55,7 +57,7 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
     mf = load_model_file(model_file)
     graph = build_block_graph(mf, batch_size, blocks, model_name=str(model_file))
     for note in graph.notes:
-        (log or (lambda line: None))(note)
+        (log or _note_to_stderr)(note)
     model = ModelRef(
         path=str(model_file),
         sha256=mf.sha256,
@@ -73,6 +75,10 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
     except InfeasiblePlan as e:
         e.batch_size = graph.batch_size  # for the advice of a smaller batch
         raise
+
+
+def _note_to_stderr(note: str) -> None:
+    print(f"karma: note: {note}", file=sys.stderr)
 
 
 def _profile(mf: ModelFile, batch_size: int, blocks: str | None,

@@ -159,8 +159,10 @@ class ModelFile:
                 f"model file {self.path} defines no eval_batches(batch_size); define it to "
                 "return a finite iterable of (inputs, targets), or drop --eval-every")
         where = f"{self.path}: eval_batches({batch_size})"
-        try:
-            batches = list(self.eval_batches(batch_size))
+        try:  # under a seed of its own: the global RNG (dropout's) is left as it was
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(batch_seed(-1, 0))
+                batches = list(self.eval_batches(batch_size))
         except Exception as e:  # noqa: BLE001 - user code; report where it failed
             raise ModelFileError(f"{where} raised {type(e).__name__}: {e}"
                                  f"{_user_frame(e, self.path)}") from e

@@ -67,3 +67,51 @@ def test_state_dict_round_trip_continues_exactly(tmp_path):
                 next(data)
             again = [rt.step(*next(data)) for _ in range(2)]
     assert again == later and first != later
+
+
+def _schedule(strategy="swap_all"):
+    from tests.conftest import MODELS
+
+    return karma.plan(str(MODELS / "dict_io.py"), gpu_mem="64M", hardware="cpu",
+                      strategy=strategy)
+
+
+def test_evaluate_before_any_step_is_a_plain_eval_forward():
+    from karma.modelfile import load_model_file
+    from tests.conftest import MODELS
+
+    for strategy in ("offload_all", "swap_all"):
+        with karma.Runtime(_schedule(strategy), seed=0, log=lambda line: None) as rt:
+            x, y = rt.model_file.checked_eval_batches(4)[0]
+            rng = torch.get_rng_state()
+            loss = rt.evaluate(x, y)
+            assert torch.equal(torch.get_rng_state(), rng)
+            assert all(m.training for m in rt.model.modules())
+        torch.manual_seed(0)
+        model = load_model_file(MODELS / "dict_io.py").build_model().eval()
+        with torch.no_grad():
+            assert model(**x.kwargs)["loss"].item() == loss, strategy
+
+
+def test_a_failed_step_leaves_no_hooks_and_refuses_more_steps():
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    with karma.Runtime(_schedule("swap_all"), seed=0, log=lambda line: None) as rt:
+        x, y = next(rt.model_file.batches(4))
+        bad = {**x, "scale": torch.ones(3, 1)}  # fails inside layers.0, a swap block
+        with pytest.raises(RuntimeError):
+            rt.step(bad, y)
+        assert hooks(False) is None  # karma's saved-tensor hooks did not stay installed
+        with pytest.raises(karma.KarmaError, match="stopped after a failed step"):
+            rt.step(x, y)
+    with pytest.raises(karma.KarmaError, match="is closed"):
+        rt.step(x, y)
+
+
+def test_load_state_dict_says_what_is_wrong():
+    with karma.Runtime(_schedule("keep_all"), seed=0, log=lambda line: None) as rt:
+        with pytest.raises(karma.KarmaError, match="not a karma state"):
+            rt.load_state_dict(rt.model.state_dict())
+        state = rt.state_dict()
+        state["model"]["inp.weight"] = torch.zeros(1)
+        with pytest.raises(karma.KarmaError, match=r"inp.weight has shape \(1,\)"):
+            rt.load_state_dict(state)

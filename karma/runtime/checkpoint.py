@@ -82,15 +82,26 @@ def runtime_state(model: torch.nn.Module, engine, scratch: Path, snapshot: bool 
 
 def load_runtime_state(state: dict, model: torch.nn.Module, engine, source: str) -> None:
     """Restore parameters, buffers, each block's optimizer and the RNG from `state`."""
-    values, opt = state.get("model"), state.get("optimizer")
+    if not isinstance(state, dict) or not {"model", "optimizer"} <= state.keys():
+        raise KarmaError(f"{source} is not a karma state: expected a dict with 'model' and "
+                         "'optimizer', as Runtime.state_dict() returns and karma-run's "
+                         "checkpoints hold")
+    values, opt = state["model"], state["optimizer"]
     if not isinstance(values, dict) or not isinstance(opt, dict) \
-            or opt.get("format") != FORMAT or len(opt.get("blocks", ())) != len(engine.weights):
+            or opt.get("format") != FORMAT or "rng_state" not in opt \
+            or len(opt.get("blocks", ())) != len(engine.weights):
         raise KarmaError(f"{source} was written for another schedule; load it with the "
                          "schedule that wrote it")
-    missing = sorted(set(model.state_dict()) - set(values))
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(values))
     if missing:
         raise KarmaError(f"{source} lacks {len(missing)} of the model's entries (e.g. "
                          f"{missing[0]}); load a state of this model")
+    wrong = [k for k, v in expected.items() if tuple(values[k].shape) != tuple(v.shape)]
+    if wrong:
+        k = wrong[0]
+        raise KarmaError(f"{source}: {k} has shape {tuple(values[k].shape)}, the model's "
+                         f"{tuple(expected[k].shape)}; load a state of this model")
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(values[name])

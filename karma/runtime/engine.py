@@ -91,6 +91,11 @@ class Engine:
         self._install_hooks()
         self._active = False
         self._evaluating = False
+        self._hooks_ctx = None  # the running swap block's saved-tensor hooks, entered
+        self._current_block: int | None = None
+        self._ran_in_block: set[str] = set()
+        self._calls: dict[int, int] = defaultdict(int)
+        self._eval_claimed: list[torch.nn.Parameter] = []
 
     # --- one iteration -------------------------------------------------------------------
 
@@ -123,12 +128,20 @@ class Engine:
             store.reset()
         self._active = False
 
+    def abandon(self) -> None:
+        """A step failed: leave its swap block's saved-tensor hooks (they would catch every
+        later autograd op in the process) and stop following the model's execution."""
+        self._leave_block()
+        self._active = False
+        self._evaluating = False
+
     def close(self, failed: bool = False) -> None:
         """Remove the hooks and stop the streams. After a failure the streams drop what is
         queued instead of waiting for compute that will not come; each finishes the op it
         is running before the host tier they write to goes away."""
         if failed and not self._errors:
             self._errors.append(("compute", -1, RuntimeError("the iteration was abandoned")))
+        self.abandon()
         for h in self._handles:
             h.remove()
         for module, forward in self._restore:
@@ -173,10 +186,9 @@ class Engine:
             self._eval_enter(i)
             return
         if i > 0:
-            first = next((a for a in (*args, *kwargs.values())
-                          if isinstance(a, torch.Tensor) and a.requires_grad), None)
-            if first is not None:  # its gradient is ready when block i's backward ends
-                first.register_hook(partial(self._on_grad, i - 1))
+            latest = _latest_made((*args, *kwargs.values()))
+            if latest is not None:  # its gradient is ready when block i's backward ends
+                latest.register_hook(partial(self._on_grad, i - 1))
         self._arrive("forward", i)
         self._current_block = i
         if i in self.swaps:
@@ -213,7 +225,7 @@ class Engine:
         self._evaluating = True
         self._calls = defaultdict(int)
         self._current_block = None
-        self._eval_claimed: list[torch.nn.Parameter] = []
+        self._eval_claimed = []
 
     def end_eval(self) -> None:
         self._eval_release()
@@ -289,6 +301,11 @@ class Engine:
         text = (f"execution diverged from the schedule: expected {op.kind} of block "
                 f"{op.block} ({self.blocks[op.block].name}), but {kind} of block {block} "
                 f"({name}) ran")
+        if kind == "forward" and op.kind == "forward" and not self.blocks[op.block].modules:
+            return (f"{text}; block {op.block} runs no module of its own that karma can hook "
+                    "(code at the top of the model's forward, such as a parameter of the root "
+                    "module): a limit of karma; move that code into a submodule, or name the "
+                    "blocks with karma-plan --blocks REGEX")
         if kind == "forward" and op.kind == "forward":
             return (f"{text}; the model's forward (build_model() in the model file) called its "
                     "blocks in another order than when it was planned: data-dependent control "
@@ -404,6 +421,16 @@ def _place_buffers(model: torch.nn.Module, device: torch.device, tier: BuildInTi
                 module._buffers[name] = buf.to(device, copy=True)  # noqa: SLF001
             if built_in is not None:
                 pool.free(built_in)
+
+
+def _latest_made(values) -> torch.Tensor | None:
+    """Of a block's inputs that require grad, the one made last: the previous block's output
+    (not, say, a mask or a position bias made once for every block, whatever the order of
+    the arguments). Autograd numbers its nodes in the order they are made."""
+    made = [a for a in values if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not made:
+        return None
+    return max(made, key=lambda t: t.grad_fn._sequence_nr() if t.grad_fn is not None else -1)
 
 
 @contextlib.contextmanager

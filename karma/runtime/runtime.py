@@ -181,6 +181,7 @@ class Runtime:
     def step(self, inputs: Any, targets: Any = None) -> float:
         """One planned training iteration on this batch (inputs as in the model-file
         protocol: a Tensor, a tuple, or a dict of keyword arguments); returns the loss."""
+        self._check_usable()
         model_inputs, targets = self._batch(inputs, targets, "Runtime.step")
         self.meter.start()
         t0 = time.perf_counter()
@@ -194,7 +195,8 @@ class Runtime:
             loss.backward()
             self.engine.end_iteration()
         except BaseException as e:
-            self._failed = True
+            self._failed = True  # streams may hold half an iteration: no step after this one
+            self.engine.abandon()
             self.meter.stop()
             if isinstance(e, OpFailed) and isinstance(e.__cause__, distributed.RankLost):
                 raise distributed.lost(  # not, say, out of memory
@@ -220,7 +222,9 @@ class Runtime:
         of blocks before j and block j+1's prefetched weights). The schedule's training
         peak, which the planner fits in the budget, bounds it.
         """
+        self._check_usable()
         model_inputs, targets = self._batch(inputs, targets, "Runtime.evaluate")
+        training = {m: m.training for m in self.model.modules()}
         self.model.eval()
         self.meter.start()
         try:
@@ -229,9 +233,18 @@ class Runtime:
             loss = self._loss(output, targets).item()
         finally:
             self.engine.end_eval()
-            self.model.train()
+            for module, mode in training.items():  # as they were, frozen BatchNorms too
+                module.training = mode
             self.last_eval_peak_bytes = self.meter.stop()
         return loss
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise KarmaError("this Runtime is closed; build a new one")
+        if self._failed:
+            raise KarmaError("this Runtime stopped after a failed step (its streams may hold "
+                             "part of that iteration); close it and build a new one, and "
+                             "load_state_dict a state saved before the failure to continue")
 
     def _batch(self, inputs: Any, targets: Any, where: str) -> tuple[ModelInputs, Any]:
         model_inputs, targets = check_batch((inputs, targets), where)
