@@ -10,8 +10,8 @@
 
 `karma-run` is a loop over this object (train.py). Initialisation follows the reference
 order exactly, so that runs are reproducible and equal to plain PyTorch:
-torch.manual_seed(seed), build_model() on the CPU, the optimizer; the caller's data comes
-after. Inside torchrun the object joins the process group as karma-run does.
+torch.manual_seed(seed), build_model() on the CPU, the optimizer, the model file's LR
+scheduler; the caller's data comes after. Inside torchrun the object joins the process group as karma-run does.
 """
 
 from __future__ import annotations
@@ -311,8 +311,8 @@ class Runtime:
 
 
 class BlockOptimizers:
-    """The per-block optimizers as one: their param_groups (an LR schedule sets `lr` in
-    each), zero_grad, and their states."""
+    """The per-block optimizers as one: their param_groups (the model file's make_scheduler,
+    through lr.LRSchedule, sets `lr` in each), zero_grad, and their states."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         self.optimizers = optimizers
