@@ -18,7 +18,7 @@ import karma
 from karma.cli.plan import main as plan_main
 from karma.cli.run import main as run_main
 from karma.reference import train_reference
-from tests.conftest import MODELS
+from tests.conftest import MODELS, environment
 from tests.runtime_helpers import (
     assert_bitwise_equal,
     load_small,
@@ -142,3 +142,17 @@ def test_without_make_scheduler_the_lr_stays_as_before(tmp_path):
     assert_bitwise_equal(_model_pt(tmp_path, 3), ref_sd)
     saved = torch.load(tmp_path / "step_3" / "optimizer.pt", weights_only=True)
     assert saved["lr_schedule"] is None
+
+
+def test_a_schedule_that_ends_before_the_run_is_one_line(tmp_path, capsys):
+    """OneCycleLR refuses a step past its total_steps (6 here): karma says whose it is."""
+    schedule = tmp_path / "s.yaml"
+    with environment({"KARMA_SCHEDULE": "onecycle"}):
+        assert plan_main([str(MODEL), "--hardware", "cpu", "--gpu-mem", "64M", "--strategy",
+                          "keep_all", "-o", str(schedule)]) == 0
+    capsys.readouterr()
+    code = run_main([str(schedule), "--steps", "7"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert "make_scheduler(optimizer)" in err and "total_steps" in err
+    assert "step 5/7" in out

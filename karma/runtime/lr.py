@@ -31,6 +31,11 @@ class LRSchedule:
         self.path = path
         try:
             self.driver = make_optimizer(params)
+        except Exception as e:  # noqa: BLE001 - user code; report where it failed
+            raise ModelFileError(f"{path}: make_optimizer(params) over all the model's "
+                                 f"parameters raised {type(e).__name__}: {e}; the LR schedule "
+                                 "needs the optimizer the plain loop would make") from e
+        try:
             self.scheduler = make_scheduler(self.driver)
         except Exception as e:  # noqa: BLE001 - user code; report where it failed
             raise ModelFileError(f"{path}: make_scheduler(optimizer) raised "
@@ -75,7 +80,13 @@ class LRSchedule:
 
     def step(self) -> None:
         """After an iteration (no host step running): step the schedule and copy its values."""
-        self.scheduler.step()
+        try:
+            self.scheduler.step()
+        except Exception as e:  # noqa: BLE001 - user code; report where it failed
+            raise ModelFileError(
+                f"{self.path}: the scheduler that make_scheduler(optimizer) made raised "
+                f"{type(e).__name__}: {e}; make its schedule "
+                "cover every step of the run (e.g. OneCycleLR's total_steps >= --steps)") from e
         self._copy()
 
     def _copy(self) -> None:
