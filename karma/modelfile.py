@@ -11,6 +11,9 @@ A model file is a plain Python file that defines
                                                              `loss` if it has one, else
                                                              cross-entropy over the last dimension)
     make_optimizer(params) -> torch.optim.Optimizer         (optional; default AdamW, lr=1e-3)
+    make_scheduler(optimizer) -> lr_scheduler               (optional; a torch.optim.lr_scheduler
+                                                             over `optimizer`, stepped once after
+                                                             each optimizer step; default: none)
     batches(batch_size, rank, world_size) -> iterator       (optional; default: example_batch
                                                              once per step under a seed derived
                                                              from the step and the rank)
@@ -136,6 +139,7 @@ class ModelFile:
     default_batch_size: int
     user_batches: Callable[[int, int, int], Iterator[Batch]] | None
     eval_batches: Callable[[int], Iterable[Batch]] | None = None
+    make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None  # None: constant lr
 
     def build(self, log: Callable[[str], None] | None = None) -> torch.nn.Module:
         """build_model(), with a Hugging Face model's KV cache turned off (see use_cache_off)."""
@@ -335,6 +339,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         default_batch_size=batch_size,
         user_batches=getattr(module, "batches", None),
         eval_batches=getattr(module, "eval_batches", None),
+        make_scheduler=getattr(module, "make_scheduler", None),
     )
 
 

@@ -27,6 +27,7 @@ from karma.runtime.host import data_bytes, private_bytes
 class ReferenceRun:
     model: torch.nn.Module  # after the last step
     rank_losses: list[list[float]]  # [rank][step]
+    lrs: list[float] = field(default_factory=list)  # per step: param group 0's learning rate
     evals: list[dict] = field(default_factory=list)  # {"step", "loss"}, as karma-run reports
 
     @property
@@ -37,7 +38,9 @@ class ReferenceRun:
 def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
                     world_size: int = 1, on_step: Callable[[], None] | None = None,
                     device: str = "cpu", eval_every: int = 0) -> ReferenceRun:
-    """Plain PyTorch training for `steps` steps.
+    """Plain PyTorch training for `steps` steps: per step, forward, loss, backward,
+    `opt.step()`, the model file's scheduler's `step()` (if it has make_scheduler), then
+    `opt.zero_grad()`.
 
     With world_size N it is what N data-parallel ranks compute, in one process: per step,
     each rank's batch `batches(B, r, N)` goes forward and backward from that rank's own RNG
@@ -54,10 +57,12 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     model.to(device)
     model.train()
     opt = mf.make_optimizer(model.parameters())
+    sched = mf.make_scheduler(opt) if mf.make_scheduler is not None else None
     data = [mf.checked_batches(batch_size, r, world_size) for r in range(world_size)]
     rng = [torch.get_rng_state()] * world_size
     params = list(model.parameters())
     losses: list[list[float]] = [[] for _ in range(world_size)]
+    lrs: list[float] = []
     evals: list[dict] = []
     held_out = mf.checked_eval_batches(batch_size) if eval_every else []
     to_device = partial(torch.Tensor.to, device=device)
@@ -81,7 +86,10 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
         if world_size > 1:
             for p, g in zip(params, summed):
                 p.grad = None if g is None else g / world_size
+        lrs.append(float(opt.param_groups[0]["lr"]))
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad()
         if on_step is not None:
             on_step()
@@ -92,7 +100,7 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
                                .item() for x, y in held_out]
             model.train()
             evals.append({"step": step, "loss": sum(eval_losses) / len(eval_losses)})
-    return ReferenceRun(model, losses, evals)
+    return ReferenceRun(model, losses, lrs, evals)
 
 
 def main() -> None:

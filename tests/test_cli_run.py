@@ -29,10 +29,10 @@ from tests.runtime_helpers import (
 )
 
 BIN = Path(sys.executable).parent
-REPORT_KEYS = {"steps", "losses", "step_s_median", "predicted_step_s", "peak_device_bytes",
-               "predicted_peak_device_bytes"}
+REPORT_KEYS = {"steps", "losses", "lrs", "step_s_median", "predicted_step_s",
+               "peak_device_bytes", "predicted_peak_device_bytes"}
 PROGRESS = re.compile(
-    r"^step (?P<step>\d+)/(?P<total>\d+)\s+loss (?P<loss>\d+\.\d+)\s+"
+    r"^step (?P<step>\d+)/(?P<total>\d+)\s+loss (?P<loss>\d+\.\d+)\s+lr (?P<lr>\S+)\s+"
     r"(?P<time>[\d.]+ (?:s|ms|us|µs|ns))/step .*\s(?P<rate>[\d.]+) samples/s\s+"
     r"peak (?P<peak>[\d.]+ (?:B|KiB|MiB|GiB|TiB))")
 
@@ -86,6 +86,7 @@ def test_plan_then_run_end_to_end(end_to_end):
     assert [int(m["step"]) for m in progress] == [1, 2, 3], ran.stdout
     assert all(m["total"] == "3" and float(m["rate"]) > 0 for m in progress)
     assert [m["loss"] for m in progress] == [f"{x:.4f}" for x in report["losses"]]
+    assert [float(m["lr"]) for m in progress] == report["lrs"] == [1e-3] * 3  # gpt's AdamW
 
     # through the command line too, training equals plain PyTorch bit for bit
     mf = load_small("gpt")

@@ -4,12 +4,13 @@ A checkpoint is written into a hidden temporary directory, each file to a tempor
 is renamed when complete, and the directory is renamed to step_N last: a run killed at any
 moment leaves either a complete checkpoint or none. model.pt is a state_dict with exactly the
 keys of build_model().state_dict() (it loads into a fresh model, with weights_only=True);
-optimizer.pt holds each block's optimizer state and the RNG state; meta.json says what the
-checkpoint is.
+optimizer.pt holds each block's optimizer state, the LR schedule's (lr.py) and the RNG
+state; meta.json says what the checkpoint is.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -63,7 +64,8 @@ def _standalone(t: torch.Tensor, scratch: Path, snapshot: bool = False) -> torch
     return out
 
 
-def runtime_state(model: torch.nn.Module, engine, scratch: Path, snapshot: bool = False) -> dict:
+def runtime_state(model: torch.nn.Module, engine, scratch: Path, snapshot: bool = False,
+                  lr_schedule=None) -> dict:
     """The training state: {"model": model.pt's state_dict, "optimizer": optimizer.pt's}.
 
     With `snapshot`, every tensor is a copy (file-backed: no private memory), which later
@@ -74,14 +76,18 @@ def runtime_state(model: torch.nn.Module, engine, scratch: Path, snapshot: bool 
         "optimizer": {
             "format": FORMAT,
             "blocks": [_detached_state(w.optimizer, scratch, snapshot) for w in engine.weights],
+            "lr_schedule": (None if lr_schedule is None  # a copy: later steps leave it as it is
+                            else copy.deepcopy(lr_schedule.state_dict())),
             "rng_state": torch.get_rng_state(),
             "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
         },
     }
 
 
-def load_runtime_state(state: dict, model: torch.nn.Module, engine, source: str) -> None:
-    """Restore parameters, buffers, each block's optimizer and the RNG from `state`."""
+def load_runtime_state(state: dict, model: torch.nn.Module, engine, source: str,
+                       lr_schedule=None) -> None:
+    """Restore parameters, buffers, each block's optimizer, the LR schedule and the RNG from
+    `state`."""
     if not isinstance(state, dict) or not {"model", "optimizer"} <= state.keys():
         raise KarmaError(f"{source} is not a karma state: expected a dict with 'model' and "
                          "'optimizer', as Runtime.state_dict() returns and karma-run's "
@@ -92,6 +98,11 @@ def load_runtime_state(state: dict, model: torch.nn.Module, engine, source: str)
             or len(opt.get("blocks", ())) != len(engine.weights):
         raise KarmaError(f"{source} was written for another schedule; load it with the "
                          "schedule that wrote it")
+    if (opt.get("lr_schedule") is None) != (lr_schedule is None):
+        has = "has no" if lr_schedule is not None else "has an"
+        raise KarmaError(f"{source} {has} LR schedule but the model file's make_scheduler "
+                         f"{'is defined' if lr_schedule is not None else 'is not'}; load it "
+                         "with the model file that wrote it")
     expected = model.state_dict()
     missing = sorted(set(expected) - set(values))
     if missing:
@@ -110,12 +121,15 @@ def load_runtime_state(state: dict, model: torch.nn.Module, engine, source: str)
         if w.optimizer is not None and block_state is not None:
             w.optimizer.load_state_dict(block_state)
             w.reset_state_placement()
+    if lr_schedule is not None:
+        lr_schedule.load_state_dict(opt["lr_schedule"], source)
     torch.set_rng_state(opt["rng_state"])
     if opt.get("cuda_rng_state") is not None:
         torch.cuda.set_rng_state(opt["cuda_rng_state"])
 
 
-def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: int) -> Path:
+def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: int,
+                    lr_schedule=None) -> Path:
     from karma.schedule import schedule_sha256
 
     directory = Path(directory)
@@ -128,7 +142,7 @@ def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: i
         tmp.mkdir()
         scratch = tmp / "scratch"
         scratch.mkdir()
-        state = runtime_state(model, engine, scratch)
+        state = runtime_state(model, engine, scratch, lr_schedule=lr_schedule)
         _save(tmp / "model.pt", state["model"])
         _save(tmp / "optimizer.pt", state["optimizer"])
         del state
@@ -166,8 +180,8 @@ def latest_checkpoint(directory: Path | None) -> Path | None:
     return best[1] if best else None
 
 
-def load_checkpoint(path: Path, model, engine) -> int:
-    """Restore model, optimizers and RNG from `path`; return its step."""
+def load_checkpoint(path: Path, model, engine, lr_schedule=None) -> int:
+    """Restore model, optimizers, the LR schedule and RNG from `path`; return its step."""
     try:
         meta = json.loads((path / "meta.json").read_text())
         values = torch.load(path / "model.pt", weights_only=True)
@@ -175,7 +189,8 @@ def load_checkpoint(path: Path, model, engine) -> int:
     except (OSError, ValueError, RuntimeError) as e:
         raise KarmaError(f"cannot read checkpoint {path}: {e}; delete it to resume from the "
                          "one before") from e
-    load_runtime_state({"model": values, "optimizer": opt}, model, engine, f"checkpoint {path}")
+    load_runtime_state({"model": values, "optimizer": opt}, model, engine, f"checkpoint {path}",
+                       lr_schedule)
     return int(meta["step"])
 
 

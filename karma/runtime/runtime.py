@@ -10,8 +10,8 @@
 
 `karma-run` is a loop over this object (train.py). Initialisation follows the reference
 order exactly, so that runs are reproducible and equal to plain PyTorch:
-torch.manual_seed(seed), build_model() on the CPU, the optimizer; the caller's data comes
-after. Inside torchrun the object joins the process group as karma-run does.
+torch.manual_seed(seed), build_model() on the CPU, the optimizer, the model file's LR
+scheduler; the caller's data comes after. Inside torchrun the object joins the process group as karma-run does.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from karma.runtime.host import (
     private_bytes,
     return_freed_memory_promptly,
 )
+from karma.runtime.lr import LRSchedule
 from karma.runtime.streams import OpFailed
 from karma.schedule import Schedule, load_schedule, schedule_sha256
 from karma.units import format_bytes
@@ -69,6 +70,7 @@ class StepStats:
 
     loss: float
     step_s: float
+    lr: float | None  # param group 0's learning rate in this step (None: no optimizer)
     peak_bytes: int  # above the baseline: private memory (CPU) or device memory (CUDA)
     allreduce_intervals: tuple[tuple[float, float], ...]  # (start, end) of each all-reduce
     blocked: tuple[tuple[float, float], ...]  # when the compute thread waited for a stream
@@ -168,6 +170,10 @@ class Runtime:
                              self.exchange, tier)
         self.optimizer = BlockOptimizers([w.optimizer for w in self.engine.weights
                                           if w.optimizer is not None])
+        # the model file's make_scheduler, if any (lr.py: one scheduler drives every block)
+        self.lr_schedule = None if mf.make_scheduler is None else LRSchedule(
+            mf.make_optimizer, mf.make_scheduler, list(self.model.parameters()),
+            self.optimizer.optimizers, mf.path)
         # every rank has built its model (ranks that build slower than the timeout get longer)
         distributed.barrier(self.ranks, "before the first step",
                             self.timeout_s + time.perf_counter() - built)
@@ -178,6 +184,14 @@ class Runtime:
     def batch_size(self) -> int:
         return self.schedule.config.batch_size
 
+    @property
+    def lr(self) -> float | None:
+        """The learning rate (param group 0's) that the next step uses."""
+        if self.lr_schedule is not None:
+            return self.lr_schedule.lr
+        groups = self.optimizer.param_groups
+        return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
+
     def step(self, inputs: Any, targets: Any = None) -> float:
         """One planned training iteration on this batch (inputs as in the model-file
         protocol: a Tensor, a tuple, or a dict of keyword arguments); returns the loss."""
@@ -185,6 +199,7 @@ class Runtime:
         model_inputs, targets = self._batch(inputs, targets, "Runtime.step")
         self.meter.start()
         t0 = time.perf_counter()
+        lr = self.lr
         try:
             self.engine.begin_iteration()
             output = model_inputs.call(self.model)
@@ -193,7 +208,9 @@ class Runtime:
             loss = self._loss(output, targets)
             del output
             loss.backward()
-            self.engine.end_iteration()
+            self.engine.end_iteration()  # every block optimizer has stepped
+            if self.lr_schedule is not None:
+                self.lr_schedule.step()
         except BaseException as e:
             self._failed = True  # streams may hold half an iteration: no step after this one
             self.engine.abandon()
@@ -206,7 +223,7 @@ class Runtime:
         elapsed = time.perf_counter() - t0
         peak = self.meter.stop()
         calls = tuple(self.exchange.take_intervals()) if self.exchange is not None else ()
-        self.last = StepStats(loss.item(), elapsed, peak, calls, tuple(self.engine.blocked))
+        self.last = StepStats(loss.item(), elapsed, lr, peak, calls, tuple(self.engine.blocked))
         self.iterations += 1
         return self.last.loss
 
@@ -273,13 +290,15 @@ class Runtime:
 
     def state_dict(self) -> dict:
         """{"model": the model's state_dict (current values), "optimizer": each block's
-        optimizer state and the RNG state}: what karma-run's checkpoints hold. A snapshot:
-        its tensors are copies (file-backed, so they take no private memory)."""
+        optimizer state, the LR schedule's and the RNG state}: what karma-run's checkpoints
+        hold. A snapshot: its tensors are copies (file-backed, so they take no private
+        memory)."""
         with tempfile.TemporaryDirectory(prefix="karma-state-") as scratch:
-            return runtime_state(self.model, self.engine, Path(scratch), snapshot=True)
+            return runtime_state(self.model, self.engine, Path(scratch), snapshot=True,
+                                 lr_schedule=self.lr_schedule)
 
     def load_state_dict(self, state: dict) -> None:
-        load_runtime_state(state, self.model, self.engine, "the state")
+        load_runtime_state(state, self.model, self.engine, "the state", self.lr_schedule)
 
     # --- the end ---------------------------------------------------------------------------
 
@@ -305,8 +324,8 @@ class Runtime:
 
 
 class BlockOptimizers:
-    """The per-block optimizers as one: their param_groups (an LR schedule sets `lr` in
-    each), zero_grad, and their states."""
+    """The per-block optimizers as one: their param_groups (the model file's make_scheduler,
+    through lr.LRSchedule, sets `lr` in each), zero_grad, and their states."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         self.optimizers = optimizers

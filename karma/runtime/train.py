@@ -42,6 +42,7 @@ class RunReport:
     steps: list[int]
     losses: list[float]
     step_s: list[float]
+    lrs: list[float | None]  # per step: the learning rate it used (param group 0's)
     peak_device_bytes: int
     predicted_step_s: float
     predicted_peak_device_bytes: int
@@ -87,13 +88,13 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         if found is None:
             log("resume: no complete checkpoint found; starting from step 0")
         else:
-            start_step = load_checkpoint(found, rt.model, rt.engine)
+            start_step = load_checkpoint(found, rt.model, rt.engine, rt.lr_schedule)
             for _ in range(start_step):  # the data stream continues where it stopped
                 next(data)
             log(f"resumed from {found} (step {start_step})")
 
     report = RunReport(
-        steps=[], losses=[], step_s=[], peak_device_bytes=0,
+        steps=[], losses=[], step_s=[], lrs=[], peak_device_bytes=0,
         predicted_step_s=schedule.predicted.iteration_s,
         predicted_peak_device_bytes=schedule.predicted.peak_device_bytes,
         capacity_bytes=schedule.config.capacity_bytes, host_tier_peak_bytes=0,
@@ -108,7 +109,8 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         report.steps.append(step)
         report.losses.append(stats.loss)
         report.step_s.append(stats.step_s)
-        line = _progress(step, options.steps, stats.loss, stats.step_s,
+        report.lrs.append(stats.lr)
+        line = _progress(step, options.steps, stats.loss, stats.lr, stats.step_s,
                          schedule.config.batch_size * ranks.world_size, stats.peak_bytes,
                          schedule.predicted.peak_device_bytes, schedule.predicted.iteration_s)
         if rt.exchange is not None:
@@ -133,7 +135,7 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         if options.checkpoint_dir is not None and (final or (every and step % every == 0)):
             if ranks.main:  # the ranks hold the same weights: one writes them
                 path = save_checkpoint(options.checkpoint_dir, step, rt.model, rt.engine,
-                                       schedule, rt.seed)
+                                       schedule, rt.seed, rt.lr_schedule)
                 log(f"checkpoint {path}")
             distributed.barrier(ranks, f"after the checkpoint of step {step}",
                                 options.timeout_s, distributed.CHECKPOINT_WAIT_S)
@@ -154,9 +156,10 @@ def _digest(engine: Engine) -> str:
     return h.hexdigest()
 
 
-def _progress(step: int, total: int, loss: float, step_s: float, batch: int, peak: int,
-              predicted_peak: int, predicted_s: float) -> str:
-    return (f"step {step}/{total}  loss {loss:.4f}  {format_seconds(step_s)}/step "
+def _progress(step: int, total: int, loss: float, lr: float | None, step_s: float, batch: int,
+              peak: int, predicted_peak: int, predicted_s: float) -> str:
+    rate = f"  lr {lr:.4g}" if lr is not None else ""
+    return (f"step {step}/{total}  loss {loss:.4f}{rate}  {format_seconds(step_s)}/step "
             f"(predicted {format_seconds(predicted_s)})  {batch / step_s:.1f} samples/s  "
             f"peak {format_bytes(peak)} (predicted {format_bytes(predicted_peak)})")
 
