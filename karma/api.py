@@ -46,13 +46,14 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
     printed to stderr)."""
     capacity = gpu_mem if isinstance(gpu_mem, int) else parse_size(str(gpu_mem), "gpu_mem")
     if capacity <= 0:
-        raise KarmaError(f"gpu_mem {gpu_mem!r} must be more than zero, e.g. 16G")
+        raise KarmaError(f"the memory budget {gpu_mem!r} (gpu_mem, --gpu-mem) must be more than "
+                         "zero, e.g. 16G")
     if strategy not in STRATEGIES:
-        raise KarmaError(f"strategy {strategy!r} is not a strategy; use one of "
+        raise KarmaError(f"strategy {strategy!r} (--strategy) is not a strategy; use one of "
                          f"{', '.join(STRATEGIES)}")
     if time_limit_s <= 0 or not 0 <= gap < 1:
-        raise KarmaError("the time limit must be positive and the gap in [0, 1), e.g. 60 and "
-                         "0.01")
+        raise KarmaError(f"the time limit {time_limit_s:g} s (--time-limit) must be positive "
+                         f"and the gap {gap:g} (--gap) in [0, 1), e.g. 60 and 0.01")
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     mf = load_model_file(model_file)
     graph = build_block_graph(mf, batch_size, blocks, model_name=str(model_file))

@@ -65,7 +65,6 @@ def _parser() -> argparse.ArgumentParser:
 def _plan(args: argparse.Namespace) -> int:
     from karma.api import plan_report
     from karma.planner.hardware import load_hardware
-    from karma.planner.pipeline import STRATEGIES
     from karma.planner.plan import InfeasiblePlan
 
     if not args.print_ir:  # check the cheap things before tracing
@@ -73,14 +72,7 @@ def _plan(args: argparse.Namespace) -> int:
             raise KarmaError("--gpu-mem is required to plan, e.g. --gpu-mem 16G "
                              "(or use --print-ir to see the block graph)")
         capacity = parse_size(args.gpu_mem, "--gpu-mem")
-        if capacity <= 0:
-            raise KarmaError(f"--gpu-mem {args.gpu_mem!r} must be more than zero, e.g. 16G")
-        if args.strategy not in STRATEGIES:
-            raise KarmaError(f"--strategy {args.strategy!r} is not a strategy; use one of "
-                             f"{', '.join(STRATEGIES)}")
-        if args.time_limit <= 0 or not 0 <= args.gap < 1:
-            raise KarmaError("--time-limit must be positive and --gap in [0, 1), e.g. 60 and 0.01")
-        hardware = load_hardware(args.hardware)
+        hardware = load_hardware(args.hardware)  # the other options: karma.api checks them
         if args.output:
             _check_writable(Path(args.output))
 
@@ -92,7 +84,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     try:
         report = plan_report(
-            args.model, capacity, hardware, args.batch_size, world_size=args.world_size,
+            args.model, args.gpu_mem, hardware, args.batch_size, world_size=args.world_size,
             dtype=args.dtype, strategy=args.strategy, seed=args.seed,
             time_limit_s=args.time_limit, gap=args.gap, blocks=args.blocks,
             profile_blocks=args.profile_blocks, log=lambda note: _notes([note]))

@@ -14,7 +14,7 @@ from karma.ir.blocks import find_units, group_nodes
 from karma.ir.graph import Block, BlockGraph, Edge
 from karma.ir.measure import measure_blocks, saved_bytes
 from karma.ir.trace import trace
-from karma.modelfile import USE_CACHE_NOTE, ModelFile
+from karma.modelfile import USE_CACHE_NOTE, ModelFile, _user_frame
 
 __all__ = ["Block", "BlockGraph", "Edge", "build_block_graph"]
 
@@ -81,8 +81,6 @@ def _grad_leaf(t):
 
 def _loss_saved_bytes(mf: ModelFile, output, targets) -> int:
     """The bytes loss_fn saves for backward; checks that it returns a differentiable scalar."""
-    from karma.modelfile import _user_frame
-
     try:
         loss, nbytes = saved_bytes(mf.loss_fn, output, targets)
     except KarmaError:

@@ -11,7 +11,8 @@
 `karma-run` is a loop over this object (train.py). Initialisation follows the reference
 order exactly, so that runs are reproducible and equal to plain PyTorch:
 torch.manual_seed(seed), build_model() on the CPU, the optimizer, the model file's LR
-scheduler; the caller's data comes after. Inside torchrun the object joins the process group as karma-run does.
+scheduler; the caller's data comes after. Inside torchrun the object joins the process group
+as karma-run does.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class Runtime:
         self._closed = False
         self._failed = False
         self._checked_output = False
+        self._accepted_calls: set[tuple[int, tuple[str, ...]]] = set()  # (positional, keys)
         self.last: StepStats | None = None  # the latest step's measurements
         self.iterations = 0  # steps taken by this object (a resumed run counts from its start)
         self.last_eval_peak_bytes = 0  # the latest evaluate()'s peak, as StepStats.peak_bytes
@@ -265,7 +267,10 @@ class Runtime:
 
     def _batch(self, inputs: Any, targets: Any, where: str) -> tuple[ModelInputs, Any]:
         model_inputs, targets = check_batch((inputs, targets), where)
-        check_signature(self.model, model_inputs, where)
+        call = (len(model_inputs.args), tuple(model_inputs.kwargs))
+        if call not in self._accepted_calls:  # once per way of calling, not once per step
+            check_signature(self.model, model_inputs, where)
+            self._accepted_calls.add(call)
         to_device = self.backend.to_device
         return model_inputs.map(to_device), map_targets(targets, to_device)
 
