@@ -12,6 +12,7 @@ report's schedule.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from karma.modelfile import ModelFile, load_model_file, optimizer_profile
 from karma.planner.hardware import Hardware, load_hardware
 from karma.planner.pipeline import STRATEGIES, PlanReport, PlanRequest, make_schedule
 from karma.planner.plan import InfeasiblePlan
-from karma.schedule import ModelRef, Schedule
+from karma.schedule import DTYPES, ModelRef, Schedule
 from karma.units import parse_size
 
 
@@ -31,8 +32,9 @@ def plan(model_file: str | Path, gpu_mem: str | int = "16G", hardware: str | Har
          batch_size: int | None = None, **options) -> Schedule:
     """Plan training of a model file within `gpu_mem` bytes of device memory ("16G" or an
     int) on `hardware` (a built-in profile's name, a karma-profile file, or a Hardware).
-    Options, as karma-plan's flags: world_size, dtype, strategy, seed, time_limit_s, gap,
-    blocks, profile_blocks. Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
+    Options, as karma-plan's flags: world_size, dtype ("fp32", or "bf16" for mixed
+    precision), accumulate (micro-batches per optimizer step), clip_grad_norm (a float, or
+    None), strategy, seed, time_limit_s, gap, blocks, profile_blocks. Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
     return plan_report(model_file, gpu_mem, hardware, batch_size, **options).schedule
 
 
@@ -40,6 +42,7 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
                 batch_size: int | None = None, *, world_size: int = 1, dtype: str = "fp32",
                 strategy: str = "ilp", seed: int = 0, time_limit_s: float = 60.0,
                 gap: float = 0.01, blocks: str | None = None, profile_blocks: bool = False,
+                accumulate: int = 1, clip_grad_norm: float | None = None,
                 log: Callable[[str], None] | None = None) -> PlanReport:
     """`plan`, with everything karma-plan prints: the chosen plan's evaluation and every
     baseline's. `log` gets notes about the model (e.g. a KV cache turned off; default:
@@ -54,9 +57,10 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
     if time_limit_s <= 0 or not 0 <= gap < 1:
         raise KarmaError(f"the time limit {time_limit_s:g} s (--time-limit) must be positive "
                          f"and the gap {gap:g} (--gap) in [0, 1), e.g. 60 and 0.01")
+    check_training_options(dtype, accumulate, clip_grad_norm)
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     mf = load_model_file(model_file)
-    graph = build_block_graph(mf, batch_size, blocks, model_name=str(model_file))
+    graph = build_block_graph(mf, batch_size, blocks, model_name=str(model_file), dtype=dtype)
     for note in graph.notes:
         (log or _note_to_stderr)(note)
     model = ModelRef(
@@ -70,12 +74,33 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
         world_size=world_size, seed=seed, strategy=strategy, time_limit_s=time_limit_s,
         gap=gap, optimizer=optimizer_profile(mf),
         measured_s=_profile(mf, graph.batch_size, blocks, hw) if profile_blocks else None,
+        accumulate=accumulate, clip_grad_norm=clip_grad_norm,
     )
     try:
         return make_schedule(graph, model, request)
     except InfeasiblePlan as e:
         e.batch_size = graph.batch_size  # for the advice of a smaller batch
         raise
+
+
+def check_training_options(dtype: str, accumulate: int, clip_grad_norm: float | None) -> None:
+    """The training options (dtype, accumulate, clip_grad_norm) a schedule can ask for."""
+    if dtype == "fp16":
+        raise KarmaError("fp16 (--dtype fp16) is not supported: it needs a loss scaler, whose "
+                         "skipped steps no plan can predict, and bf16 has fp32's range without "
+                         "one; use --dtype bf16")
+    if dtype not in DTYPES:
+        raise KarmaError(f"dtype {dtype!r} (--dtype) is not a training dtype; use fp32, or bf16 "
+                         "for mixed precision")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise KarmaError(f"accumulate {accumulate!r} (--accumulate) must be a whole number of "
+                         "micro-batches per optimizer step, 1 or more (1: no accumulation)")
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(
+            clip_grad_norm, (int, float)) or not math.isfinite(clip_grad_norm)
+            or clip_grad_norm <= 0):
+        raise KarmaError(f"clip_grad_norm {clip_grad_norm!r} (--clip-grad-norm) must be a "
+                         "positive number, the largest global gradient norm (e.g. 1.0); leave "
+                         "it out for no clipping")
 
 
 def _note_to_stderr(note: str) -> None:

@@ -107,6 +107,8 @@ class TrainConfig:
     world_size: int
     seed: int
     capacity_bytes: int  # device memory budget (--gpu-mem)
+    accumulate: int = 1  # micro-batches per optimizer step (--accumulate)
+    clip_grad_norm: float | None = None  # max global gradient norm (--clip-grad-norm)
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,9 @@ def dump_schedule(s: Schedule) -> str:
     lines.append("config:")
     lines += _scalar_lines([("batch_size", c.batch_size), ("dtype", c.dtype),
                             ("world_size", c.world_size), ("seed", c.seed),
-                            ("capacity_bytes", c.capacity_bytes)])
+                            ("capacity_bytes", c.capacity_bytes),
+                            ("accumulate", c.accumulate),
+                            ("clip_grad_norm", c.clip_grad_norm)], digits=None)
     lines.append("hardware:" + ("" if s.hardware else " {}"))
     lines += _scalar_lines(s.hardware, digits=None)
     lines += _scalar_lines([("strategy", s.strategy), ("status", s.status),
@@ -519,6 +523,15 @@ def _optional_op(v, path):
     return None if v is None else _integer(0, "an op id or null")(v, path)
 
 
+def _clip_norm(v, path):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise _Invalid(f"{path}: {_show(v)} is not a positive number; give the largest global "
+                       "gradient norm (e.g. 1.0), or null for no clipping")
+    return float(v)
+
+
 def _hardware_value(v, path):
     if isinstance(v, dict):
         return {_text()(k, f"{path} key"): _hardware_value(x, _join(path, str(k)))
@@ -530,14 +543,15 @@ def _hardware_value(v, path):
     return v
 
 
-def _record(cls, spec: dict[str, _Check], what: str) -> _Check:
-    """A mapping with exactly the keys of `spec`, checked and turned into `cls`."""
+def _record(cls, spec: dict[str, _Check], what: str, optional: tuple[str, ...] = ()) -> _Check:
+    """A mapping with the keys of `spec` (those in `optional` may be left out: the
+    dataclass's default), checked and turned into `cls`."""
     def check(v, path):
         where = path or "the schedule"
         if not isinstance(v, dict):
             raise _Invalid(f"{where}: {what} is a mapping, got {_show(v)}; {_FIX}")
         for key in spec:
-            if key not in v:
+            if key not in v and key not in optional:
                 raise _Invalid(f"missing key {_join(path, key)}; {_FIX}")
         unknown = [k for k in v if k not in spec]
         if unknown:
@@ -545,7 +559,7 @@ def _record(cls, spec: dict[str, _Check], what: str) -> _Check:
             raise _Invalid(f"{where}: unknown key{s} {', '.join(map(repr, unknown))}; {what} "
                            f"has the keys {', '.join(spec)}")
         return cls(**{key: check_value(v[key], _join(path, key))
-                      for key, check_value in spec.items()})
+                      for key, check_value in spec.items() if key in v})
     return check
 
 
@@ -575,7 +589,8 @@ _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_sche
     "config": _record(TrainConfig, {
         "batch_size": _integer(1), "dtype": _text(DTYPES, "a dtype"),
         "world_size": _integer(1), "seed": _integer(0), "capacity_bytes": _integer(1),
-    }, "config"),
+        "accumulate": _integer(1), "clip_grad_norm": _clip_norm,
+    }, "config", optional=("accumulate", "clip_grad_norm")),  # schedules from before them
     "hardware": _pairs(_text(), _hardware_value),
     "strategy": _text(),
     "status": _text(STATUSES, "a solver status"),

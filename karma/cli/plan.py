@@ -40,7 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="samples per step and rank (default: the model file's BATCH_SIZE, or 8)")
     p.add_argument("--world-size", type=positive_int, default=1, help="ranks (default 1)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--dtype", default="fp32", metavar="fp32|bf16",
+                   help="bf16: mixed precision (autocast compute, fp32 weights and optimizer)")
+    p.add_argument("--accumulate", type=int, default=1, metavar="N",
+                   help="micro-batches per optimizer step (gradient accumulation; default 1)")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
+                   help="clip gradients to global norm X, as torch.nn.utils.clip_grad_norm_")
     p.add_argument("--strategy", default="ilp",
                    help="ilp (default) or a baseline: keep_all, recompute_all, swap_all, "
                         "offload_all, greedy")
@@ -78,7 +83,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.print_ir:
         mf = load_model_file(args.model)
-        graph = build_block_graph(mf, args.batch_size, args.blocks, model_name=args.model)
+        graph = build_block_graph(mf, args.batch_size, args.blocks, model_name=args.model,
+                                  dtype=args.dtype)
         _notes(graph.notes)
         print(graph.to_json() if args.json else graph.table())
         return 0
@@ -86,6 +92,7 @@ def _plan(args: argparse.Namespace) -> int:
         report = plan_report(
             args.model, args.gpu_mem, hardware, args.batch_size, world_size=args.world_size,
             dtype=args.dtype, strategy=args.strategy, seed=args.seed,
+            accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
             time_limit_s=args.time_limit, gap=args.gap, blocks=args.blocks,
             profile_blocks=args.profile_blocks, log=lambda note: _notes([note]))
     except InfeasiblePlan as e:

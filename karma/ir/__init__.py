@@ -20,8 +20,10 @@ __all__ = ["Block", "BlockGraph", "Edge", "build_block_graph"]
 
 
 def build_block_graph(mf: ModelFile, batch_size: int | None = None,
-                      blocks_regex: str | None = None, model_name: str | None = None) -> BlockGraph:
-    """Trace the model file's model on the meta device and measure its blocks."""
+                      blocks_regex: str | None = None, model_name: str | None = None,
+                      dtype: str = "fp32") -> BlockGraph:
+    """Trace the model file's model on the meta device and measure its blocks (`dtype`:
+    the compute dtype; bf16 is measured in fp32 for now, see BlockGraph.dtype)."""
     batch_size = batch_size or mf.default_batch_size
     traced = trace(mf, batch_size)
     gm = traced.gm

@@ -95,6 +95,7 @@ class BlockGraph:
     tracer: str  # "torch.export" or "torch.fx"
     shared_saved: tuple[SharedSaved, ...] = ()  # saved storages several blocks hold
     notes: tuple[str, ...] = ()  # what karma changed to trace the model (not in to_json)
+    dtype: str = "fp32"  # the compute dtype it was measured in: fp32, or bf16 under autocast
 
     def __post_init__(self) -> None:
         owned = sum(b.param_bytes for b in self.blocks)
@@ -137,6 +138,7 @@ class BlockGraph:
             "input_bytes": self.input_bytes,
             "loss_act_bytes": self.loss_act_bytes,
             "tracer": self.tracer,
+            "dtype": self.dtype,
             "blocks": [
                 {
                     "name": b.name,

@@ -39,6 +39,8 @@ class PlanRequest:
     gap: float = 1e-2  # relative optimality gap at which the ILP stops
     optimizer: OptimizerProfile = OptimizerProfile(state_factor=2, temp_factor=2.0)  # AdamW
     measured_s: Sequence[tuple[float, float]] | None = None  # per-block (fwd, bwd) seconds
+    accumulate: int = 1  # micro-batches per optimizer step
+    clip_grad_norm: float | None = None  # clip gradients to this global norm (None: never)
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,9 @@ def schedule_from(graph: BlockGraph, model: ModelRef, request: PlanRequest, ev: 
         model=model,
         config=TrainConfig(batch_size=request.batch_size, dtype=request.dtype,
                            world_size=request.world_size, seed=request.seed,
-                           capacity_bytes=request.capacity_bytes),
+                           capacity_bytes=request.capacity_bytes,
+                           accumulate=request.accumulate,
+                           clip_grad_norm=request.clip_grad_norm),
         hardware=tuple(hardware.items()),
         strategy=ev.plan.strategy,
         status=ev.plan.status,
