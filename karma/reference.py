@@ -28,6 +28,7 @@ class ReferenceRun:
     model: torch.nn.Module  # after the last step
     rank_losses: list[list[float]]  # [rank][step]
     lrs: list[float] = field(default_factory=list)  # per step: param group 0's learning rate
+    grad_norms: list[float] = field(default_factory=list)  # per step, before clipping (if clip)
     evals: list[dict] = field(default_factory=list)  # {"step", "loss"}, as karma-run reports
 
     @property
@@ -37,10 +38,13 @@ class ReferenceRun:
 
 def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
                     world_size: int = 1, on_step: Callable[[], None] | None = None,
-                    device: str = "cpu", eval_every: int = 0) -> ReferenceRun:
-    """Plain PyTorch training for `steps` steps: per step, forward, loss, backward,
-    `opt.step()`, the model file's scheduler's `step()` (if it has make_scheduler), then
-    `opt.zero_grad()`.
+                    device: str = "cpu", eval_every: int = 0, dtype: str = "fp32",
+                    accumulate: int = 1, clip_grad_norm: float | None = None) -> ReferenceRun:
+    """Plain PyTorch training for `steps` steps: per step, `accumulate` (N) times forward
+    and loss (under autocast with dtype bf16), backward of loss / N; then
+    `clip_grad_norm_(model.parameters(), clip_grad_norm)` if given, `opt.step()`, the model
+    file's scheduler's `step()` (if it has make_scheduler), then `opt.zero_grad()`. A step's
+    loss is the mean of its micro-batches' losses.
 
     With world_size N it is what N data-parallel ranks compute, in one process: per step,
     each rank's batch `batches(B, r, N)` goes forward and backward from that rank's own RNG
@@ -52,6 +56,8 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     `eval_every` N, every N steps the mean loss over the model file's eval_batches is taken
     in evaluation mode under torch.no_grad(), as karma-run --eval-every does.
     """
+    autocast = partial(torch.autocast, torch.device(device).type, dtype=torch.bfloat16,
+                       enabled=dtype == "bf16")
     torch.manual_seed(seed)
     model = mf.build()  # build_model(), a Hugging Face KV cache turned off as karma-run does
     model.to(device)
@@ -63,6 +69,7 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     params = list(model.parameters())
     losses: list[list[float]] = [[] for _ in range(world_size)]
     lrs: list[float] = []
+    grad_norms: list[float] = []
     evals: list[dict] = []
     held_out = mf.checked_eval_batches(batch_size) if eval_every else []
     to_device = partial(torch.Tensor.to, device=device)
@@ -71,12 +78,17 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
         for r in range(world_size):
             if world_size > 1:
                 torch.set_rng_state(rng[r])
-            x, y = next(data[r])
-            loss = mf.loss_fn(x.map(to_device).call(model), map_targets(y, to_device))
-            loss.backward()
-            if on_step is not None:
-                on_step()
-            losses[r].append(loss.item())
+            micro = []
+            for _ in range(accumulate):
+                x, y = next(data[r])
+                with autocast():
+                    loss = mf.loss_fn(x.map(to_device).call(model), map_targets(y, to_device))
+                    scaled = loss / accumulate
+                scaled.backward()
+                if on_step is not None:
+                    on_step()
+                micro.append(loss.item())
+            losses[r].append(sum(micro) / len(micro))
             if world_size == 1:
                 break  # the plain loop: the gradients stay where backward left them
             rng[r] = torch.get_rng_state()
@@ -87,6 +99,9 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
             for p, g in zip(params, summed):
                 p.grad = None if g is None else g / world_size
         lrs.append(float(opt.param_groups[0]["lr"]))
+        if clip_grad_norm is not None:
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                   clip_grad_norm)))
         opt.step()
         if sched is not None:
             sched.step()
@@ -95,12 +110,12 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
             on_step()
         if eval_every and step % eval_every == 0:
             model.eval()
-            with torch.no_grad():
+            with torch.no_grad(), autocast():
                 eval_losses = [mf.loss_fn(x.map(to_device).call(model), map_targets(y, to_device))
                                .item() for x, y in held_out]
             model.train()
             evals.append({"step": step, "loss": sum(eval_losses) / len(eval_losses)})
-    return ReferenceRun(model, losses, lrs, evals)
+    return ReferenceRun(model, losses, lrs=lrs, grad_norms=grad_norms, evals=evals)
 
 
 def main() -> None:
@@ -112,6 +127,9 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=1,
                    help="average the gradients of this many ranks' batches, in one process")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--accumulate", type=int, default=1, metavar="N")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X")
     p.add_argument("--memory-fraction", type=float, default=None,
                    help="on CUDA: torch.cuda.set_per_process_memory_fraction (a smaller GPU)")
     args = p.parse_args()
@@ -127,7 +145,8 @@ def main() -> None:
         peak = max(peak, private_bytes() - baseline)
 
     run = train_reference(mf, args.batch_size, args.steps, args.seed, args.world_size,
-                          on_step=sample, device=args.device)
+                          on_step=sample, device=args.device, dtype=args.dtype,
+                          accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm)
     cuda_peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
     print(json.dumps({"losses": run.losses, "peak_private_bytes": peak,
                       "peak_cuda_bytes": cuda_peak,

@@ -67,8 +67,8 @@ LAYERS_MODEL = textwrap.dedent('''
 
 # id(ModelFile) -> (the ModelFile, kept alive so that its id stays unique; its KARMA_* env)
 _LOADED: dict[int, tuple[ModelFile, tuple[tuple[str, str], ...]]] = {}
-# id(ModelFile) -> its BlockGraph
-_GRAPHS: dict[int, BlockGraph] = {}
+# (id(ModelFile), dtype) -> its BlockGraph
+_GRAPHS: dict[tuple[int, str], BlockGraph] = {}
 # (id(mf), id(graph), strategy, fraction, seed, world_size, hardware) -> Schedule; graphs
 # given are kept alive
 _SCHEDULES: dict[tuple, Schedule] = {}
@@ -101,19 +101,21 @@ def model_env(mf: ModelFile) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_")))
 
 
-def block_graph(mf: ModelFile) -> BlockGraph:
-    """The model's block graph at its default batch size, traced once per loaded model file."""
-    if id(mf) not in _GRAPHS:
+def block_graph(mf: ModelFile, dtype: str = "fp32") -> BlockGraph:
+    """The model's block graph at its default batch size, traced once per loaded model file
+    and compute dtype."""
+    if (id(mf), dtype) not in _GRAPHS:
         _LOADED.setdefault(id(mf), (mf, model_env(mf)))
-        _GRAPHS[id(mf)] = build_block_graph(mf, None, model_name=str(mf.path))
-    return _GRAPHS[id(mf)]
+        _GRAPHS[id(mf), dtype] = build_block_graph(mf, None, model_name=str(mf.path),
+                                                   dtype=dtype)
+    return _GRAPHS[id(mf), dtype]
 
 
 def reference_train(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
-                    world_size: int = 1):
+                    world_size: int = 1, **training):
     """Plain PyTorch training on the CPU (karma.reference): (final state_dict, the loss of
-    each step; rank 0's with world_size > 1)."""
-    ref = train_reference(mf, batch_size, steps, seed, world_size)
+    each step; rank 0's with world_size > 1). `training`: dtype, accumulate, clip_grad_norm."""
+    ref = train_reference(mf, batch_size, steps, seed, world_size, **training)
     return {k: v.detach().clone() for k, v in ref.model.state_dict().items()}, ref.losses
 
 
@@ -127,30 +129,37 @@ def keep_all_peak_bytes(mf: ModelFile, graph: BlockGraph | None = None,
 
 def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
          graph: BlockGraph | None = None, seed: int = 0, world_size: int = 1,
-         hardware: str = HARDWARE) -> Schedule:
-    """Plan `mf` in-process at `fraction` of keep_all's stage peak, for the CPU backend (or
-    the hardware profile named).
+         hardware: str = HARDWARE, dtype: str = "fp32", accumulate: int = 1,
+         clip_grad_norm: float | None = None) -> Schedule:
+    """Plan `mf` in-process at `fraction` of keep_all's stage peak (fp32, one micro-batch),
+    for the CPU backend (or the hardware profile named), with the training options given.
 
     Raises InfeasiblePlan when the strategy does not fit that budget.
     """
-    graph = graph or block_graph(mf)
-    key = (id(mf), id(graph), strategy, fraction, seed, world_size, hardware)
+    graph = graph or block_graph(mf, dtype)
+    training = (dtype, accumulate, clip_grad_norm)
+    key = (id(mf), id(graph), strategy, fraction, seed, world_size, hardware, training)
     if key not in _SCHEDULES:
         _LOADED.setdefault(id(mf), (mf, model_env(mf)))
         _KEEP_ALIVE.append(graph)
-        _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed, world_size, hardware)
+        _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed, world_size, hardware,
+                                training)
     return _SCHEDULES[key]
 
 
 def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
-          seed: int, world_size: int, hardware: str) -> Schedule:
-    capacity = int(keep_all_peak_bytes(mf, graph, world_size, hardware) * fraction)
+          seed: int, world_size: int, hardware: str,
+          training: tuple[str, int, float | None] = ("fp32", 1, None)) -> Schedule:
+    full = graph if graph.dtype == "fp32" else block_graph(mf)
+    capacity = int(keep_all_peak_bytes(mf, full, world_size, hardware) * fraction)
+    dtype, accumulate, clip = training
     model = ModelRef(path=str(mf.path), sha256=mf.sha256,
                      ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
                      env=model_env(mf))
     request = PlanRequest(capacity, load_hardware(hardware), graph.batch_size, seed=seed,
                           strategy=strategy, time_limit_s=30.0, world_size=world_size,
-                          optimizer=optimizer_profile(mf))
+                          optimizer=optimizer_profile(mf), dtype=dtype, accumulate=accumulate,
+                          clip_grad_norm=clip)
     return make_schedule(graph, model, request).schedule
 
 

@@ -34,6 +34,13 @@ from karma.runtime.distributed import GradientExchange
 from karma.runtime.host import BuildInTier, HostPool
 from karma.runtime.streams import StreamWorker, wait_for
 from karma.runtime.swap import DivergedError, SwapStore
+from karma.runtime.training import (
+    GRAD_KINDS,
+    UPDATE_KINDS,
+    GradClip,
+    MixedPrecision,
+    check_training_ops,
+)
 from karma.runtime.weights import BlockWeights, SharedStorage
 from karma.schedule import Schedule
 
@@ -45,9 +52,11 @@ class Engine:
 
     def __init__(self, schedule: Schedule, model: torch.nn.Module, make_optimizer,
                  pool: HostPool, backend=None, exchange: GradientExchange | None = None,
-                 tier: BuildInTier | None = None):
+                 tier: BuildInTier | None = None, precision: MixedPrecision | None = None,
+                 clip: GradClip | None = None):
         """`model` is built on the CPU (its large tensors in the host tier when built under
-        `tier`); the engine places it on the backend's device."""
+        `tier`); the engine places it on the backend's device. `precision` and `clip` are the
+        schedule's training options (training.py)."""
         self.schedule = schedule
         self.model = model
         self.backend = backend or CpuBackend()
@@ -58,6 +67,9 @@ class Engine:
         if schedule.config.world_size > 1 and exchange is None:
             raise KarmaError(f"this schedule was planned for {schedule.config.world_size} ranks; "
                              "run it on that many (karma-run under torchrun)")
+        check_training_ops(schedule)
+        self.precision = precision or MixedPrecision(self.backend.device.type, None)
+        self.clip = clip
         named = dict(model.named_parameters(remove_duplicate=False))
         self.shared = SharedStorage()
         self.weights = [
@@ -96,10 +108,34 @@ class Engine:
         self._ran_in_block: set[str] = set()
         self._calls: dict[int, int] = defaultdict(int)
         self._eval_claimed: list[torch.nn.Parameter] = []
+        self._grad_ops = [op.id for op in ops if op.kind in GRAD_KINDS]
+        # [Note: gradients accumulate where the block steps] Over the micro-batches of one
+        # optimizer step, a device-stepped block's gradients add up in .grad (autograd does
+        # it, as in the plain loop), a host-stepped block's in its host gradients (each
+        # grads_to_host adds); on several ranks the latter are all-reduced on the host, which
+        # the schedule shows by ordering the block's all-reduce after its grads_to_host.
+        order = {(op.kind, op.block): op.id for op in ops}
+        self._reduce_on_host = {
+            b.index for b in self.blocks
+            if ("allreduce", b.index) in order and ("grads_to_host", b.index) in order
+            and order["allreduce", b.index] > order["grads_to_host", b.index]}
+        self._owner = {id(p): (w, k) for w in self.weights for k, p in enumerate(w.params)}
+        self._updating = True
+        self._first_micro = True
+        self._update_began = False
+        self.grad_norm: float | None = None  # this step's, before clipping (with clipping)
 
     # --- one iteration -------------------------------------------------------------------
 
-    def begin_iteration(self) -> None:
+    def begin_iteration(self, update: bool = True, first: bool = True) -> None:
+        """Start replaying the schedule for one micro-batch. `update`: the last micro-batch of
+        an optimizer step, whose all-reduces, optimizer steps and uploads run (the others
+        skip them: training.UPDATE_KINDS). `first`: the first, whose gradients start the
+        accumulation."""
+        self._updating = update
+        self._first_micro = first
+        self._update_began = False
+        self.grad_norm = None
         self._events.clear()
         for op in self.schedule.ops:
             self._events[op.id] = threading.Event()
@@ -247,6 +283,8 @@ class Engine:
         self._eval_claimed = []
 
     def _leave_block(self) -> None:
+        if self._current_block is not None:
+            self.precision.block_done()
         if self._hooks_ctx is not None:
             self._hooks_ctx.__exit__(None, None, None)
             self._hooks_ctx = None
@@ -279,7 +317,8 @@ class Engine:
             op = self.compute_ops[self._cursor]
             if op.kind == "device_step":
                 self._start(op)
-                self.weights[op.block].device_step()
+                if self._updating:
+                    self.weights[op.block].device_step()
                 continue
             if op.kind == "recompute" and kind == "backward" and op.block == block:
                 self._start(op)  # runs inside the backward, when it unpacks
@@ -315,6 +354,8 @@ class Engine:
 
     def _start(self, op) -> None:
         self._finish_previous()
+        if op.kind == "device_step" and self._updating:
+            self._begin_update()
         self._issue_through(op.stage)
         self._wait(op.deps)
         self.backend.order_after(op.deps, "compute")
@@ -343,6 +384,11 @@ class Engine:
         while self._issued < len(self.side_ops) and self.side_ops[self._issued].stage <= stage:
             op = self.side_ops[self._issued]
             self._issued += 1
+            if op.kind in UPDATE_KINDS and not self._updating:
+                self._skip(op)
+                continue
+            if op.kind == "host_step":
+                self._begin_update()
             with self.backend.allocating():
                 run, allocated = self._prepare(op)
             if allocated:
@@ -351,6 +397,27 @@ class Engine:
             if releases:  # weights freed when the op's work is done
                 run = partial(self._run_then_release, run, releases)
             self.streams[op.stream].submit(op.id, run, op.deps)
+
+    def _skip(self, op) -> None:
+        """An update op of a micro-batch that does not end the step: done at once."""
+        for params in self.releases.get(op.id, ()):
+            self.shared.release(params)
+        self.backend.issued(op.id, "compute")
+        self._events[op.id].set()
+
+    def _begin_update(self) -> None:
+        """Before the step's first optimizer step: with clipping, wait until every gradient
+        is final (the schedule orders every step after them: check_training_ops) and clip
+        them all, as clip_grad_norm_(model.parameters(), X) would."""
+        if self._update_began or self.clip is None:
+            return
+        self._update_began = True
+        self._wait(self._grad_ops)
+        holders = []
+        for p in self.model.parameters():  # the plain loop's order; tied weights once
+            w, k = self._owner[id(p)]
+            holders.append(w.grad_holder(k))
+        self.grad_norm = self.clip.clip(holders)
 
     def _run_then_release(self, run, releases):
         after = run()
@@ -385,12 +452,14 @@ class Engine:
         if op.kind == "swap_out":
             return self.swaps[op.block].swap_out
         if op.kind == "grads_to_host":
-            return w.grads_to_host
+            return partial(w.grads_to_host, add=not self._first_micro)
         if op.kind == "host_step":
             return w.host_step
         if op.kind == "upload":
             return w.upload
         if op.kind == "allreduce" and self.exchange is not None:
+            if op.block in self._reduce_on_host:
+                return partial(w.reduce_host_grads, self.exchange.allreduce)
             return partial(self.exchange.allreduce, w.params)
         raise DivergedError(f"operation {op.id} ({op.kind}) is not supported by this runtime")
 

@@ -54,6 +54,7 @@ from karma.runtime.host import (
 )
 from karma.runtime.lr import LRSchedule
 from karma.runtime.streams import OpFailed
+from karma.runtime.training import Accumulation, GradClip, MixedPrecision
 from karma.schedule import Schedule, load_schedule, schedule_sha256
 from karma.units import format_bytes
 
@@ -67,14 +68,15 @@ DEVICE_SLACK_BYTES = 256 << 20
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one training iteration measured."""
+    """What one optimizer step (all its micro-batches) measured."""
 
-    loss: float
+    loss: float  # the mean of its micro-batches' losses
     step_s: float
     lr: float | None  # param group 0's learning rate in this step (None: no optimizer)
     peak_bytes: int  # above the baseline: private memory (CPU) or device memory (CUDA)
     allreduce_intervals: tuple[tuple[float, float], ...]  # (start, end) of each all-reduce
     blocked: tuple[tuple[float, float], ...]  # when the compute thread waited for a stream
+    grad_norm: float | None = None  # the global gradient norm before clipping (with clipping)
 
 
 def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile:
@@ -95,7 +97,10 @@ def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile
 
 
 class Runtime:
-    """Trains the schedule's model: `step`, `evaluate`, `state_dict`, `close`."""
+    """Trains the schedule's model: `step`, `evaluate`, `state_dict`, `close`.
+
+    With gradient accumulation (the schedule's config.accumulate N), each `step` call is one
+    micro-batch and every N-th call ends an optimizer step (`stepped` tells which)."""
 
     def __init__(self, schedule: Schedule | str | Path, seed: int | None = None, *,
                  model_file: ModelFile | None = None, timeout_s: float = 60.0,
@@ -128,6 +133,11 @@ class Runtime:
         self.last: StepStats | None = None  # the latest step's measurements
         self.iterations = 0  # steps taken by this object (a resumed run counts from its start)
         self.last_eval_peak_bytes = 0  # the latest evaluate()'s peak, as StepStats.peak_bytes
+        self.accumulation = Accumulation(schedule.config.accumulate)
+        self.stepped = False  # whether the latest step() call ended an optimizer step
+        self._micro: list[tuple[float, float, int]] = []  # this step's (loss, s, peak) so far
+        self._step_lr: float | None = None
+        self._blocked: list[tuple[float, float]] = []
         try:
             self._build(cap_device_memory)
         except BaseException:
@@ -168,8 +178,11 @@ class Runtime:
             self.model = mf.build(self.log)  # on the CPU: initial values do not depend on it
         self.model.train()
         self.exchange = GradientExchange(self.ranks) if self.ranks.world_size > 1 else None
+        self.precision = MixedPrecision.of(schedule, backend.device.type)
+        clip = schedule.config.clip_grad_norm
         self.engine = Engine(schedule, self.model, mf.make_optimizer, self.pool, backend,
-                             self.exchange, tier)
+                             self.exchange, tier, self.precision,
+                             GradClip(clip) if clip is not None else None)
         self.optimizer = BlockOptimizers([w.optimizer for w in self.engine.weights
                                           if w.optimizer is not None])
         # the model file's make_scheduler, if any (lr.py: one scheduler drives every block)
@@ -194,24 +207,38 @@ class Runtime:
         groups = self.optimizer.param_groups
         return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
 
+    @property
+    def accumulate(self) -> int:
+        """Micro-batches (step calls) per optimizer step."""
+        return self.accumulation.micro_batches
+
     def step(self, inputs: Any, targets: Any = None) -> float:
         """One planned training iteration on this batch (inputs as in the model-file
-        protocol: a Tensor, a tuple, or a dict of keyword arguments); returns the loss."""
+        protocol: a Tensor, a tuple, or a dict of keyword arguments); returns its loss.
+
+        As the plain loop: under autocast with bf16, loss_fn(model(x), y) / N backward, and
+        after the N-th micro-batch of a step (N = accumulate) the gradients clipped (with
+        clipping), every optimizer stepped and the LR scheduler stepped."""
         self._check_usable()
         model_inputs, targets = self._batch(inputs, targets, "Runtime.step")
+        acc = self.accumulation
+        if acc.first:
+            self._micro = []
+            self._step_lr = self.lr
         self.meter.start()
         t0 = time.perf_counter()
-        lr = self.lr
         try:
-            self.engine.begin_iteration()
-            output = model_inputs.call(self.model)
-            self._check_output(output)
-            self.engine.before_loss()
-            loss = self._loss(output, targets)
+            self.engine.begin_iteration(update=acc.last, first=acc.first)
+            with self.precision.autocast():
+                output = model_inputs.call(self.model)
+                self._check_output(output)
+                self.engine.before_loss()
+                loss = self._loss(output, targets)
+                scaled = loss / acc.micro_batches
             del output
-            loss.backward()
-            self.engine.end_iteration()  # every block optimizer has stepped
-            if self.lr_schedule is not None:
+            scaled.backward()
+            self.engine.end_iteration()  # in the last micro-batch, every optimizer stepped
+            if acc.last and self.lr_schedule is not None:
                 self.lr_schedule.step()
         except BaseException as e:
             self._failed = True  # streams may hold half an iteration: no step after this one
@@ -223,11 +250,18 @@ class Runtime:
                     e.__cause__.__cause__) from e
             raise
         elapsed = time.perf_counter() - t0
-        peak = self.meter.stop()
-        calls = tuple(self.exchange.take_intervals()) if self.exchange is not None else ()
-        self.last = StepStats(loss.item(), elapsed, lr, peak, calls, tuple(self.engine.blocked))
-        self.iterations += 1
-        return self.last.loss
+        self._micro.append((loss.item(), elapsed, self.meter.stop()))
+        self._blocked = ([] if acc.first else self._blocked) + self.engine.blocked
+        self.stepped = acc.last
+        if acc.last:
+            calls = tuple(self.exchange.take_intervals()) if self.exchange is not None else ()
+            losses, times, peaks = zip(*self._micro)
+            self.last = StepStats(sum(losses) / len(losses), sum(times), self._step_lr,
+                                  max(peaks), calls, tuple(self._blocked),
+                                  self.engine.grad_norm)
+            self.iterations += 1
+        acc.advance()
+        return self._micro[-1][0]
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, targets: Any = None) -> float:
@@ -248,14 +282,23 @@ class Runtime:
         self.meter.start()
         try:
             self.engine.begin_eval()
-            output = model_inputs.call(self.model)
-            loss = self._loss(output, targets).item()
+            with self.precision.autocast():
+                output = model_inputs.call(self.model)
+                loss = self._loss(output, targets).item()
         finally:
             self.engine.end_eval()
             for module, mode in training.items():  # as they were, frozen BatchNorms too
                 module.training = mode
             self.last_eval_peak_bytes = self.meter.stop()
         return loss
+
+    def _check_between_steps(self, what: str) -> None:
+        if not self.accumulation.first:
+            raise KarmaError(
+                f"{what}() was called after {self.accumulation.done} of the "
+                f"{self.accumulate} micro-batches of an optimizer step (accumulate "
+                f"{self.accumulate}): their gradients are in no state; call it after a step "
+                "ends (Runtime.stepped is True)")
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -297,12 +340,14 @@ class Runtime:
         """{"model": the model's state_dict (current values), "optimizer": each block's
         optimizer state, the LR schedule's and the RNG state}: what karma-run's checkpoints
         hold. A snapshot: its tensors are copies (file-backed, so they take no private
-        memory)."""
+        memory). Between optimizer steps only (not halfway through an accumulation)."""
+        self._check_between_steps("state_dict")
         with tempfile.TemporaryDirectory(prefix="karma-state-") as scratch:
             return runtime_state(self.model, self.engine, Path(scratch), snapshot=True,
                                  lr_schedule=self.lr_schedule)
 
     def load_state_dict(self, state: dict) -> None:
+        self._check_between_steps("load_state_dict")
         load_runtime_state(state, self.model, self.engine, "the state", self.lr_schedule)
 
     # --- the end ---------------------------------------------------------------------------

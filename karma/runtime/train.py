@@ -43,6 +43,7 @@ class RunReport:
     losses: list[float]
     step_s: list[float]
     lrs: list[float | None]  # per step: the learning rate it used (param group 0's)
+    grad_norms: list[float | None]  # per step: the gradient norm before clipping (if clipped)
     peak_device_bytes: int
     predicted_step_s: float
     predicted_peak_device_bytes: int
@@ -89,12 +90,12 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
             log("resume: no complete checkpoint found; starting from step 0")
         else:
             start_step = load_checkpoint(found, rt.model, rt.engine, rt.lr_schedule)
-            for _ in range(start_step):  # the data stream continues where it stopped
+            for _ in range(start_step * rt.accumulate):  # the data continues where it stopped
                 next(data)
             log(f"resumed from {found} (step {start_step})")
 
     report = RunReport(
-        steps=[], losses=[], step_s=[], lrs=[], peak_device_bytes=0,
+        steps=[], losses=[], step_s=[], lrs=[], grad_norms=[], peak_device_bytes=0,
         predicted_step_s=schedule.predicted.iteration_s,
         predicted_peak_device_bytes=schedule.predicted.peak_device_bytes,
         capacity_bytes=schedule.config.capacity_bytes, host_tier_peak_bytes=0,
@@ -103,16 +104,21 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         world_size=ranks.world_size,
         predicted_allreduce_s=dict(schedule.predicted.busy_s).get("net", 0.0))
     for step in range(start_step + 1, options.steps + 1):
-        inputs, targets = next(data)
-        rt.step(inputs, targets)
+        for _ in range(rt.accumulate):  # one micro-batch each
+            inputs, targets = next(data)
+            rt.step(inputs, targets)
         stats = rt.last
         report.steps.append(step)
         report.losses.append(stats.loss)
         report.step_s.append(stats.step_s)
         report.lrs.append(stats.lr)
-        line = _progress(step, options.steps, stats.loss, stats.lr, stats.step_s,
-                         schedule.config.batch_size * ranks.world_size, stats.peak_bytes,
-                         schedule.predicted.peak_device_bytes, schedule.predicted.iteration_s)
+        report.grad_norms.append(stats.grad_norm)
+        samples = schedule.config.batch_size * ranks.world_size * rt.accumulate
+        line = _progress(step, options.steps, stats.loss, stats.lr, stats.step_s, samples,
+                         stats.peak_bytes, schedule.predicted.peak_device_bytes,
+                         schedule.predicted.iteration_s)
+        if stats.grad_norm is not None:
+            line += f"  grad norm {stats.grad_norm:.4g}"
         if rt.exchange is not None:
             calls = stats.allreduce_intervals
             report.allreduce_s.append(sum(end - begin for begin, end in calls))

@@ -112,17 +112,41 @@ class BlockWeights:
             for p in self.params:
                 p.grad = None
 
-    def grads_to_host(self):
-        """Copy the gradients into the host tier; the device gradients are dropped once the
-        copy has finished (the returned release)."""
+    def grads_to_host(self, add: bool = False):
+        """Copy the gradients into the host tier (`add`: add them to what earlier
+        micro-batches of the step left there, as autograd adds into .grad); the device
+        gradients are dropped once the copy has finished (the returned release)."""
         leaving = []
         for k, (p, g) in enumerate(zip(self.params, self.host_grads)):
-            self.has_grad[k] = p.grad is not None
-            if p.grad is not None:
+            if p.grad is None:
+                self.has_grad[k] = self.has_grad[k] and add
+            elif add and self.has_grad[k]:
+                g.add_(p.grad.to(g.device))  # a blocking copy first on CUDA
+                leaving.append(p.grad)
+            else:
                 g.copy_(p.grad, non_blocking=True)
+                self.has_grad[k] = True
                 leaving.append(p.grad)
             p.grad = None
         return leaving.clear
+
+    def grad_holder(self, k: int) -> torch.Tensor:
+        """The tensor whose .grad is parameter k's final gradient: the parameter (device
+        optimizer) or its host master, lent the host gradient."""
+        if self.optim != "host":
+            return self.params[k]
+        self.masters[k].grad = self.host_grads[k] if self.has_grad[k] else None
+        return self.masters[k]
+
+    def reduce_host_grads(self, allreduce) -> None:
+        """All-reduce the gradients accumulated on the host (`allreduce` of tensors' .grad)."""
+        holders = [self.grad_holder(k) for k in range(len(self.params))]
+        allreduce(holders)
+        for k, m in enumerate(holders):
+            self.has_grad[k] = m.grad is not None
+            if m.grad is not None and m.grad is not self.host_grads[k]:
+                self.host_grads[k].copy_(m.grad)
+            m.grad = None
 
     def host_step(self) -> None:
         if self.optimizer is None:
