@@ -110,6 +110,15 @@ class TrainConfig:
     accumulate: int = 1  # micro-batches per optimizer step (--accumulate)
     clip_grad_norm: float | None = None  # max global gradient norm (--clip-grad-norm)
 
+    def training_text(self) -> str:
+        """'bf16 mixed precision, 4 micro-batches per step, clip at norm 1' and the like."""
+        parts = ["bf16 mixed precision" if self.dtype == "bf16" else self.dtype]
+        if self.accumulate > 1:
+            parts.append(f"{self.accumulate} micro-batches per step")
+        if self.clip_grad_norm is not None:
+            parts.append(f"clip at norm {self.clip_grad_norm:g}")
+        return ", ".join(parts)
+
 
 @dataclass(frozen=True)
 class Predicted:

@@ -146,7 +146,7 @@ def _summary_text(report, hardware_name: str, output: str | None) -> str:
     cap = ev.capacity_bytes
     lines = [
         f"model {s.model.path}: {len(s.blocks)} blocks, batch {s.config.batch_size}, "
-        f"{s.config.dtype}, {s.config.world_size} rank(s) on {hardware_name}, "
+        f"{s.config.training_text()}, {s.config.world_size} rank(s) on {hardware_name}, "
         f"budget {format_bytes(cap)}",
         f"plan: {ev.plan.strategy} ({ev.plan.status}"
         + (f", solved in {ev.plan.solve_s:.2f} s" if ev.plan.strategy == "ilp" else "") + ")"

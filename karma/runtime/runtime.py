@@ -157,6 +157,7 @@ class Runtime:
         gc.collect()  # what an earlier model in this process left is not this run's baseline
         self.baseline_private_bytes = private_bytes()
         self.baseline_data_bytes = data_bytes()
+        self.log(f"training: {schedule.config.training_text()}")
         self.log(f"baseline before the model: {format_bytes(self.baseline_private_bytes)} "
                  f"private, {format_bytes(self.baseline_data_bytes)} data segment (what "
                  "prlimit --data caps)")
