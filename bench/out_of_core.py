@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/out_of_core.py [--model gpt] [--size medium] [--seq 128]
                                           [--batch-size 4] [--cap 1536M] [--steps 5]
+                                          [--dtype bf16] [--accumulate 4] [--clip-grad-norm 1]
 
 1. `karma-profile` measures this machine; `karma-plan --hardware <that profile>` plans the
    model for --cap of private memory.
@@ -46,7 +47,13 @@ def main() -> None:
     p.add_argument("--cap", default="1536M")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--slack", default="128M", help="LIMIT = cap + baseline + slack")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--accumulate", default="1")
+    p.add_argument("--clip-grad-norm", default=None)
     args = p.parse_args()
+    training = ["--dtype", args.dtype, "--accumulate", args.accumulate]
+    if args.clip_grad_norm is not None:
+        training += ["--clip-grad-norm", args.clip_grad_norm]
     env = {**os.environ, "KARMA_GPT": args.size, "KARMA_SEQ": args.seq}
     cap = parse_size(args.cap)
     tmp = Path(tempfile.mkdtemp(prefix="karma-ooc-"))
@@ -56,12 +63,13 @@ def main() -> None:
     profile = r.stdout
     schedule = tmp / "schedule.yaml"
     r = sh([str(BIN / "karma-plan"), "examples/gpt.py", "--hardware", str(tmp / "cpu.yaml"),
-            "--gpu-mem", args.cap, "--batch-size", args.batch_size, "-o", str(schedule)], env)
+            "--gpu-mem", args.cap, "--batch-size", args.batch_size, "-o", str(schedule),
+            *training], env)
     assert r.returncode == 0, r.stderr
     plan = r.stdout
 
     ref_cmd = [sys.executable, "-m", "karma.reference", "examples/gpt.py",
-               "--batch-size", args.batch_size, "--steps", str(args.steps)]
+               "--batch-size", args.batch_size, "--steps", str(args.steps), *training]
     r = sh(ref_cmd, env)
     assert r.returncode == 0, r.stderr
     ref = json.loads(r.stdout.strip().splitlines()[-1])
@@ -80,7 +88,7 @@ def main() -> None:
     equal = report.get("losses") == ref["losses"]
     print("\n## result\n")
     print(f"- model: GPT-2 {args.size}, sequence {args.seq}, batch {args.batch_size}, "
-          f"{args.steps} steps; budget (--gpu-mem) {format_bytes(cap)}")
+          f"{args.steps} steps ({' '.join(training)}); budget (--gpu-mem) {format_bytes(cap)}")
     print(f"- plain PyTorch without a limit: peak private memory {format_bytes(ref['peak_private_bytes'])}"
           f" above its baseline = {ref['peak_private_bytes'] / cap:.2f}x the budget")
     print(f"- LIMIT = budget {format_bytes(cap)} + baseline data segment "

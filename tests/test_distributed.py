@@ -30,10 +30,13 @@ from tests.runtime_helpers import block_graph, load_small, plan
 from tests.test_runtime import MODELS, STEPS, STRATEGIES, load_model_pt
 
 RANKS = 2
-# the examples under every strategy, and a model with parameters that get no gradient
+# the training options a model is planned with: all four of issue 10 for the LR-scheduled MLP
+TRAINING = {"mlp_schedule": {"dtype": "bf16", "accumulate": 4, "clip_grad_norm": 1.0}}
+# the examples under every strategy, a model with parameters that get no gradient, and one
+# with bf16, accumulation, clipping and an LR schedule together
 CASES = [(name, s, f) for name in MODELS for s, f in STRATEGIES] + [
-    ("unused_frozen", s, f) for s, f in (("keep_all", 1.0), ("offload_all", 1.0),
-                                         ("ilp", 0.6))]
+    (name, s, f) for name in ("unused_frozen", "mlp_schedule")
+    for s, f in (("keep_all", 1.0), ("offload_all", 1.0), ("ilp", 0.6))]
 
 
 def case_id(name: str, strategy: str, fraction: float) -> str:
@@ -47,7 +50,8 @@ def two_rank_runs(tmp_path_factory):
     runs, cases = [], {}
     for name, strategy, fraction in CASES:
         try:
-            schedule = plan(load_small(name), strategy, fraction, world_size=RANKS)
+            schedule = plan(load_small(name), strategy, fraction, world_size=RANKS,
+                            **TRAINING.get(name, {}))
         except InfeasiblePlan:
             continue
         out = root / case_id(name, strategy, fraction)
@@ -70,7 +74,8 @@ def reference(name: str):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref = train_reference(mf, block_graph(mf).batch_size, STEPS, world_size=RANKS)
+        ref = train_reference(mf, block_graph(mf).batch_size, STEPS, world_size=RANKS,
+                              **TRAINING.get(name, {}))
     finally:
         torch.set_num_threads(threads)
     return {n: p.detach().clone() for n, p in ref.model.named_parameters()}, ref.rank_losses

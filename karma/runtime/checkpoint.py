@@ -71,6 +71,7 @@ def runtime_state(model: torch.nn.Module, engine, scratch: Path, snapshot: bool 
     With `snapshot`, every tensor is a copy (file-backed: no private memory), which later
     steps leave as it is; without, a tensor may be the live one (written out at once).
     """
+    engine.settle()  # the last step's updates, if still running, are part of the state
     return {
         "model": model_state(model, engine, scratch, snapshot),
         "optimizer": {
@@ -92,6 +93,7 @@ def load_runtime_state(state: dict, model: torch.nn.Module, engine, source: str,
         raise KarmaError(f"{source} is not a karma state: expected a dict with 'model' and "
                          "'optimizer', as Runtime.state_dict() returns and karma-run's "
                          "checkpoints hold")
+    engine.settle()  # nothing of the last step may still write what is loaded
     values, opt = state["model"], state["optimizer"]
     if not isinstance(values, dict) or not isinstance(opt, dict) \
             or opt.get("format") != FORMAT or "rng_state" not in opt \

@@ -92,7 +92,14 @@ class Engine:
         for buf in schedule.buffers:
             if buf.free is not None and _WEIGHT_BUFFER.match(buf.name):
                 self.releases[buf.free].append(self._fetch_params(buf.name))
-        self._events: dict[int, threading.Event] = {}  # op id -> issued
+        # [Note: operation ids across iterations] Events and the backend know an op by
+        # `gid = generation * len(ops) + op.id`, the generation counting iterations: an update
+        # deferred into the next iteration (see _deferred) keeps its own events while the
+        # next iteration's ops get theirs. Events of the last two generations are kept.
+        self._events: dict = {}  # gid -> issued
+        self._n_ops = len(ops)
+        self._gen = -1
+        self._base = 0  # gid of this generation's op 0
         self._errors: list = []
         self.streams = {name: StreamWorker(name, self._events, self._errors, self.backend)
                         for name in ("h2d", "d2h", "net", "host")}
@@ -124,6 +131,22 @@ class Engine:
         self._first_micro = True
         self._update_began = False
         self.grad_norm: float | None = None  # this step's, before clipping (with clipping)
+        # [Note: updates overlapped with the next forward] With clipping no optimizer steps
+        # before the backward ends, so the host steps and the uploads after them are left
+        # running when the iteration returns, and the next iteration waits for each block's
+        # update where it first needs it: a block's forward waits for the uploads of the
+        # weights it uses, a fetch for the host step of the weights it copies. Everything
+        # that reads weights or optimizer state from outside (checkpoints, evaluation, the
+        # LR schedule's copy into host optimizers) waits for them all first: settle().
+        self._deferred = {op.id for op in ops if op.kind in ("host_step", "upload")} \
+            if clip is not None else set()
+        self._carried: dict[int, object] = {}  # local op id -> gid of a deferred op in flight
+        self._after_update: list = []  # keys of work queued behind the host steps in flight
+        uploads = {op.block: op.id for op in ops if op.kind == "upload"}
+        self._host_step_of = {op.block: op.id for op in ops if op.kind == "host_step"}
+        self._forward_waits = {
+            b.index: [uploads[o] for o in self._owners(b.index) if o in uploads]
+            for b in self.blocks}
 
     # --- one iteration -------------------------------------------------------------------
 
@@ -136,10 +159,17 @@ class Engine:
         self._first_micro = first
         self._update_began = False
         self.grad_norm = None
-        self._events.clear()
-        for op in self.schedule.ops:
-            self._events[op.id] = threading.Event()
-        self.backend.begin_iteration([op.id for op in self.schedule.ops])
+        self._gen += 1
+        self._base = self._gen * self._n_ops
+        stale = [k for k in self._events if self._generation(k) < self._gen - 1]
+        self._wait(stale)  # (done long ago: their waiters have run) before they are dropped
+        for k in stale:
+            del self._events[k]
+        self._after_update = [k for k in self._after_update if k in self._events]
+        gids = [self._base + op.id for op in self.schedule.ops]
+        for gid in gids:
+            self._events[gid] = threading.Event()
+        self.backend.begin_iteration(gids)
         self._cursor = 0
         self._issued = 0  # side ops issued so far (they are issued in list order)
         self._last_compute: int | None = None
@@ -158,11 +188,31 @@ class Engine:
 
     def end_iteration(self) -> None:
         self._arrive("end", -1)
-        self._wait([op.id for op in self.schedule.ops])
+        deferred = self._deferred if self._updating else set()
+        self._wait([self._base + op.id for op in self.schedule.ops if op.id not in deferred])
+        self._carried = {i: self._base + i for i in deferred}
         self.backend.end_iteration()  # every stream's work finished; deferred releases done
         for store in self.swaps.values():
             store.reset()
         self._active = False
+
+    def settle(self) -> None:
+        """Wait for the updates left running by the last iteration (and what was queued
+        behind them): after this, weights, optimizer states and learning rates are final."""
+        self._wait([*self._carried.values(), *self._after_update])
+        self._carried = {}
+        self._after_update = []
+
+    def after_host_updates(self, fn) -> None:
+        """Run `fn` once the host steps in flight have run (on the host stream, behind them),
+        or now if none are."""
+        if not self._carried:
+            fn()
+            return
+        key = ("after", self._gen, len(self._after_update))
+        self._events[key] = threading.Event()
+        self._after_update.append(key)
+        self.streams["host"].submit(key, lambda: fn(), (), label="after the host steps")
 
     def abandon(self) -> None:
         """A step failed: leave its swap block's saved-tensor hooks (they would catch every
@@ -258,6 +308,7 @@ class Engine:
         after (synchronously: evaluation is rare and needs no overlap)."""
         if self._active:
             raise KarmaError("evaluate() was called inside a training iteration")
+        self.settle()
         self._evaluating = True
         self._calls = defaultdict(int)
         self._current_block = None
@@ -357,10 +408,23 @@ class Engine:
         if op.kind == "device_step" and self._updating:
             self._begin_update()
         self._issue_through(op.stage)
-        self._wait(op.deps)
-        self.backend.order_after(op.deps, "compute")
+        deps = self._gids(op.deps)
+        if op.kind == "forward" and self._carried:
+            deps += self._take_carried(self._forward_waits[op.block])
+        self._wait(deps)
+        self.backend.order_after(deps, "compute")
         self._cursor += 1
         self._last_compute = op.id
+
+    def _generation(self, key) -> int:
+        return key // self._n_ops if isinstance(key, int) else key[1]
+
+    def _gids(self, ids) -> list:
+        return [self._base + i for i in ids]
+
+    def _take_carried(self, ids) -> list:
+        """The gids of those of `ids` (local) deferred from the previous iteration."""
+        return [self._carried[i] for i in ids if i in self._carried]
 
     def _wait(self, deps) -> None:
         if all(self._events[d].is_set() for d in deps):
@@ -376,8 +440,8 @@ class Engine:
         self._last_compute = None
         for params in self.releases.get(done, ()):
             self.shared.release(params)
-        self.backend.issued(done, "compute")
-        self._events[done].set()
+        self.backend.issued(self._base + done, "compute")
+        self._events[self._base + done].set()
 
     def _issue_through(self, stage: float) -> None:
         """Hand every side op of stages <= stage to its stream."""
@@ -391,19 +455,24 @@ class Engine:
                 self._begin_update()
             with self.backend.allocating():
                 run, allocated = self._prepare(op)
+            gid = self._base + op.id
             if allocated:
-                self.backend.allocated(op.id)
+                self.backend.allocated(gid)
             releases = self.releases.get(op.id, ())
             if releases:  # weights freed when the op's work is done
                 run = partial(self._run_then_release, run, releases)
-            self.streams[op.stream].submit(op.id, run, op.deps)
+            deps = self._gids(op.deps)
+            if op.kind == "fetch" and self._carried:  # the host step that updates the masters
+                owner = int(_WEIGHT_BUFFER.match(op.uses[0])[1])
+                deps += self._take_carried([self._host_step_of.get(owner, -1)])
+            self.streams[op.stream].submit(gid, run, tuple(deps), label=op.id)
 
     def _skip(self, op) -> None:
         """An update op of a micro-batch that does not end the step: done at once."""
         for params in self.releases.get(op.id, ()):
             self.shared.release(params)
-        self.backend.issued(op.id, "compute")
-        self._events[op.id].set()
+        self.backend.issued(self._base + op.id, "compute")
+        self._events[self._base + op.id].set()
 
     def _begin_update(self) -> None:
         """Before the step's first optimizer step: with clipping, wait until every gradient
@@ -412,7 +481,7 @@ class Engine:
         if self._update_began or self.clip is None:
             return
         self._update_began = True
-        self._wait(self._grad_ops)
+        self._wait(self._gids(self._grad_ops))
         holders = []
         for p in self.model.parameters():  # the plain loop's order; tied weights once
             w, k = self._owner[id(p)]
@@ -462,6 +531,13 @@ class Engine:
                 return partial(w.reduce_host_grads, self.exchange.allreduce)
             return partial(self.exchange.allreduce, w.params)
         raise DivergedError(f"operation {op.id} ({op.kind}) is not supported by this runtime")
+
+    def _owners(self, block: int) -> list[int]:
+        """The blocks whose weights block `block` uses: itself and the owners of its shared
+        parameters."""
+        b = self.blocks[block]
+        owner = {n: o.index for o in self.blocks for n in o.params}
+        return [block] + sorted({owner[n] for n in b.shared_params if n in owner} - {block})
 
     def _fetch_params(self, buffer: str) -> list[torch.nn.Parameter]:
         """The parameters behind weight buffer `w.OWNER@fUSER` / `w.OWNER@bUSER` (looked up

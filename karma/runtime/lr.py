@@ -8,7 +8,9 @@ as SGD and AdamW make their state at the first step, so it holds none). After ea
 the scheduler steps the driver, and every hyperparameter of the driver's param group k (lr,
 and e.g. momentum or betas for OneCycleLR) is copied into param group k of each block's
 optimizer: they all see the values the plain loop's optimizer would, computed by the same
-code from the same numbers. The copy happens between iterations, when no host step runs.
+code from the same numbers. The copy happens between iterations, when no host step of
+theirs runs: for optimizers whose host steps may still be running into the next iteration
+(engine.py, [Note: updates overlapped with the next forward]) it is queued behind them.
 """
 
 from __future__ import annotations
@@ -78,8 +80,11 @@ class LRSchedule:
         """The learning rate of param group 0 that the next step uses."""
         return _scalar(self.driver.param_groups[0]["lr"])
 
-    def step(self) -> None:
-        """After an iteration (no host step running): step the schedule and copy its values."""
+    def step(self, later: list[torch.optim.Optimizer] = (),
+             defer: Callable[[Callable[[], None]], None] | None = None) -> None:
+        """After an optimizer step: step the schedule and copy its values into the block
+        optimizers; those in `later` (host steps that may still be running) get them through
+        `defer`, which runs the copy once their steps are done."""
         try:
             self.scheduler.step()
         except Exception as e:  # noqa: BLE001 - user code; report where it failed
@@ -87,11 +92,20 @@ class LRSchedule:
                 f"{self.path}: the scheduler that make_scheduler(optimizer) made raised "
                 f"{type(e).__name__}: {e}; make its schedule "
                 "cover every step of the run (e.g. OneCycleLR's total_steps >= --steps)") from e
-        self._copy()
+        later_ids = {id(opt) for opt in later}
+        self._copy([opt for opt in self.blocks if id(opt) not in later_ids])
+        if later:
+            values = [{k: v.clone() if isinstance(v, torch.Tensor) else v
+                       for k, v in g.items() if k != "params"} for g in self.driver.param_groups]
+            defer(lambda: self._copy(list(later), values))
 
-    def _copy(self) -> None:
-        for k, source in enumerate(self.driver.param_groups):
-            for opt in self.blocks:
+    def _copy(self, optimizers: list[torch.optim.Optimizer] | None = None,
+              groups: list[dict] | None = None) -> None:
+        """Copy the driver's param groups (or `groups`, a snapshot of them) into each of
+        `optimizers` (default: every block optimizer)."""
+        optimizers = self.blocks if optimizers is None else optimizers
+        for k, source in enumerate(groups or self.driver.param_groups):
+            for opt in optimizers:
                 target = opt.param_groups[k]
                 for key, value in source.items():
                     if key == "params":

@@ -187,6 +187,8 @@ class Runtime:
         self.optimizer = BlockOptimizers([w.optimizer for w in self.engine.weights
                                           if w.optimizer is not None])
         # the model file's make_scheduler, if any (lr.py: one scheduler drives every block)
+        self._host_optimizers = [w.optimizer for w in self.engine.weights
+                                 if w.optim == "host" and w.optimizer is not None]
         self.lr_schedule = None if mf.make_scheduler is None else LRSchedule(
             mf.make_optimizer, mf.make_scheduler, list(self.model.parameters()),
             self.optimizer.optimizers, mf.path)
@@ -240,7 +242,7 @@ class Runtime:
             scaled.backward()
             self.engine.end_iteration()  # in the last micro-batch, every optimizer stepped
             if acc.last and self.lr_schedule is not None:
-                self.lr_schedule.step()
+                self.lr_schedule.step(self._host_optimizers, self.engine.after_host_updates)
         except BaseException as e:
             self._failed = True  # streams may hold half an iteration: no step after this one
             self.engine.abandon()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
 
@@ -28,15 +28,17 @@ class OpFailed(RuntimeError):
 class Pending(NamedTuple):
     """An operation queued on a stream: what to run once its dependencies are issued."""
 
-    op_id: int
+    op_id: Hashable  # its key in the events and the backend (the engine's gid)
     run: Callable[[], Callable[[], None] | None]  # returns what to release when done, if any
-    deps: tuple[int, ...]
+    deps: tuple[Hashable, ...]
+    label: object  # how errors name it: the schedule's op id
 
 
 class StreamWorker:
     """One stream: runs its operations one after another on its own thread."""
 
-    def __init__(self, name: str, events: dict[int, threading.Event], errors: list, backend):
+    def __init__(self, name: str, events: dict[Hashable, threading.Event], errors: list,
+                 backend):
         self.name = name
         self._events = events  # op id -> issued event, shared by all streams
         self._backend = backend
@@ -45,9 +47,9 @@ class StreamWorker:
         self._thread = threading.Thread(target=self._loop, name=f"karma-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, op_id: int, run: Callable[[], Callable[[], None] | None],
-               deps: tuple[int, ...]) -> None:
-        self._queue.put(Pending(op_id, run, deps))
+    def submit(self, op_id: Hashable, run: Callable[[], Callable[[], None] | None],
+               deps: tuple[Hashable, ...], label: object = None) -> None:
+        self._queue.put(Pending(op_id, run, deps, op_id if label is None else label))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -67,7 +69,7 @@ class StreamWorker:
                         if release is not None:
                             self._backend.release_after(item.op_id, release)
                     except BaseException as e:  # noqa: BLE001 - handed to the compute thread
-                        self._errors.append((self.name, item.op_id, e))
+                        self._errors.append((self.name, item.label, e))
                 self._events[item.op_id].set()
 
 

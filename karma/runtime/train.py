@@ -154,6 +154,7 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
 
 def _digest(engine: Engine) -> str:
     """A fingerprint of the current parameters (the host masters where the host steps)."""
+    engine.settle()
     h = hashlib.sha256()
     for w in engine.weights:
         for name, t in w.current().items():
