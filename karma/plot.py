@@ -70,10 +70,10 @@ def plot_schedule(schedule: Schedule, sim: SimResult, path: str | os.PathLike) -
 
     _memory_panel(ax_mem, schedule, sim, end_s, t_scale, Line2D)
     kinds = _gantt_panel(ax_ops, schedule, sim, end_s, t_scale)
+    ax_ops.set_xlim(0, end_s / t_scale * 1.01)
     _update_stage(ax_mem, ax_ops, schedule, sim, t_scale)
 
     c, p = schedule.config, schedule.predicted
-    ax_ops.set_xlim(0, end_s / t_scale * 1.01)
     ax_ops.set_xlabel(f"time in one iteration ({t_unit})" if c.accumulate == 1 else
                       f"time in the last of {c.accumulate} micro-batches, the one that steps "
                       f"({t_unit})")
@@ -173,16 +173,18 @@ def _update_stage(ax_mem, ax_ops, schedule: Schedule, sim: SimResult, t_scale: f
         for ax in (ax_mem, ax_ops):
             ax.axvspan(begin, end, color="#e377c2", alpha=0.08, linewidth=0, zorder=0)
         clipped = schedule.config.clip_grad_norm is not None
-        ax_ops.text(begin, -0.45, " update stage" + (": every step, after the whole backward"
-                                                     if clipped else ""),
-                    ha="left", va="top", fontsize=8, color="#8b3a70")
+        ax_mem.text(end, ax_mem.get_ylim()[1] * 0.97,
+                    "update stage" + (": every step, after the whole backward " if clipped
+                                      else " "),
+                    ha="right", va="top", fontsize=8, color="#8b3a70")
     overlapped = sim.overlapped_iteration_s
     if overlapped is not None and schedule.config.accumulate == 1:
         x = overlapped / t_scale
         ax_ops.axvline(x, color="#8b3a70", linestyle=":", linewidth=1.4)
-        ax_ops.text(x, len(STREAMS) - 0.55, f"iteration with the host updates under the next "
-                    f"forward: {format_seconds(overlapped)} ", ha="right", va="bottom",
-                    fontsize=8, color="#8b3a70")
+        left = x > ax_ops.get_xlim()[1] / 2  # the label on the side with room
+        ax_ops.text(x, len(STREAMS) - 0.55, f" iteration with the host updates under the next "
+                    f"forward: {format_seconds(overlapped)} ", ha="right" if left else "left",
+                    va="bottom", fontsize=8, color="#8b3a70")
 
 
 def _save_atomically(fig, path: Path) -> None:
