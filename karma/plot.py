@@ -2,6 +2,11 @@
 
     karma-inspect schedule.yaml --plot schedule.png
 
+The update stage (weights uploaded after their host steps; with --clip-grad-norm every
+optimizer step, after the whole backward) is shaded. With gradient clipping a dotted line
+marks where a step would end if the host updates overlapped the next forward instead. With
+--accumulate N the chart shows the last micro-batch, the one that steps.
+
 matplotlib is optional (`pip install 'karma[plot]'`); it is imported only when plotting.
 """
 
@@ -58,27 +63,33 @@ def plot_schedule(schedule: Schedule, sim: SimResult, path: str | os.PathLike) -
         raise KarmaError(f"cannot write the plot to '{path}': directory '{path.parent}' does "
                          "not exist; create it or give another path")
 
-    end_s = max(sim.iteration_s, 1e-30)
+    end_s = max(sim.replay_s or sim.iteration_s, 1e-30)
     t_unit, t_scale = next((u, k) for u, k in _TIME_UNITS if end_s >= k or u == "ns")
     fig = Figure(figsize=(_FIG_WIDTH_IN, 7.5), dpi=_DPI, layout="constrained")
     ax_mem, ax_ops = fig.subplots(2, 1, sharex=True, height_ratios=(1.0, 1.15))
 
     _memory_panel(ax_mem, schedule, sim, end_s, t_scale, Line2D)
     kinds = _gantt_panel(ax_ops, schedule, sim, end_s, t_scale)
-
     ax_ops.set_xlim(0, end_s / t_scale * 1.01)
-    ax_ops.set_xlabel(f"time in one iteration ({t_unit})")
+    _update_stage(ax_mem, ax_ops, schedule, sim, t_scale)
+
+    c, p = schedule.config, schedule.predicted
+    ax_ops.set_xlabel(f"time in one iteration ({t_unit})" if c.accumulate == 1 else
+                      f"time in the last of {c.accumulate} micro-batches, the one that steps "
+                      f"({t_unit})")
     handles = [Patch(facecolor=KIND_COLORS[k], edgecolor="white", label=k.replace("_", " "))
                for k in OP_KINDS if k in kinds]
     ax_ops.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22),
                   ncol=min(len(handles), 6), frameon=False, fontsize=9,
                   title="ops (bars labelled with their block)", title_fontsize=9)
 
-    c, p = schedule.config, schedule.predicted
     ranks = f"{c.world_size} rank" + ("s" if c.world_size > 1 else "")
+    training = "".join([f", {c.accumulate} micro-batches a step" if c.accumulate > 1 else "",
+                        f", clip {c.clip_grad_norm:g}" if c.clip_grad_norm is not None else ""])
     fig.suptitle(
         f"{schedule.model.path}: {schedule.strategy} ({schedule.status}), batch {c.batch_size}, "
-        f"{c.dtype}, {ranks} — iteration {format_seconds(p.iteration_s)} "
+        f"{c.dtype}, {ranks}{training} — "
+        f"{'step' if c.accumulate > 1 else 'iteration'} {format_seconds(p.iteration_s)} "
         f"(lower bound {format_seconds(p.lower_bound_s)}), peak "
         f"{format_bytes(p.peak_device_bytes)} of {format_bytes(c.capacity_bytes)}",
         fontsize=11)
@@ -149,6 +160,31 @@ def _gantt_panel(ax, schedule: Schedule, sim: SimResult, end_s: float,
     ax.grid(True, axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     return {kind for _, kind in bars}
+
+
+def _update_stage(ax_mem, ax_ops, schedule: Schedule, sim: SimResult, t_scale: float) -> None:
+    """Shade the update stage; with clipping, mark the step time with overlapped updates."""
+    last = max((op.stage for op in schedule.ops), default=0)
+    update = [op for op in schedule.ops if op.stage == last
+              and op.kind in ("device_step", "host_step", "upload")]
+    if update:
+        begin = min(sim.start_s[op.id] for op in update) / t_scale
+        end = max(sim.end_s[op.id] for op in update) / t_scale
+        for ax in (ax_mem, ax_ops):
+            ax.axvspan(begin, end, color="#e377c2", alpha=0.08, linewidth=0, zorder=0)
+        clipped = schedule.config.clip_grad_norm is not None
+        ax_mem.text(end, ax_mem.get_ylim()[1] * 0.97,
+                    "update stage" + (": every step, after the whole backward " if clipped
+                                      else " "),
+                    ha="right", va="top", fontsize=8, color="#8b3a70")
+    overlapped = sim.overlapped_iteration_s
+    if overlapped is not None and schedule.config.accumulate == 1:
+        x = overlapped / t_scale
+        ax_ops.axvline(x, color="#8b3a70", linestyle=":", linewidth=1.4)
+        left = x > ax_ops.get_xlim()[1] / 2  # the label on the side with room
+        ax_ops.text(x, len(STREAMS) - 0.55, f" iteration with the host updates under the next "
+                    f"forward: {format_seconds(overlapped)} ", ha="right" if left else "left",
+                    va="bottom", fontsize=8, color="#8b3a70")
 
 
 def _save_atomically(fig, path: Path) -> None:

@@ -43,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def check_predicted(schedule: Schedule, source: str) -> SimResult:
     """Re-simulate the schedule's ops; raise ScheduleFileError unless `predicted` matches."""
+    c = schedule.config
     try:
-        sim = simulate(schedule.ops, schedule.buffers)
+        sim = simulate(schedule.ops, schedule.buffers, c.accumulate, c.clip_grad_norm is not None)
     except ScheduleError as e:
         raise ScheduleFileError(f"{source}: {e}; {_CORRUPT}") from None
     p = schedule.predicted
@@ -83,7 +84,8 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
         "status": s.status,
         "solve_s": s.solve_s,
         "config": {"batch_size": c.batch_size, "dtype": c.dtype, "world_size": c.world_size,
-                   "seed": c.seed, "capacity_bytes": c.capacity_bytes},
+                   "seed": c.seed, "capacity_bytes": c.capacity_bytes,
+                   "accumulate": c.accumulate, "clip_grad_norm": c.clip_grad_norm},
         "hardware": hardware.get("name"),
         "decisions": {
             "blocks": len(s.blocks),
@@ -102,6 +104,10 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
             "host_bytes": p.host_bytes,
             "pinned_bytes": p.pinned_bytes,
             "scaling_efficiency": p.scaling_efficiency,
+            # re-simulated from the ops, not stored in the file:
+            "replay_s": sim.replay_s,  # the micro-batch that steps
+            "micro_batch_s": sim.micro_batch_s,  # one that does not (accumulate > 1)
+            "overlapped_iteration_s": sim.overlapped_iteration_s,  # with clipping
         },
         "busy_s": dict(p.busy_s),
         "check": {"ops": len(s.ops), "buffers": len(s.buffers),
@@ -132,7 +138,7 @@ def render(info: dict) -> str:
         f"{d['recompute']} recompute; {d['streamed_weights']} streamed weights, "
         f"{d['host_optimizer']} host optimizer",
         f"iteration   {format_seconds(p['iteration_s'])} predicted (lower bound "
-        f"{format_seconds(p['lower_bound_s'])})",
+        f"{format_seconds(p['lower_bound_s'])})" + _step_parts(c, p),
         f"peak        {format_bytes(p['peak_device_bytes'])} of "
         f"{format_bytes(c['capacity_bytes'])} capacity "
         f"({100 * p['peak_fraction_of_capacity']:.1f}%); stage bound "
@@ -143,11 +149,27 @@ def render(info: dict) -> str:
         f"{format_bytes(p['pinned_bytes'])} of it pinned",
         f"busy        {busy}",
     ]
+    if c["clip_grad_norm"] is not None:
+        lines.append(f"overlapped  {format_seconds(p['overlapped_iteration_s'])} if the host "
+                     "updates overlapped the next iteration's forward (the runtime runs them "
+                     "after the backward, as predicted above)")
     if c["world_size"] > 1:
         lines.append(f"scaling     {p['scaling_efficiency']:.3f} (one rank's iteration time "
                      "over this one's)")
     lines += ["", *_block_table(info["blocks"])]
     return "\n".join(lines)
+
+
+def _step_parts(c: dict, p: dict) -> str:
+    """How a step's time is made up, when it is more than one replay of the ops."""
+    text = ""
+    if c["accumulate"] > 1:
+        text += (f"; a step of {c['accumulate']} micro-batches: "
+                 f"{c['accumulate'] - 1} x {format_seconds(p['micro_batch_s'])} without the "
+                 f"update + {format_seconds(p['replay_s'])} with it")
+    if c["clip_grad_norm"] is not None:
+        text += f"; gradients clipped to norm {c['clip_grad_norm']:g}, every update after them"
+    return text
 
 
 def _block_table(blocks: list[dict]) -> list[str]:

@@ -1,6 +1,6 @@
 """Baselines: the plans of known systems, with the ILP's signature and return type.
 
-Each takes (problem, capacity_bytes) and returns a Plan; `evaluate` judges them all by the
+Each takes (problem, capacity_bytes, training) and returns a Plan; `evaluate` judges them all by the
 same simulator, and a plan that does not fit is reported as infeasible, not repaired.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from karma.planner.lowering import Choice, stage_memory
+from karma.planner.lowering import PLAIN, Choice, Training, stage_memory
 from karma.planner.plan import Plan
 from karma.planner.problem import Problem
 
@@ -17,28 +17,33 @@ SWAP = Choice("swap")
 RECOMPUTE = Choice("recompute")
 
 
-def keep_all(problem: Problem, capacity_bytes: int) -> Plan:
+def keep_all(problem: Problem, capacity_bytes: int,
+             training: Training = PLAIN) -> Plan:
     """In-core training: everything stays on the device."""
     return Plan("keep_all", (KEEP,) * len(problem.blocks))
 
 
-def recompute_all(problem: Problem, capacity_bytes: int) -> Plan:
+def recompute_all(problem: Problem, capacity_bytes: int,
+                  training: Training = PLAIN) -> Plan:
     """Checkpoint every block (torch.utils.checkpoint around each layer)."""
     return Plan("recompute_all", (RECOMPUTE,) * len(problem.blocks))
 
 
-def swap_all(problem: Problem, capacity_bytes: int) -> Plan:
+def swap_all(problem: Problem, capacity_bytes: int,
+             training: Training = PLAIN) -> Plan:
     """vDNN-style: swap every block's activations out and back (the last cannot: it keeps)."""
     n = len(problem.blocks)
     return Plan("swap_all", (SWAP,) * (n - 1) + (KEEP,))
 
 
-def offload_all(problem: Problem, capacity_bytes: int) -> Plan:
+def offload_all(problem: Problem, capacity_bytes: int,
+                training: Training = PLAIN) -> Plan:
     """ZeRO-Offload-style: weights and optimizer on the host, activations recomputed."""
     return Plan("offload_all", (Choice("recompute", "streamed", "host"),) * len(problem.blocks))
 
 
-def greedy(problem: Problem, capacity_bytes: int) -> Plan:
+def greedy(problem: Problem, capacity_bytes: int,
+           training: Training = PLAIN) -> Plan:
     """KARMA-style capacity-based heuristic.
 
     From in-core, walk the blocks from the first (whose activations live longest): swap a
@@ -50,7 +55,7 @@ def greedy(problem: Problem, capacity_bytes: int) -> Plan:
     choices = [KEEP] * n
 
     def fits() -> bool:
-        return max(stage_memory(problem, choices)) <= capacity_bytes
+        return max(stage_memory(problem, choices, training)) <= capacity_bytes
 
     for i in range(n):
         if fits():
@@ -67,7 +72,7 @@ def greedy(problem: Problem, capacity_bytes: int) -> Plan:
     return Plan("greedy", tuple(choices))
 
 
-BASELINES: dict[str, Callable[[Problem, int], Plan]] = {
+BASELINES: dict[str, Callable[[Problem, int, Training], Plan]] = {
     "keep_all": keep_all,
     "recompute_all": recompute_all,
     "swap_all": swap_all,

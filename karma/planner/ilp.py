@@ -2,7 +2,7 @@
 
 One binary per (block, choice) picks each block's fragment (karma/planner/lowering.py); the
 constraints sum those fragments stage by stage exactly as the simulator runs them, so the
-optimum's objective is the simulated iteration time of the schedule it lowers to.
+optimum's objective is the simulated step time of the schedule it lowers to.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from typing import NamedTuple
 import pulp
 
 from karma.planner.lowering import (
+    PLAIN,
     Choice,
     Stages,
+    Training,
     buffer_spans,
     common_fragment,
     fragment,
@@ -26,6 +28,7 @@ from karma.planner.lowering import (
 from karma.planner.plan import InfeasiblePlan, Plan
 from karma.planner.prefetch import refine_prefetch
 from karma.planner.problem import Problem
+from karma.planner.simulate import STEP_KINDS
 from karma.schedule import BARRIER_STREAMS
 from karma.units import format_bytes
 
@@ -33,8 +36,9 @@ GIB = float(1 << 30)
 
 
 def solve_ilp(problem: Problem, capacity_bytes: int, time_limit_s: float = 60.0,
-              gap: float = 1e-2, start: Plan | None = None) -> Plan:
-    """The plan of least predicted iteration time within `capacity_bytes` of device memory.
+              gap: float = 1e-2, start: Plan | None = None,
+              training: Training = PLAIN) -> Plan:
+    """The plan of least predicted step time within `capacity_bytes` of device memory.
 
     start: a feasible plan to start from (the best baseline): the solver's answer is never
     slower than it. Raises InfeasiblePlan, with the smallest budget that fits, when nothing
@@ -47,9 +51,9 @@ def solve_ilp(problem: Problem, capacity_bytes: int, time_limit_s: float = 60.0,
     # lowered by the excess.
     limits = Limits(capacity_bytes, problem.host_mem_bytes, problem.pinned_mem_bytes)
     for _ in range(4):
-        solution = _solve(problem, limits, time_limit_s, gap, start)
+        solution = _solve(problem, limits, time_limit_s, gap, start, training=training)
         if solution.infeasible:
-            need = min_capacity_bytes(problem, time_limit_s)
+            need = min_capacity_bytes(problem, time_limit_s, training)
             raise InfeasiblePlan(
                 f"no plan fits {format_bytes(capacity_bytes)} of device memory: even with every "
                 f"activation swapped or recomputed and every weight streamed it needs "
@@ -58,9 +62,9 @@ def solve_ilp(problem: Problem, capacity_bytes: int, time_limit_s: float = 60.0,
         if not plan.choices:
             return plan
         over = _excess(problem, plan, Limits(capacity_bytes, problem.host_mem_bytes,
-                                             problem.pinned_mem_bytes))
+                                             problem.pinned_mem_bytes), training)
         if not any(over):
-            return refine_prefetch(problem, plan, capacity_bytes)
+            return refine_prefetch(problem, plan, capacity_bytes, training)
         limits = Limits(*(lim - (x + 1024 if x > 0 else 0) for lim, x in zip(limits, over)))
     raise RuntimeError("the ILP's plans kept exceeding the budget by rounding")  # pragma: no cover
 
@@ -73,20 +77,23 @@ class Limits(NamedTuple):
     pinned_bytes: int
 
 
-def _excess(problem: Problem, plan: Plan, limits: Limits) -> tuple[int, int, int]:
+def _excess(problem: Problem, plan: Plan, limits: Limits,
+            training: Training) -> tuple[int, int, int]:
     """Bytes by which `plan` exceeds each limit (0 where it fits), counted exactly."""
-    frags = [fragment(problem, i, c) for i, c in enumerate(plan.choices)]
-    used = (max(stage_memory(problem, list(plan.choices))),
+    frags = [fragment(problem, i, c, training) for i, c in enumerate(plan.choices)]
+    used = (max(stage_memory(problem, list(plan.choices), training)),
             sum(f.host_bytes for f in frags), sum(f.pinned_bytes for f in frags))
     return tuple(max(0, u - lim) for u, lim in zip(used, limits))
 
 
-def min_capacity_bytes(problem: Problem, time_limit_s: float = 60.0) -> int:
+def min_capacity_bytes(problem: Problem, time_limit_s: float = 60.0,
+                       training: Training = PLAIN) -> int:
     """The smallest device memory any plan fits in (rounded up to a MiB, or a KiB)."""
     limits = Limits(0, problem.host_mem_bytes, problem.pinned_mem_bytes)
-    solution = _solve(problem, limits, time_limit_s, gap=1e-6, minimize_capacity=True)
+    solution = _solve(problem, limits, time_limit_s, gap=1e-6, minimize_capacity=True,
+                      training=training)
     need = max(int(solution.capacity_gib * GIB),
-               max(stage_memory(problem, list(solution.plan.choices))))
+               max(stage_memory(problem, list(solution.plan.choices), training)))
     unit = 1 << 20 if need >= 64 << 20 else 1 << 10  # round up to a MiB, or a KiB if small
     return -(-need // unit) * unit
 
@@ -99,16 +106,22 @@ class _Solution:
 
 
 def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
-           start: Plan | None = None, minimize_capacity: bool = False) -> _Solution:
+           start: Plan | None = None, minimize_capacity: bool = False,
+           training: Training = PLAIN) -> _Solution:
     """Formulate and solve: the fastest plan within `limits`, or with minimize_capacity the
-    plan that needs the least device memory (limits.device_bytes is then ignored)."""
+    plan that needs the least device memory (limits.device_bytes is then ignored).
+
+    The time is one optimizer step as simulate() predicts it: accumulate-1 micro-batches
+    that do not step (their stages t1, without the ops of STEP_KINDS) and one that does.
+    """
     # --- inputs -------------------------------------------------------------------------
     minimize = "capacity" if minimize_capacity else "time"
     n = len(problem.blocks)
     st = Stages(n, problem.world_size)
     # copies one stage ahead here; refine_prefetch considers two (see karma/planner/prefetch.py)
     options = {i: [c for c in valid_choices(problem, i) if c.ahead == 1] for i in range(n)}
-    frags = {(i, c): fragment(problem, i, c) for i in range(n) for c in options[i]}
+    frags = {(i, c): fragment(problem, i, c, training) for i in range(n) for c in options[i]}
+    micro = training.accumulate > 1
     common = common_fragment(problem)
     started = time.perf_counter()
 
@@ -119,14 +132,16 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
          for i in range(n) for c in options[i]}
     # t[k]: duration of stage k, as long as its busiest barrier stream                 (s)
     t = [lp.add_variable(f"t_{k}", lowBound=0) for k in range(st.update)]
+    # t1[k]: the same in a micro-batch that does not step (accumulate > 1 only)         (s)
+    t1 = [lp.add_variable(f"t1_{k}", lowBound=0) for k in range(st.update)] if micro else []
     # s[k]: start of stage k; s[update] is when the last barrier stage ends            (s)
     s = [lp.add_variable(f"s_{k}", lowBound=0) for k in range(st.update + 1)]
-    # h[i]: when block i's host step ends; u[i]: when its upload ends (blocks n-1..0)  (s)
+    # h[i]: when block i's host step ends; u[i]: when its upload ends                  (s)
     h = {i: lp.add_variable(f"h_{i}", lowBound=0) for i in range(n)}
     u = {i: lp.add_variable(f"u_{i}", lowBound=0) for i in range(n)}
     # m[k]: device memory live in stage k                                            (GiB)
     m = [lp.add_variable(f"m_{k}", lowBound=0) for k in range(st.count)]
-    # iteration: the objective                                                           (s)
+    # iteration: the replay that steps; with accumulate > 1 the objective adds the others (s)
     iteration = lp.add_variable("iteration_s", lowBound=0)
     # cap: device memory budget, a variable only when minimising it                   (GiB)
     cap = lp.add_variable("cap", lowBound=0) if minimize == "capacity" \
@@ -140,44 +155,55 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     for i in range(n):
         lp += pulp.lpSum(x[i, c] for c in options[i]) == 1, f"one_choice_{i}"
 
-    # [Constraint] a stage lasts as long as the work on its busiest barrier stream
+    # [Constraint] a stage lasts as long as the work on its busiest barrier stream (in a
+    # micro-batch that does not step, without the step's ops)
     load: dict[tuple[int, str], list] = {}
-    for key, f in frags.items():
+    for key, f in list(frags.items()) + [(None, common)]:
         for o in f.ops:
             if o.stream in BARRIER_STREAMS and o.stage < st.update:
-                load.setdefault((o.stage, o.stream), []).append((o.dur_s, key))
-    for o in common.ops:
-        load.setdefault((o.stage, o.stream), []).append((o.dur_s, None))
+                load.setdefault((o.stage, o.stream), []).append((o.dur_s, key, o.kind))
     for (k, stream), terms in sorted(load.items()):
-        lp += t[k] >= pulp.lpSum(d if key is None else d * x[key] for d, key in terms), \
+        lp += t[k] >= pulp.lpSum(d if key is None else d * x[key] for d, key, _ in terms), \
             f"stage_{k}_{stream}"
+        if micro:
+            lp += t1[k] >= pulp.lpSum(d if key is None else d * x[key]
+                                      for d, key, kind in terms if kind not in STEP_KINDS), \
+                f"micro_stage_{k}_{stream}"
     # [Constraint] stages run one after another
     lp += s[0] == 0, "start"
     for k in range(st.update):
         lp += s[k + 1] == s[k] + t[k], f"stage_{k}_end"
 
-    # [Constraint] host steps run one at a time, from the last block to the first, each
-    # after the stage that brought its gradients to the host
+    # [Constraint] host steps run one at a time, each after the stage that brought its
+    # gradients to the host, from the last block to the first; with clipping all after the
+    # last gradients, from the first block to the last (see [Note: clipping])
+    order = list(range(n)) if training.clip else list(reversed(range(n)))
     prev_h = None
-    for i in reversed(range(n)):
+    for i in order:
         step_s = pulp.lpSum(o.dur_s * x[i, c] for c in options[i]
                             for o in frags[i, c].ops if o.kind == "host_step")
-        lp += h[i] >= s[st.to_host(i) + 1] + step_s, f"host_after_grads_{i}"
+        ready = st.update if training.clip else st.to_host(i) + 1
+        lp += h[i] >= s[ready] + step_s, f"host_after_grads_{i}"
         if prev_h is not None:
             lp += h[i] >= prev_h + step_s, f"host_in_order_{i}"
         prev_h = h[i]
     # [Constraint] uploads of host-stepped resident weights follow their step, one at a time
     prev_u = s[st.update]
-    for i in reversed(range(n)):
+    for i in order:
         up_s = pulp.lpSum(o.dur_s * x[i, c] for c in options[i]
                           for o in frags[i, c].ops if o.kind == "upload")
         lp += u[i] >= prev_u + up_s, f"upload_in_order_{i}"
         lp += u[i] >= h[i] + up_s, f"upload_after_step_{i}"
         prev_u = u[i]
-    # [Constraint] the iteration ends when every stream is done
-    lp += iteration >= s[st.update], "end_of_stages"
-    lp += iteration >= h[0], "end_of_host_steps"
-    lp += iteration >= u[0], "end_of_uploads"
+    # [Constraint] the iteration ends when every stream is done (with clipping, the device
+    # steps run in the update stage, one after another)
+    device_steps_s = chosen(lambda f: sum(o.dur_s for o in f.ops if o.kind == "device_step")) \
+        if training.clip else 0
+    lp += iteration >= s[st.update] + device_steps_s, "end_of_stages"
+    lp += iteration >= h[order[-1]], "end_of_host_steps"
+    lp += iteration >= u[order[-1]], "end_of_uploads"
+    # step: the replay that steps and accumulate-1 that do not (they end with their stages)
+    step = iteration + (training.accumulate - 1) * pulp.lpSum(t1) if micro else iteration
 
     # [Constraint] device memory in every stage stays under capacity (buffers counted from
     # the stage that allocates them to the stage that frees them)
@@ -203,9 +229,9 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
 
     # --- objective --------------------------------------------------------------------------
     if minimize == "time":
-        lp += iteration
+        lp += step
     else:  # the smallest budget; among those, the fastest (time is far below 1e3 GiB-s)
-        lp += cap + 1e-6 * iteration
+        lp += cap + 1e-6 * step
 
     # --- solve ----------------------------------------------------------------------------------
     if start is not None:
@@ -229,7 +255,7 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     )
     status = "optimal" if lp.sol_status == pulp.LpSolutionOptimal else "time-limit"
     plan = Plan("ilp", choices, status=status, solve_s=solve_s,
-                note=f"CBC {status}, objective {iteration.value():.6f} s")
+                note=f"CBC {status}, objective {pulp.value(step):.6f} s")
     return _Solution(plan, capacity_gib=float(pulp.value(cap)))
 
 

@@ -15,7 +15,8 @@ Stages (n blocks; see karma/schedule.py for what a stage means):
                     prefetches for block j-1 (or j-2, see below); gradients of block j+1 to
                     the host (all-reduced first, one stage earlier, on several ranks)
     2n + 1 (+1)     epilogue: the last gradients to the host
-    last            update: weights stepped on the host go back to their device buffers
+    last            update: weights stepped on the host go back to their device buffers;
+                    with clipping, every optimizer step too (see [Note: clipping])
 
 [Note: how far ahead a copy is issued] A block's swap-in and weight fetches are issued one or
 two stages before their use (its choice's `ahead`). Two stages hide a long copy behind more
@@ -67,6 +68,36 @@ def valid_choices(problem: Problem, i: int) -> list[Choice]:
             for ahead in (1, 2) if fetches and i + 2 <= n - 1 else (1,):
                 out.append(Choice(a, w, o, ahead))
     return out
+
+
+@dataclass(frozen=True)
+class Training:
+    """How gradients become an optimizer step (the schedule's config.accumulate and
+    config.clip_grad_norm), as far as the plan's shape depends on it."""
+
+    accumulate: int = 1  # micro-batches per step; the op list is one micro-batch's iteration
+    clip: bool = False  # the global gradient norm is clipped: every step after every gradient
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"accumulate = {self.accumulate!r} must be a whole number >= 1")
+
+
+PLAIN = Training()  # one micro-batch per step, no clipping: the default everywhere
+
+
+# [Note: accumulation] With accumulate N the runtime replays the op list N times per step
+# and skips the ops of STEP_KINDS (simulate.py: all-reduces, steps, uploads) in the first
+# N-1. Gradients add up between replays: a host-stepped block's on the host (each
+# grads_to_host adds), a device-stepped block's in its grad buffer, which then lives through
+# the whole step (allocated before the iteration, never freed). On several ranks a
+# host-stepped block's gradients are all-reduced once, on the host: its all-reduce follows
+# its grads_to_host (one stage later), and its host step follows the all-reduce.
+
+# [Note: clipping] The global norm needs every gradient before any update, so with clipping
+# every device and host step runs in the update stage, after every backward, all-reduce and
+# grads_to_host; host steps (and their uploads) go from block 0 up, the order in which the
+# next iteration needs the weights. Device-stepped blocks hold their gradients until then.
 
 
 @dataclass(frozen=True)
@@ -156,7 +187,7 @@ def users_of(problem: Problem, owner: int) -> list[tuple[int, int]]:
             for o, nbytes in b.shared_from if o == owner]
 
 
-def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
+def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) -> Fragment:
     """Block i's operations and buffers under choice c."""
     b = problem.blocks[i]
     n = len(problem.blocks)
@@ -213,7 +244,9 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
     grad = f"grad.{i}"
     # a weight that later blocks share gets its last gradient here, made beside the sum
     f.buffer(f"gradacc.{i}", i, sum(nbytes for _, nbytes in users), bwd, bwd)
-    if problem.world_size > 1:
+    # gradients accumulated on the host are all-reduced there (see [Note: accumulation])
+    reduce_on_host = problem.world_size > 1 and c.optim == "host" and training.accumulate > 1
+    if problem.world_size > 1 and not reduce_on_host:
         # the gradients travel as one flat buffer: one collective per block, not per tensor
         ar = f.op(("allreduce", i), "allreduce", i, st.allreduce(i), "net", b.allreduce_s,
                   b.param_bytes, uses=(grad,))
@@ -221,17 +254,32 @@ def fragment(problem: Problem, i: int, c: Choice) -> Fragment:
     if c.optim == "device":
         # the step reads the averaged gradients: after the all-reduce's stage on many ranks
         step_stage = st.to_host(i) if problem.world_size > 1 else st.bwd(i)
-        step = f.op(("device_step", i), "device_step", i, step_stage, "compute",
+        step = f.op(("device_step", i), "device_step", i,
+                    st.update if training.clip else step_stage, "compute",
                     b.device_step_s, uses=(grad, f"w.{i}", f"opt.{i}"))
         f.buffer(f"steptmp.{i}", i, b.step_temp_bytes, step, step)
         f.buffer(f"opt.{i}", i, b.optim_bytes, None, None)
-        f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), step)
+        if training.accumulate > 1:  # summed over the micro-batches of a step
+            f.buffer(grad, i, b.param_bytes, None, None)
+        else:
+            f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), step)
     else:
-        to_host = f.op(("grads_to_host", i), "grads_to_host", i, st.to_host(i), "d2h",
+        to_host = f.op(("grads_to_host", i), "grads_to_host", i,
+                       st.allreduce(i) if reduce_on_host else st.to_host(i), "d2h",
                        problem.d2h_s(b.param_bytes), b.param_bytes, uses=(grad,))
         f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), to_host)
-        step = f.op(("host_step", i), "host_step", i, st.to_host(i), "host", b.host_step_s,
-                    after=(("stage_end", st.to_host(i)),))
+        after: tuple[tuple, ...] = (("stage_end", st.to_host(i)),)
+        if reduce_on_host:
+            # counted on the device too: a collective on device memory stages through it
+            ar = f.op(("allreduce", i), "allreduce", i, st.to_host(i), "net", b.allreduce_s,
+                      b.param_bytes, after=(to_host,))
+            f.buffer(f"artmp.{i}", i, b.param_bytes, ar, ar)
+            after += (ar,)
+        if training.clip:  # after every gradient of the iteration (see [Note: clipping])
+            after = (("stage_end", st.update - 1),) + after[1:]
+        step = f.op(("host_step", i), "host_step", i,
+                    st.update if training.clip else st.to_host(i), "host", b.host_step_s,
+                    after=after)
         if problem.host_temps_on_device:  # see host_temp_bytes
             f.buffer(f"{HOST_TEMP}{i}", i, b.step_temp_bytes, step, step)
         if c.weights == "resident":
@@ -305,11 +353,13 @@ def host_temp_bytes(f: Fragment) -> int:
     return max((b.bytes for b in f.buffers if b.name.startswith(HOST_TEMP)), default=0)
 
 
-def stage_memory(problem: Problem, choices: list[Choice]) -> list[int]:
+def stage_memory(problem: Problem, choices: list[Choice],
+                 training: Training = PLAIN) -> list[int]:
     """Device bytes live in each stage (the ILP's memory model) for these choices."""
     st = Stages(len(problem.blocks), problem.world_size)
     delta = [0] * (st.count + 1)
-    frags = [common_fragment(problem)] + [fragment(problem, i, c) for i, c in enumerate(choices)]
+    frags = [common_fragment(problem)] + [fragment(problem, i, c, training)
+                                          for i, c in enumerate(choices)]
     for f in frags:
         for first, last, nbytes in buffer_spans(problem, f):
             delta[first] += nbytes
@@ -329,15 +379,22 @@ _RANK = {"fetch": 0, "swap_in": 1, "upload": 2, "swap_out": 0, "grads_to_host": 
          "allreduce": 0, "host_step": 0}
 
 
-def assemble(problem: Problem, choices: list[Choice]) -> tuple[tuple[Op, ...], tuple[Buffer, ...]]:
+def assemble(problem: Problem, choices: list[Choice], training: Training = PLAIN
+             ) -> tuple[tuple[Op, ...], tuple[Buffer, ...]]:
     """The schedule's ops (in issue order, with dependencies and uses) and buffers."""
-    frags = [common_fragment(problem)] + [fragment(problem, i, c) for i, c in enumerate(choices)]
-    # Host steps and uploads go from the last block to the first, as the gradients arrive.
-    protos = sorted(
-        (o for fr in frags for o in fr.ops),
-        key=lambda o: (o.stage, STREAMS.index(o.stream), _RANK[o.kind],
-                       -o.block if o.kind == "upload" else o.block, o.key),
-    )
+    frags = [common_fragment(problem)] + [fragment(problem, i, c, training)
+                                          for i, c in enumerate(choices)]
+    update = Stages(len(problem.blocks), problem.world_size).update
+
+    def order(o: ProtoOp) -> tuple:
+        if training.clip and o.stage == update:
+            # device steps, then each block's host step and upload, from block 0 up
+            return (o.stage, o.stream != "compute", o.block, o.kind == "upload", o.key)
+        # Host steps and uploads go from the last block to the first, as the gradients arrive.
+        return (o.stage, STREAMS.index(o.stream), _RANK[o.kind],
+                -o.block if o.kind == "upload" else o.block, o.key)
+
+    protos = sorted((o for fr in frags for o in fr.ops), key=order)
     id_of = {o.key: k for k, o in enumerate(protos)}
     ends = _stage_ends(protos)
     uses_of = _weight_uses(problem, choices)

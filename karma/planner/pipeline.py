@@ -16,6 +16,7 @@ from karma.modelfile import OptimizerProfile
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import Hardware, dump_hardware
 from karma.planner.ilp import min_capacity_bytes, solve_ilp
+from karma.planner.lowering import Training
 from karma.planner.plan import Evaluation, InfeasiblePlan, Plan, evaluate
 from karma.planner.problem import Problem, build_problem
 from karma.schedule import BlockEntry, ModelRef, Predicted, Schedule, TrainConfig
@@ -58,21 +59,23 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
     problem = build_problem(graph, request.hardware, request.dtype, request.world_size,
                             request.optimizer, request.measured_s)
     cap = request.capacity_bytes
-    baselines = {name: evaluate(problem, fn(problem, cap), cap) for name, fn in BASELINES.items()}
+    training = Training(request.accumulate, request.clip_grad_norm is not None)
+    baselines = {name: evaluate(problem, fn(problem, cap, training), cap, training)
+                 for name, fn in BASELINES.items()}
     feasible = [e for e in baselines.values() if e.feasible]
     best = min(feasible, key=lambda e: e.iteration_s) if feasible else None
 
     if request.strategy != "ilp":
         chosen = baselines[request.strategy]
         if not chosen.feasible:
-            need = min_capacity_bytes(problem, request.time_limit_s)
+            need = min_capacity_bytes(problem, request.time_limit_s, training)
             raise InfeasiblePlan(
                 f"the {request.strategy} plan needs {format_bytes(chosen.stage_peak_bytes)} "
                 f"of device memory, over the {format_bytes(cap)} budget (the smallest budget "
                 f"any plan fits in is {format_bytes(need)})", need)
     else:
         plan = solve_ilp(problem, cap, request.time_limit_s, request.gap,
-                         start=best.plan if best else None)
+                         start=best.plan if best else None, training=training)
         if not plan.choices:  # no incumbent in time: fall back to the best baseline
             if best is None:
                 raise InfeasiblePlan(f"the ILP found no plan in {request.time_limit_s:g} s and "
@@ -80,13 +83,13 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
             plan = Plan(best.plan.strategy, best.plan.choices, status="fallback",
                         solve_s=plan.solve_s, note=f"{plan.note}; using the best baseline, "
                                                    f"{best.plan.strategy}")
-        chosen = evaluate(problem, plan, cap)
+        chosen = evaluate(problem, plan, cap, training)
 
     single = chosen.iteration_s
     if request.world_size > 1:
         one = build_problem(graph, request.hardware, request.dtype, 1,
                             request.optimizer, request.measured_s)
-        single = evaluate(one, chosen.plan, cap).iteration_s
+        single = evaluate(one, chosen.plan, cap, training).iteration_s
     schedule = schedule_from(graph, model, request, chosen, single)
     return PlanReport(problem, chosen, baselines, schedule, single)
 

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from karma.errors import KarmaError
-from karma.planner.lowering import Choice, assemble, fragment, stage_memory
+from karma.planner.lowering import PLAIN, Choice, Training, assemble, fragment, stage_memory
 from karma.planner.problem import Problem
 from karma.planner.simulate import SimResult, simulate
 from karma.schedule import Buffer, Op
@@ -62,6 +62,7 @@ class Evaluation:
     pinned_bytes: int
     host_mem_bytes: int
     pinned_mem_bytes: int
+    training: Training = PLAIN
 
     @property
     def feasible(self) -> bool:
@@ -71,28 +72,36 @@ class Evaluation:
 
     @property
     def iteration_s(self) -> float:
+        """One optimizer step (all its micro-batches), updates after the backward."""
         return self.sim.iteration_s
+
+    @property
+    def overlapped_iteration_s(self) -> float | None:
+        """With clipping: one step if the updates overlapped the next forward."""
+        return self.sim.overlapped_iteration_s
 
     @property
     def peak_device_bytes(self) -> int:
         return self.sim.peak_device_bytes
 
 
-def evaluate(problem: Problem, plan: Plan, capacity_bytes: int) -> Evaluation:
+def evaluate(problem: Problem, plan: Plan, capacity_bytes: int,
+             training: Training = PLAIN) -> Evaluation:
     choices = list(plan.choices)
     if len(choices) != len(problem.blocks):
         raise ValueError(f"plan has {len(choices)} choices for {len(problem.blocks)} blocks")
-    ops, buffers = assemble(problem, choices)
-    frags = [fragment(problem, i, c) for i, c in enumerate(choices)]
+    ops, buffers = assemble(problem, choices, training)
+    frags = [fragment(problem, i, c, training) for i, c in enumerate(choices)]
     return Evaluation(
         plan=plan,
         ops=ops,
         buffers=buffers,
-        sim=simulate(ops, buffers),
+        sim=simulate(ops, buffers, training.accumulate, training.clip),
         capacity_bytes=capacity_bytes,
-        stage_peak_bytes=max(stage_memory(problem, choices)),
+        stage_peak_bytes=max(stage_memory(problem, choices, training)),
         host_bytes=sum(f.host_bytes for f in frags),
         pinned_bytes=sum(f.pinned_bytes for f in frags),
         host_mem_bytes=problem.host_mem_bytes,
         pinned_mem_bytes=problem.pinned_mem_bytes,
+        training=training,
     )

@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from karma.planner.lowering import (
+    PLAIN,
     Stages,
+    Training,
     buffer_spans,
     fragment,
     host_temp_bytes,
@@ -25,19 +27,20 @@ from karma.planner.problem import Problem
 from karma.schedule import BARRIER_STREAMS
 
 
-def refine_prefetch(problem: Problem, plan: Plan, capacity_bytes: int) -> Plan:
+def refine_prefetch(problem: Problem, plan: Plan, capacity_bytes: int,
+                    training: Training = PLAIN) -> Plan:
     """`plan` with some copies issued two stages ahead, where that is faster and fits."""
     n = len(problem.blocks)
     st = Stages(n, problem.world_size)
     choices = list(plan.choices)
-    frags = [fragment(problem, i, c) for i, c in enumerate(choices)]
+    frags = [fragment(problem, i, c, training) for i, c in enumerate(choices)]
     load = [dict.fromkeys(BARRIER_STREAMS, 0.0) for _ in range(st.count)]
     for f in frags:
         _add_load(load, f, +1)
     host_temp_from = st.to_host(n - 1)
     host_temp = max(host_temp_bytes(f) for f in frags)  # the same whatever `ahead` is
     memory = [m - (host_temp if k >= host_temp_from else 0)
-              for k, m in enumerate(stage_memory(problem, choices))]
+              for k, m in enumerate(stage_memory(problem, choices, training))]
 
     changed = False
     for i in range(n):
@@ -47,7 +50,7 @@ def refine_prefetch(problem: Problem, plan: Plan, capacity_bytes: int) -> Plan:
         candidate = replace(c, ahead=2)
         if candidate not in valid_choices(problem, i):
             continue
-        new = fragment(problem, i, candidate)
+        new = fragment(problem, i, candidate, training)
         touched = {o.stage for o in frags[i].ops + new.ops}
         before = sum(max(load[k].values()) for k in touched)
         _add_load(load, frags[i], -1)
@@ -64,8 +67,8 @@ def refine_prefetch(problem: Problem, plan: Plan, capacity_bytes: int) -> Plan:
     if not changed:
         return plan
     refined = replace(plan, choices=tuple(choices))
-    if evaluate(problem, refined, capacity_bytes).iteration_s \
-            < evaluate(problem, plan, capacity_bytes).iteration_s:
+    if evaluate(problem, refined, capacity_bytes, training).iteration_s \
+            < evaluate(problem, plan, capacity_bytes, training).iteration_s:
         return refined
     return plan
 

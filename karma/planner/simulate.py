@@ -5,15 +5,26 @@ dependencies have finished, and lasts its predicted duration. Buffers are alloca
 their allocating operation starts and freed when their freeing operation ends, which gives
 the device memory timeline. The simulation also checks the schedule: every buffer an
 operation uses must be filled and not yet freed when the operation starts.
+
+An optimizer step of `accumulate` micro-batches replays the op list that many times, the
+first accumulate-1 without the ops of STEP_KINDS (see [Note: accumulation] in lowering.py):
+the step takes (accumulate-1) replays without them plus one full replay, each simulated.
+With clipping, the updates run after the whole backward; `overlapped_iteration_s` is what
+an iteration would take if they overlapped the next iteration's forward instead (see
+overlapped_iteration_s below).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from karma.errors import KarmaError
 from karma.schedule import STREAMS, Buffer, Op
+
+STEP_KINDS = ("allreduce", "device_step", "host_step", "upload")  # skipped between steps
+UPDATE_KINDS = ("host_step", "upload")  # what overlaps the next iteration's forward
 
 
 class ScheduleError(KarmaError):
@@ -22,31 +33,62 @@ class ScheduleError(KarmaError):
 
 @dataclass(frozen=True)
 class SimResult:
-    iteration_s: float
-    busy_s: dict[str, float]  # per stream
+    iteration_s: float  # one optimizer step: every micro-batch's replay
+    busy_s: dict[str, float]  # per stream, summed over the step's replays
     peak_device_bytes: int
     timeline: tuple[tuple[float, int], ...]  # (time, device bytes allocated from then on)
-    start_s: tuple[float, ...]  # per op
-    end_s: tuple[float, ...]  # per op
+    start_s: tuple[float, ...]  # per op, in the replay that steps
+    end_s: tuple[float, ...]  # per op, in the replay that steps
     lower_bound_s: float  # max over streams of busy time: no schedule of these ops is faster
-    transfer_bytes: dict[str, int]  # bytes moved per copy stream
+    transfer_bytes: dict[str, int]  # bytes moved per copy stream, summed over the step
+    replay_s: float = 0.0  # the replay that steps (what start_s and end_s show)
+    micro_batch_s: float | None = None  # a replay that does not step (accumulate > 1)
+    overlapped_iteration_s: float | None = None  # with clipping: updates under the next forward
 
 
-def simulate(ops: Sequence[Op], buffers: Sequence[Buffer]) -> SimResult:
-    start = [0.0] * len(ops)
-    end = [0.0] * len(ops)
-    free_at = dict.fromkeys(STREAMS, 0.0)
-    for op in ops:
-        ready = max((end[d] for d in op.deps), default=0.0)
-        if any(d >= op.id for d in op.deps):
-            raise ScheduleError(f"op {op.id} ({op.kind} of block {op.block}) depends on a "
-                                "later op; the op list must be in issue order")
-        start[op.id] = max(ready, free_at[op.stream])
-        end[op.id] = start[op.id] + op.dur_s
-        free_at[op.stream] = end[op.id]
-
+def simulate(ops: Sequence[Op], buffers: Sequence[Buffer], accumulate: int = 1,
+             clip: bool = False) -> SimResult:
+    """One optimizer step of `accumulate` micro-batches (with `clip`, the overlapped figure
+    too); with the defaults, one replay of the op list."""
+    if accumulate < 1:
+        raise ValueError(f"accumulate = {accumulate} must be at least 1")
+    start, end = _times(ops)
     _check_residency(ops, buffers, start, end)
+    timeline, peak = _memory(buffers, start, end)
+    replay_s = max(end, default=0.0)
+    micro_s = None
+    if accumulate > 1:  # the other replays: their own timing, their own memory peak
+        micro = _without_step(ops)
+        micro_start, micro_end = _times(micro)
+        _check_residency(micro, buffers, micro_start, micro_end)
+        peak = max(peak, _memory(buffers, micro_start, micro_end)[1])
+        micro_s = max(micro_end, default=0.0)
 
+    busy = dict.fromkeys(STREAMS, 0.0)
+    moved = {"h2d": 0, "d2h": 0}
+    for op in ops:
+        times = 1 if op.kind in STEP_KINDS else accumulate
+        busy[op.stream] += times * op.dur_s
+        if op.stream in moved:
+            moved[op.stream] += times * op.bytes
+    return SimResult(
+        iteration_s=replay_s + (accumulate - 1) * (micro_s or 0.0),
+        busy_s=busy,
+        peak_device_bytes=peak,
+        timeline=tuple(timeline),
+        start_s=tuple(start),
+        end_s=tuple(end),
+        lower_bound_s=max(busy.values()),
+        transfer_bytes=moved,
+        replay_s=replay_s,
+        micro_batch_s=micro_s,
+        overlapped_iteration_s=overlapped_iteration_s(ops, accumulate) if clip else None,
+    )
+
+
+def _memory(buffers: Sequence[Buffer], start: list[float], end: list[float]
+            ) -> tuple[list[tuple[float, int]], int]:
+    """The device memory timeline (time, bytes allocated from then on) and its peak."""
     events: list[tuple[float, int, int]] = []  # (time, order: frees first, delta)
     for b in buffers:
         events.append((start[b.alloc] if b.alloc is not None else 0.0, 1, b.bytes))
@@ -61,23 +103,86 @@ def simulate(ops: Sequence[Op], buffers: Sequence[Buffer]) -> SimResult:
             timeline[-1] = (t, current)
         else:
             timeline.append((t, current))
+    return timeline, peak
 
-    busy = dict.fromkeys(STREAMS, 0.0)
-    moved = {"h2d": 0, "d2h": 0}
+
+def _times(ops: Sequence[Op]) -> tuple[list[float], list[float]]:
+    """Start and end of every op: each stream in list order, each op after its deps."""
+    start = [0.0] * len(ops)
+    end = [0.0] * len(ops)
+    free_at = dict.fromkeys(STREAMS, 0.0)
     for op in ops:
-        busy[op.stream] += op.dur_s
-        if op.stream in moved:
-            moved[op.stream] += op.bytes
-    return SimResult(
-        iteration_s=max(end, default=0.0),
-        busy_s=busy,
-        peak_device_bytes=peak,
-        timeline=tuple(timeline),
-        start_s=tuple(start),
-        end_s=tuple(end),
-        lower_bound_s=max(busy.values()),
-        transfer_bytes=moved,
-    )
+        if any(d >= op.id for d in op.deps):
+            raise ScheduleError(f"op {op.id} ({op.kind} of block {op.block}) depends on a "
+                                "later op; the op list must be in issue order")
+        ready = max((end[d] for d in op.deps), default=0.0)
+        start[op.id] = max(ready, free_at[op.stream])
+        end[op.id] = start[op.id] + op.dur_s
+        free_at[op.stream] = end[op.id]
+    return start, end
+
+
+def _without_step(ops: Sequence[Op]) -> list[Op]:
+    """The replay of a micro-batch that does not step: the step's ops take no time."""
+    return [replace(op, dur_s=0.0) if op.kind in STEP_KINDS else op for op in ops]
+
+
+_WEIGHTS = re.compile(r"w\.(\d+)(@[fb]\d*)?$")  # w.OWNER (resident) or w.OWNER@fUSER (fetched)
+
+
+def overlapped_iteration_s(ops: Sequence[Op], accumulate: int = 1) -> float:
+    """[Note: updates under the next forward] The step time if host steps and uploads ran
+    while the next iteration's forward does, each done before its block's weights are next
+    read: a fetch of block o's weights waits for o's host step, the first op reading o's
+    resident weights for o's upload (issued on h2d just before that op).
+
+    Two iterations are simulated back to back: the first without its updates, then the
+    second (a micro-batch that does not step when accumulate > 1) with the first's updates
+    interleaved as above. The second starts where the first's other work ends (E1) and the
+    state at that point repeats every step, so one step takes E2 - E1 (E2: where the
+    second's work other than its own updates ends), plus accumulate - 2 micro-batches and
+    the first's E1 when accumulate > 1.
+    """
+    merged: list[Op] = []
+
+    def add(op: Op, deps) -> int:
+        merged.append(replace(op, id=len(merged), deps=tuple(sorted(set(deps)))))
+        return len(merged) - 1
+
+    first: dict[int, int] = {}  # id in `ops` -> id in `merged`, for the first iteration
+    for op in ops:
+        if op.kind not in UPDATE_KINDS:
+            first[op.id] = add(op, (first[d] for d in op.deps if d in first))
+    e1 = max(_times(merged)[1], default=0.0)
+    # the second iteration starts when the first's work (its updates aside) is done
+    last = {op.stream: k for k, op in enumerate(merged)}
+    host_step: dict[int, int] = {}
+    for op in ops:
+        if op.kind == "host_step":
+            host_step[op.block] = first[op.id] = add(op, (first[d] for d in op.deps))
+    pending = {op.block: op for op in ops if op.kind == "upload"}
+
+    second: dict[int, int] = {}
+    for op in _without_step(ops) if accumulate > 1 else ops:
+        if op.kind in UPDATE_KINDS:
+            continue
+        deps = [second[d] for d in op.deps if d in second] + list(last.values())
+        for name in op.uses:
+            m = _WEIGHTS.match(name)
+            if m is None:
+                continue
+            owner = int(m.group(1))
+            if m.group(2) and op.kind == "fetch" and owner in host_step:
+                deps.append(host_step[owner])
+            elif not m.group(2) and owner in pending:
+                up = pending.pop(owner)
+                deps.append(add(up, [first[d] for d in up.deps]))
+        second[op.id] = add(op, deps)
+    end = _times(merged)[1]
+    e2 = max((end[k] for k in second.values()), default=e1)
+    if accumulate == 1:
+        return e2 - e1
+    return e2 + (accumulate - 2) * max(_times(_without_step(ops))[1], default=0.0)
 
 
 def _check_residency(ops: Sequence[Op], buffers: Sequence[Buffer], start: list[float],
