@@ -24,6 +24,7 @@ from karma.ir.graph import BlockGraph
 from karma.modelfile import ModelFile, load_model_file, optimizer_profile
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import load_hardware
+from karma.planner.lowering import PLAIN, Training
 from karma.planner.pipeline import PlanRequest, make_schedule
 from karma.planner.plan import evaluate
 from karma.planner.problem import build_problem
@@ -120,19 +121,23 @@ def reference_train(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
 
 
 def keep_all_peak_bytes(mf: ModelFile, graph: BlockGraph | None = None,
-                        world_size: int = 1, hardware: str = HARDWARE) -> int:
-    """The planner's stage peak of keep_all: the budget at which everything fits."""
+                        world_size: int = 1, hardware: str = HARDWARE,
+                        training: Training = PLAIN) -> int:
+    """The planner's stage peak of keep_all (in the graph's dtype, with `training`): the
+    budget at which everything fits."""
     graph = graph or block_graph(mf)
-    problem = build_problem(graph, load_hardware(hardware), world_size=world_size)
-    return evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
+    problem = build_problem(graph, load_hardware(hardware), dtype=graph.dtype,
+                            world_size=world_size)
+    plan = BASELINES["keep_all"](problem, 1 << 60, training)
+    return evaluate(problem, plan, 1 << 60, training).stage_peak_bytes
 
 
 def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
          graph: BlockGraph | None = None, seed: int = 0, world_size: int = 1,
          hardware: str = HARDWARE, dtype: str = "fp32", accumulate: int = 1,
          clip_grad_norm: float | None = None) -> Schedule:
-    """Plan `mf` in-process at `fraction` of keep_all's stage peak (fp32, one micro-batch),
-    for the CPU backend (or the hardware profile named), with the training options given.
+    """Plan `mf` in-process at `fraction` of keep_all's stage peak (with the same training
+    options), for the CPU backend (or the hardware profile named).
 
     Raises InfeasiblePlan when the strategy does not fit that budget.
     """
@@ -150,9 +155,9 @@ def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
 def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
           seed: int, world_size: int, hardware: str,
           training: tuple[str, int, float | None] = ("fp32", 1, None)) -> Schedule:
-    full = graph if graph.dtype == "fp32" else block_graph(mf)
-    capacity = int(keep_all_peak_bytes(mf, full, world_size, hardware) * fraction)
     dtype, accumulate, clip = training
+    capacity = int(keep_all_peak_bytes(mf, graph, world_size, hardware,
+                                       Training(accumulate, clip is not None)) * fraction)
     model = ModelRef(path=str(mf.path), sha256=mf.sha256,
                      ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
                      env=model_env(mf))

@@ -50,7 +50,7 @@ def check_predicted(schedule: Schedule, source: str) -> SimResult:
         raise ScheduleFileError(f"{source}: {e}; {_CORRUPT}") from None
     p = schedule.predicted
     busy = dict(p.busy_s)
-    pairs = [("predicted.iteration_s", p.iteration_s, sim.iteration_s, _show_s, REL_TOL),
+    pairs = [("predicted.iteration_s", p.iteration_s, step_s(sim), _show_s, REL_TOL),
              ("predicted.peak_device_bytes", p.peak_device_bytes, sim.peak_device_bytes,
               _show_bytes, 0.0)]
     pairs += [(f"predicted.busy_s.{s}", busy.get(s, 0.0), sim.busy_s[s], _show_s, REL_TOL)
@@ -61,6 +61,13 @@ def check_predicted(schedule: Schedule, source: str) -> SimResult:
                 f"{source}: re-simulating its {len(schedule.ops)} ops gives {show(simulated)}, "
                 f"but {key} is {show(written)}; {_CORRUPT}")
     return sim
+
+
+def step_s(sim: SimResult) -> float:
+    """One optimizer step as the runtime runs it (with clipping, the host updates overlap the
+    next forward: the overlapped figure)."""
+    overlapped = sim.overlapped_iteration_s
+    return overlapped if overlapped is not None else sim.iteration_s
 
 
 def _show_s(x: float) -> str:
@@ -108,10 +115,11 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
             "replay_s": sim.replay_s,  # the micro-batch that steps
             "micro_batch_s": sim.micro_batch_s,  # one that does not (accumulate > 1)
             "overlapped_iteration_s": sim.overlapped_iteration_s,  # with clipping
+            "serial_iteration_s": sim.iteration_s,  # the updates after the whole backward
         },
         "busy_s": dict(p.busy_s),
         "check": {"ops": len(s.ops), "buffers": len(s.buffers),
-                  "simulated_iteration_s": sim.iteration_s,
+                  "simulated_iteration_s": step_s(sim),
                   "simulated_peak_device_bytes": sim.peak_device_bytes, "matches": True},
         "blocks": [{"index": b.index, "name": b.name, "act": b.act, "weights": b.weights,
                     "optim": b.optim, "param_bytes": b.param_bytes, "act_bytes": b.act_bytes}
@@ -150,9 +158,9 @@ def render(info: dict) -> str:
         f"busy        {busy}",
     ]
     if c["clip_grad_norm"] is not None:
-        lines.append(f"overlapped  {format_seconds(p['overlapped_iteration_s'])} if the host "
-                     "updates overlapped the next iteration's forward (the runtime runs them "
-                     "after the backward, as predicted above)")
+        lines.append(f"overlapped  the iteration above has the host updates under the next "
+                     f"iteration's forward, as the runtime runs them; after the backward it "
+                     f"would take {format_seconds(p['serial_iteration_s'])}")
     if c["world_size"] > 1:
         lines.append(f"scaling     {p['scaling_efficiency']:.3f} (one rank's iteration time "
                      "over this one's)")

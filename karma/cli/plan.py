@@ -123,7 +123,7 @@ def _summary_json(report) -> dict:
         "feasible": True,
         "strategy": ev.plan.strategy,
         "status": ev.plan.status,
-        "iteration_s": ev.iteration_s,
+        "iteration_s": ev.step_s,
         "peak_device_bytes": ev.peak_device_bytes,
         "stage_peak_bytes": ev.stage_peak_bytes,
         "capacity_bytes": ev.capacity_bytes,
@@ -133,7 +133,7 @@ def _summary_json(report) -> dict:
         "world_size": s.config.world_size,
         "decisions": ev.plan.counts(),
         "baselines": {
-            name: {"feasible": b.feasible, "iteration_s": b.iteration_s,
+            name: {"feasible": b.feasible, "iteration_s": b.step_s,
                    "peak_device_bytes": b.peak_device_bytes}
             for name, b in report.baselines.items()
         },
@@ -153,8 +153,10 @@ def _summary_text(report, hardware_name: str, output: str | None) -> str:
         + (f"; {ev.plan.note}" if ev.plan.status == "fallback" else ""),
         f"decisions: {c['keep']} keep, {c['swap']} swap, {c['recompute']} recompute; "
         f"{c['streamed_weights']} streamed weights; {c['host_optimizer']} on the host optimizer",
-        f"predicted iteration {format_seconds(ev.iteration_s)} (lower bound "
-        f"{format_seconds(ev.sim.lower_bound_s)}, {ev.iteration_s / ev.sim.lower_bound_s:.2f}x)",
+        f"predicted iteration {format_seconds(ev.step_s)} (lower bound "
+        f"{format_seconds(ev.sim.lower_bound_s)}, {ev.step_s / ev.sim.lower_bound_s:.2f}x)"
+        + ("; host updates overlapped with the next forward" if s.config.clip_grad_norm
+           is not None else ""),
         f"predicted peak {format_bytes(ev.peak_device_bytes)} of {format_bytes(cap)} "
         f"({100 * ev.peak_device_bytes / cap:.0f}%)",
     ]
@@ -167,7 +169,7 @@ def _summary_text(report, hardware_name: str, output: str | None) -> str:
     for name, e in rows:
         mark = " *" if e.plan.choices == ev.plan.choices and name == ev.plan.strategy else ""
         lines.append(f"{name + mark:<15} {'yes' if e.feasible else 'no':<5} "
-                     f"{format_seconds(e.iteration_s):>10} {format_bytes(e.peak_device_bytes):>11}")
+                     f"{format_seconds(e.step_s):>10} {format_bytes(e.peak_device_bytes):>11}")
     if output:
         lines += ["", f"wrote {output} ({len(s.ops)} operations); inspect it with "
                       f"karma-inspect {output}"]

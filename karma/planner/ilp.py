@@ -212,7 +212,8 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
         for first, last, nbytes in buffer_spans(problem, f):
             delta[first].append((nbytes / GIB, key))
             delta[last + 1].append((-nbytes / GIB, key))
-    # (host step temporaries: the largest of them, in every stage from the first host step)
+    # (host step temporaries: the largest of them, in every stage from the first host step,
+    # or in every stage with clipping)
     host_temp = lp.add_variable("host_temp", lowBound=0)
     for (i, c), f in frags.items():
         if (nbytes := host_temp_bytes(f)) > 0:
@@ -220,7 +221,8 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     for k in range(st.count):
         change = pulp.lpSum(v if key is None else v * x[key] for v, key in delta[k])
         lp += m[k] == (m[k - 1] if k else 0) + change, f"memory_{k}"
-        extra = host_temp if k >= st.to_host(n - 1) else 0
+        # with clipping, the host steps run on into the next forward (host_temp_bytes)
+        extra = host_temp if training.clip or k >= st.to_host(n - 1) else 0
         lp += m[k] + extra <= cap, f"capacity_{k}"
 
     # [Constraint] host memory and pinned host memory

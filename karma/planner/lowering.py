@@ -349,7 +349,9 @@ def host_temp_bytes(f: Fragment) -> int:
     """[Note: host step temporaries] On the CPU backend a host optimizer step makes a
     temporary the size of its largest weight in private memory. Host steps run one at a time
     but not in a fixed stage, so the stage model counts the largest of them in every stage
-    from the first host step on, rather than each in its own stage."""
+    from the first host step on, rather than each in its own stage. With clipping the host
+    steps run on into the next iteration's forward (the runtime overlaps them: engine.py,
+    [Note: updates overlapped with the next forward]), so it counts in every stage."""
     return max((b.bytes for b in f.buffers if b.name.startswith(HOST_TEMP)), default=0)
 
 
@@ -368,7 +370,7 @@ def stage_memory(problem: Problem, choices: list[Choice],
     live, out = 0, []
     for k in range(st.count):
         live += delta[k]
-        out.append(live + (host_temp if k >= st.to_host(st.n - 1) else 0))
+        out.append(live + (host_temp if training.clip or k >= st.to_host(st.n - 1) else 0))
     return out
 
 
