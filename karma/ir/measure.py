@@ -18,10 +18,22 @@ kernel up to a few bytes of RNG state). Two details follow what SDPA does in eag
 device: a boolean mask becomes a new additive float mask at every call (and that is what is
 saved), and grouped-query attention (`enable_gqa=True`) goes to the fused kernel with the
 key and value unexpanded (saved: query, key, value as given, output, log-sum-exp).
+
+[Note: measuring under autocast] Mixed precision (`karma-plan --dtype bf16`) runs the
+forward and the loss under `torch.autocast(device, dtype=torch.bfloat16)` with fp32 weights;
+what autograd saves then is a mix (matmul inputs and the cached bf16 copies of the weights in
+bf16, layer norms and residual sums in fp32), so it is measured, never derived from fp32 by
+halving. Autocast does nothing for meta tensors (there is no autocast key for the meta
+device), so for bf16 the blocks run on fake CPU tensors instead (`FakeTensorMode`: shapes,
+dtypes and storages, no data), whose CPU autocast casts as eager CPU autocast does. The
+forward runs under autocast and the backward outside it, as in training. A cached weight
+copy is a storage the block's forward made and saved, so it counts in the block's act_bytes
+(in training it lives from the forward to the backward too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import weakref
 from dataclasses import dataclass, replace
@@ -30,6 +42,8 @@ from functools import partial
 import torch
 import torch.fx
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.split_module import split_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import (
@@ -42,8 +56,96 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from karma.ir.blocks import BlockSpec
 from karma.ir.graph import SharedSaved
+from karma.ir.trace import retarget_device
 
 aten = torch.ops.aten
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16}
+
+
+class Compute:
+    """How blocks run while measuring (see [Note: measuring under autocast]): on meta tensors
+    for fp32; on fake CPU tensors, the forward under CPU autocast, for bf16."""
+
+    def __init__(self, dtype: str = "fp32"):
+        if dtype != "fp32" and dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"dtype {dtype!r}; use fp32 or one of {', '.join(AUTOCAST_DTYPES)}")
+        self.dtype = dtype
+        self.fake = FakeTensorMode() if dtype in AUTOCAST_DTYPES else None
+        self.device = torch.device("cpu")
+
+    def tensor(self, t):
+        """A meta tensor as this computation's tensor (itself for fp32)."""
+        if self.fake is None or not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
+            return t
+        converter = self.fake.fake_tensor_converter
+        return converter.from_meta_and_device(self.fake, t, self.device)
+
+    def tree(self, value):
+        """`tensor` on every tensor in a nested structure (a batch, a ModelOutput, ...)."""
+        return pytree.tree_map_only(torch.Tensor, self.tensor, value)
+
+    def module(self, gm: torch.fx.GraphModule) -> None:
+        """Move gm's parameters and buffers (shared ones stay shared) and the devices its
+        graphs name (`arange(..., device=meta)`) onto this computation's device, in place."""
+        if self.fake is None:
+            return
+        moved: dict[int, torch.Tensor] = {}
+        for mod in gm.modules():
+            for name, p in mod._parameters.items():  # noqa: SLF001 - replaced in place
+                if p is not None and id(p) not in moved:
+                    moved[id(p)] = torch.nn.Parameter(self.tensor(p.detach()),
+                                                      requires_grad=p.requires_grad)
+                if p is not None:
+                    mod._parameters[name] = moved[id(p)]  # noqa: SLF001
+            for name, b in mod._buffers.items():  # noqa: SLF001
+                if b is not None:
+                    mod._buffers[name] = moved.setdefault(id(b), self.tensor(b))  # noqa: SLF001
+            if isinstance(mod, torch.fx.GraphModule):
+                retarget_device(mod, torch.device("meta"), self.device)
+                _drop_metadata_asserts(mod)
+
+    def forward(self):
+        """The context a forward (or the loss) runs in."""
+        if self.fake is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.fake)
+        stack.enter_context(_NormStatsInFp32())
+        stack.enter_context(torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.dtype]))
+        return stack
+
+    def backward(self):
+        """The context a backward runs in: outside autocast, as in training."""
+        return self.fake if self.fake is not None else contextlib.nullcontext()
+
+
+def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> None:
+    """torch.export asserts the dtype it traced at every `.to(dtype)` (an fp32 input to an
+    RMSNorm's `.to(torch.float32)`); under autocast the input may be bf16, as in eager."""
+    asserts = [n for n in gm.graph.nodes if n.op == "call_function"
+               and n.target is aten._assert_tensor_metadata.default]
+    for node in asserts:
+        gm.graph.erase_node(node)
+    if asserts:
+        gm.recompile()
+
+
+_NORMS = {getattr(aten, name).default for name in (
+    "native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional", "_batch_norm_with_update") if hasattr(aten, name)}
+
+
+class _NormStatsInFp32(TorchDispatchMode):
+    """The mean and inverse deviation a normalization saves for backward are fp32 for a bf16
+    input, as the CUDA kernels (and the CPU kernels with fp32 weights, the autocast case)
+    make them; the fake (meta) kernels make them bf16. Sizes only: no data to convert."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _NORMS and args[0].dtype in (torch.bfloat16, torch.float16):
+            out = (out[0], *(t.float() if t.dtype == args[0].dtype else t for t in out[1:3]),
+                   *out[3:])
+        return out
 
 
 @dataclass(frozen=True)
@@ -65,21 +167,27 @@ class Measured:
 
 
 def measure_blocks(gm: torch.fx.GraphModule, specs: list[BlockSpec],
-                   inputs: tuple[torch.Tensor, ...]) -> Measured:
+                   inputs: tuple[torch.Tensor, ...], compute: Compute | None = None) -> Measured:
+    """Measure the blocks of gm (on meta tensors) as `compute` runs them (default: fp32 on
+    the meta device). With autocast, gm's parameters become fake CPU tensors."""
+    compute = compute or Compute()
     _reroute_sdpa(gm)
     _count_grouped_mm()
     block_of = {node: i for i, spec in enumerate(specs) for node in spec.nodes}
     split = split_module(gm, gm, lambda n: block_of[n.name], keep_original_order=True)
+    compute.module(split)
+    inputs = compute.tree(tuple(inputs))
 
     skip = {s.untyped_storage()._cdata for s in (*split.parameters(), *split.buffers())}
     census = _Census(split, skip)
-    flat_out = census.run_with_autograd(*inputs)
+    with compute.forward():
+        flat_out = census.run_with_autograd(*inputs)
     private, shared = census.attribute(len(specs))
 
     figures = []
     for i in range(len(specs)):
         args, from_block = census.args[i]
-        fig = _measure_one(getattr(split, f"submod_{i}"), args, from_block, skip)
+        fig = _measure_one(getattr(split, f"submod_{i}"), args, from_block, skip, compute)
         figures.append(replace(fig, act_bytes=private[i]))
     flat = tuple(flat_out) if isinstance(flat_out, (tuple, list)) else (flat_out,)
     return Measured(tuple(figures), census.edges, flat, shared)
@@ -101,7 +209,7 @@ def saved_bytes(fn, *args, skip: set[int] = frozenset()) -> tuple[object, int]:
 
 
 def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
-                 skip: set[int]) -> BlockFigures:
+                 skip: set[int], compute: Compute) -> BlockFigures:
     """The block's figures on its own; act_bytes here counts every storage it saves."""
     # an input requires grad where it did in the whole model: a rotary table or a mask made
     # from buffers does not, and made to, it would make its readers save more
@@ -110,7 +218,7 @@ def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
         for a, fb in zip(args, from_block)
     ]
     live = LiveBytes(known=[*fresh, *submod.parameters(), *submod.buffers()])
-    with FlopCounterMode(display=False) as fwd_counter, live:
+    with compute.forward(), FlopCounterMode(display=False) as fwd_counter, live:
         out, act_bytes = saved_bytes(submod, *fresh, skip=skip)
     fwd_peak, live.peak = live.peak, live.now
     outs = [o for o in _tensors(out)]
@@ -119,7 +227,7 @@ def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
     # split_module passes the weights in as arguments (get_attr in the parent module)
     params = [p for p in (*submod.parameters(), *args)
               if isinstance(p, torch.nn.Parameter) and p.requires_grad]
-    with FlopCounterMode(display=False) as bwd_counter, live:
+    with compute.backward(), FlopCounterMode(display=False) as bwd_counter, live:
         if grads_for:
             torch.autograd.backward(grads_for, [torch.ones_like(o) for o in grads_for])
     param_grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
@@ -289,10 +397,19 @@ def _differentiable(t) -> bool:
 
 def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                 scale=None, enable_gqa=False):
-    if query.device.type != "meta" or dropout_p > 0.0:
+    measuring = query.device.type == "meta" or isinstance(query, FakeTensor)
+    if not measuring or dropout_p > 0.0:
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa)
+    if isinstance(query, FakeTensor) and torch.is_autocast_enabled(query.device.type):
+        # SDPA is on autocast's lower-precision list: eager casts its floating inputs (a
+        # float mask too) before any kernel; the kernel called here is not on the list
+        low = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(low) if t.is_floating_point() else t
+                             for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(low)
     # The fused kernels take grouped-query attention (fewer key/value heads) as it is and
     # save the key and value unexpanded; the CPU flash kernel's meta function does the same.
     if attn_mask is not None and attn_mask.dtype == torch.bool:
