@@ -77,6 +77,8 @@ class Compute:
         """A meta tensor as this computation's tensor (itself for fp32)."""
         if self.fake is None or not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
             return t
+        if t.device.type != "meta":  # a constant the trace kept (torch.tensor([...]))
+            return self.fake.from_tensor(t)
         converter = self.fake.fake_tensor_converter
         return converter.from_meta_and_device(self.fake, t, self.device)
 
