@@ -11,8 +11,9 @@ import torch
 
 from karma.errors import IRError, KarmaError
 from karma.ir.blocks import find_units, group_nodes
+from karma.ir.compute import Compute
 from karma.ir.graph import Block, BlockGraph, Edge
-from karma.ir.measure import Compute, measure_blocks, saved_bytes
+from karma.ir.measure import measure_blocks, saved_bytes
 from karma.ir.trace import trace
 from karma.modelfile import USE_CACHE_NOTE, ModelFile, _user_frame
 
@@ -24,7 +25,7 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
                       dtype: str = "fp32") -> BlockGraph:
     """Trace the model file's model on the meta device and measure its blocks as training in
     `dtype` runs them: fp32, or bf16 (mixed precision: forward and loss under autocast; see
-    [Note: measuring under autocast] in karma/ir/measure.py)."""
+    [Note: measuring under autocast] in karma/ir/compute.py)."""
     batch_size = batch_size or mf.default_batch_size
     compute = Compute(dtype)
     traced = trace(mf, batch_size)
