@@ -11,6 +11,7 @@ import torch
 
 from karma.errors import IRError, KarmaError
 from karma.ir.blocks import find_units, group_nodes
+from karma.ir.compute import Compute
 from karma.ir.graph import Block, BlockGraph, Edge
 from karma.ir.measure import measure_blocks, saved_bytes
 from karma.ir.trace import trace
@@ -22,23 +23,26 @@ __all__ = ["Block", "BlockGraph", "Edge", "build_block_graph"]
 def build_block_graph(mf: ModelFile, batch_size: int | None = None,
                       blocks_regex: str | None = None, model_name: str | None = None,
                       dtype: str = "fp32") -> BlockGraph:
-    """Trace the model file's model on the meta device and measure its blocks (`dtype`:
-    the compute dtype; bf16 is measured in fp32 for now, see BlockGraph.dtype)."""
+    """Trace the model file's model on the meta device and measure its blocks as training in
+    `dtype` runs them: fp32, or bf16 (mixed precision: forward and loss under autocast; see
+    [Note: measuring under autocast] in karma/ir/compute.py)."""
     batch_size = batch_size or mf.default_batch_size
+    compute = Compute(dtype)
     traced = trace(mf, batch_size)
     gm = traced.gm
     specs = group_nodes(gm, find_units(traced.model, blocks_regex))
     try:
-        measured = measure_blocks(gm, specs, traced.flat_inputs)
+        measured = measure_blocks(gm, specs, traced.flat_inputs, compute)
     except Exception as e:  # noqa: BLE001 - name the stage that failed
-        raise IRError(f"measuring the blocks of {mf.path} on the meta device failed: "
+        where = "the meta device" if dtype == "fp32" else f"fake CPU tensors under {dtype} autocast"
+        raise IRError(f"measuring the blocks of {mf.path} on {where} failed: "
                       f"{type(e).__name__}: {str(e)[:300]}") from e
 
     params = dict(gm.named_parameters())  # unique parameters, first name of each
     # loss_fn sees the output as karma-run will hand it over: in its real structure (a
     # ModelOutput, a dict, a tuple, ...), every floating-point tensor requiring grad
     output = traced.output([_grad_leaf(t) for t in measured.flat_output])
-    loss_act_bytes = _loss_saved_bytes(mf, output, traced.targets)
+    loss_act_bytes = _loss_saved_bytes(mf, output, compute.tree(traced.targets), compute)
 
     owner = {p: i for i, spec in enumerate(specs) for p in spec.params}
     blocks = tuple(
@@ -72,6 +76,7 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
         tracer=traced.tracer,
         shared_saved=measured.shared_saved,
         notes=(USE_CACHE_NOTE,) if traced.cache_turned_off else (),
+        dtype=dtype,
     )
 
 
@@ -81,10 +86,12 @@ def _grad_leaf(t):
     return t
 
 
-def _loss_saved_bytes(mf: ModelFile, output, targets) -> int:
-    """The bytes loss_fn saves for backward; checks that it returns a differentiable scalar."""
+def _loss_saved_bytes(mf: ModelFile, output, targets, compute: Compute) -> int:
+    """The bytes loss_fn saves for backward (under autocast for bf16, as training computes
+    the loss); checks that it returns a differentiable scalar."""
     try:
-        loss, nbytes = saved_bytes(mf.loss_fn, output, targets)
+        with compute.forward():
+            loss, nbytes = saved_bytes(mf.loss_fn, output, targets)
     except KarmaError:
         raise
     except Exception as e:  # noqa: BLE001 - user code

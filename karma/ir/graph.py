@@ -170,7 +170,8 @@ class BlockGraph:
             f" {'fwd GFLOP':>10} {'bwd GFLOP':>10}  modules"
         )
         lines = [
-            f"model {self.model}  batch {self.batch_size}  traced with {self.tracer}",
+            f"model {self.model}  batch {self.batch_size}  traced with {self.tracer}"
+            + (f"  measured in {self.dtype} (autocast)" if self.dtype != "fp32" else ""),
             head,
             "-" * len(head),
         ]

@@ -18,6 +18,9 @@ kernel up to a few bytes of RNG state). Two details follow what SDPA does in eag
 device: a boolean mask becomes a new additive float mask at every call (and that is what is
 saved), and grouped-query attention (`enable_gqa=True`) goes to the fused kernel with the
 key and value unexpanded (saved: query, key, value as given, output, log-sum-exp).
+
+bf16 runs on fake CPU tensors under autocast: see [Note: measuring under autocast] in
+karma/ir/compute.py.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from functools import partial
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.split_module import split_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import (
@@ -41,6 +45,7 @@ from torch.utils.flop_counter import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from karma.ir.blocks import BlockSpec
+from karma.ir.compute import Compute
 from karma.ir.graph import SharedSaved
 
 aten = torch.ops.aten
@@ -65,21 +70,27 @@ class Measured:
 
 
 def measure_blocks(gm: torch.fx.GraphModule, specs: list[BlockSpec],
-                   inputs: tuple[torch.Tensor, ...]) -> Measured:
+                   inputs: tuple[torch.Tensor, ...], compute: Compute | None = None) -> Measured:
+    """Measure the blocks of gm (on meta tensors) as `compute` runs them (default: fp32 on
+    the meta device). With autocast, gm's parameters become fake CPU tensors."""
+    compute = compute or Compute()
     _reroute_sdpa(gm)
     _count_grouped_mm()
     block_of = {node: i for i, spec in enumerate(specs) for node in spec.nodes}
     split = split_module(gm, gm, lambda n: block_of[n.name], keep_original_order=True)
+    compute.module(split)
+    inputs = compute.tree(tuple(inputs))
 
     skip = {s.untyped_storage()._cdata for s in (*split.parameters(), *split.buffers())}
     census = _Census(split, skip)
-    flat_out = census.run_with_autograd(*inputs)
+    with compute.forward():
+        flat_out = census.run_with_autograd(*inputs)
     private, shared = census.attribute(len(specs))
 
     figures = []
     for i in range(len(specs)):
         args, from_block = census.args[i]
-        fig = _measure_one(getattr(split, f"submod_{i}"), args, from_block, skip)
+        fig = _measure_one(getattr(split, f"submod_{i}"), args, from_block, skip, compute)
         figures.append(replace(fig, act_bytes=private[i]))
     flat = tuple(flat_out) if isinstance(flat_out, (tuple, list)) else (flat_out,)
     return Measured(tuple(figures), census.edges, flat, shared)
@@ -101,7 +112,7 @@ def saved_bytes(fn, *args, skip: set[int] = frozenset()) -> tuple[object, int]:
 
 
 def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
-                 skip: set[int]) -> BlockFigures:
+                 skip: set[int], compute: Compute) -> BlockFigures:
     """The block's figures on its own; act_bytes here counts every storage it saves."""
     # an input requires grad where it did in the whole model: a rotary table or a mask made
     # from buffers does not, and made to, it would make its readers save more
@@ -110,7 +121,7 @@ def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
         for a, fb in zip(args, from_block)
     ]
     live = LiveBytes(known=[*fresh, *submod.parameters(), *submod.buffers()])
-    with FlopCounterMode(display=False) as fwd_counter, live:
+    with compute.forward(), FlopCounterMode(display=False) as fwd_counter, live:
         out, act_bytes = saved_bytes(submod, *fresh, skip=skip)
     fwd_peak, live.peak = live.peak, live.now
     outs = [o for o in _tensors(out)]
@@ -119,7 +130,7 @@ def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
     # split_module passes the weights in as arguments (get_attr in the parent module)
     params = [p for p in (*submod.parameters(), *args)
               if isinstance(p, torch.nn.Parameter) and p.requires_grad]
-    with FlopCounterMode(display=False) as bwd_counter, live:
+    with compute.backward(), FlopCounterMode(display=False) as bwd_counter, live:
         if grads_for:
             torch.autograd.backward(grads_for, [torch.ones_like(o) for o in grads_for])
     param_grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
@@ -289,10 +300,19 @@ def _differentiable(t) -> bool:
 
 def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                 scale=None, enable_gqa=False):
-    if query.device.type != "meta" or dropout_p > 0.0:
+    measuring = query.device.type == "meta" or isinstance(query, FakeTensor)
+    if not measuring or dropout_p > 0.0:
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
             scale=scale, enable_gqa=enable_gqa)
+    if isinstance(query, FakeTensor) and torch.is_autocast_enabled(query.device.type):
+        # SDPA is on autocast's lower-precision list: eager casts its floating inputs (a
+        # float mask too) before any kernel; the kernel called here is not on the list
+        low = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(low) if t.is_floating_point() else t
+                             for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(low)
     # The fused kernels take grouped-query attention (fewer key/value heads) as it is and
     # save the key and value unexpanded; the CPU flash kernel's meta function does the same.
     if attn_mask is not None and attn_mask.dtype == torch.bool:

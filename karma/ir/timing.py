@@ -18,7 +18,7 @@ from karma.errors import IRError
 from karma.ir.blocks import find_units, group_nodes
 from karma.ir.measure import _differentiable, _Probe, _tensors
 from karma.ir.trace import _flat_inputs as _flatten
-from karma.ir.trace import trace
+from karma.ir.trace import retarget_device, trace
 from karma.modelfile import ModelFile
 
 
@@ -26,6 +26,9 @@ def profile_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = No
                    device: str = "cpu", repeats: int = 3) -> list[tuple[float, float]]:
     """(forward seconds, backward seconds) of every block, in block order."""
     traced = trace(mf, batch_size)
+    # tensors the forward makes itself (`arange(T, device=x.device)`) land on the device, not
+    # on meta; with its index (cuda:0), as the graph's dtype and device asserts compare it
+    retarget_device(traced.gm, torch.device("meta"), torch.empty(0, device=device).device)
     specs = group_nodes(traced.gm, find_units(traced.model, blocks_regex))
     block_of = {node: i for i, spec in enumerate(specs) for node in spec.nodes}
     split = split_module(traced.gm, traced.gm, lambda n: block_of[n.name],

@@ -185,6 +185,26 @@ def _drop_guards(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
+def retarget_device(gm: torch.fx.GraphModule, old: torch.device, new: torch.device) -> None:
+    """Make the tensors gm's forward creates itself land on `new` where the trace baked in
+    `old` (a graph exported on meta keeps `arange(T, device=meta)` from `device=x.device`)."""
+    found = []
+
+    def swap(value):
+        if isinstance(value, torch.device) and value == old:
+            found.append(value)
+            return new
+        return value
+
+    for node in gm.graph.nodes:
+        n = len(found)
+        args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), swap)
+        if len(found) > n:
+            node.args, node.kwargs = args, kwargs
+    if found:
+        gm.recompile()
+
+
 def _untraceable(path: Path, e: BaseException) -> IRError:
     """Where in the model file tracing failed and the fix. Data-dependent control flow has
     a known fix, so its first line is enough; any other failure carries the tracer's whole

@@ -1,8 +1,13 @@
 """The planning problem as plain numbers: what each block costs in time and bytes.
 
-`build_problem` turns a BlockGraph (measured on meta tensors in fp32) and a Hardware profile
-into per-block seconds and bytes for the chosen dtype and world size. Everything after this
-point (lowering, simulation, the ILP, the baselines) sees only these numbers.
+`build_problem` turns a BlockGraph and a Hardware profile into per-block seconds and bytes
+for the world size. The graph must be measured in the plan's dtype (`build_block_graph(...,
+dtype=...)`): its saved, output, temporary and edge bytes are taken as measured, never scaled.
+In bf16 (mixed precision: forward and loss under autocast) weights, gradients and optimizer
+state stay fp32, so parameter bytes are the same as in fp32 and there is no separate master
+copy; the bf16 copies of the weights that autocast makes are activations, measured as such.
+Everything after this point (lowering, simulation, the ILP, the baselines) sees only these
+numbers.
 
 Compute time is a roofline estimate: FLOPs at the profile's matmul rate plus the bytes a block
 reads and writes at the device's memory bandwidth (elementwise work is memory-bound), unless
@@ -18,8 +23,7 @@ from karma.ir.graph import BlockGraph
 from karma.modelfile import OptimizerProfile
 from karma.planner.hardware import Hardware
 
-FP32_BYTES = 4
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPES = ("fp32", "bf16")
 # bytes an AdamW step reads and writes per fp32 parameter byte on the device: p, g, m, v
 # read; p, m, v written
 DEVICE_STEP_TRAFFIC = 7
@@ -27,15 +31,17 @@ DEVICE_STEP_TRAFFIC = 7
 
 @dataclass(frozen=True)
 class BlockCost:
-    """One block's costs. Bytes are device bytes in the training dtype unless named fp32."""
+    """One block's costs. Bytes are device bytes as measured in the plan's dtype; weights,
+    gradients and optimizer state are fp32 in either dtype."""
 
     name: str
     fwd_s: float
     bwd_s: float
-    param_bytes: int  # weights it owns, on the device
+    param_bytes: int  # fp32 weights it owns, on the device (its gradients are as many bytes)
     shared_from: tuple[tuple[int, int], ...]  # (owner block, device bytes) it also uses
-    optim_bytes: int  # device optimizer state of its weights (fp32 moments, fp32 master)
-    act_bytes: int  # saved for backward, by this block only (see held_saved)
+    optim_bytes: int  # device optimizer state of its weights (fp32 moments; no master copy)
+    act_bytes: int  # saved for backward, by this block only (see held_saved); in bf16 this
+    # includes the bf16 weight copies its matmuls save
     in_bytes: int  # its inputs from earlier blocks
     out_bytes: int
     host_step_s: float  # host optimizer step of its weights
@@ -150,9 +156,12 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
     estimate.
     """
     optimizer = optimizer or OptimizerProfile(state_factor=2, temp_factor=2.0)
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
-    scale = DTYPE_BYTES[dtype] / FP32_BYTES  # the IR is measured in fp32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if graph.dtype != dtype:
+        raise ValueError(f"the block graph of {graph.model} was measured in {graph.dtype}, the "
+                         f"plan is in {dtype}: the graph must be measured in the plan's dtype; "
+                         f"build it with build_block_graph(..., dtype={dtype!r})")
     flops_per_s = hw.flops_per_s[dtype]
     in_bytes = [0] * len(graph.blocks)
     for e in graph.edges:
@@ -171,37 +180,35 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
 
     blocks = []
     for i, b in enumerate(graph.blocks):
-        param_bytes = int(b.param_bytes * scale)
-        act_bytes, out_bytes = int(b.act_bytes * scale), int(b.out_bytes * scale)
-        traffic = act_bytes + int(shared_saved[i] * scale) + out_bytes + param_bytes
+        param_bytes, act_bytes, out_bytes = b.param_bytes, b.act_bytes, b.out_bytes
+        traffic = act_bytes + shared_saved[i] + out_bytes + param_bytes
         if measured_s is not None:
             fwd_s, bwd_s = measured_s[i]
         else:
             fwd_s = b.fwd_flops / flops_per_s + traffic / hw.mem_bytes_per_s
             bwd_s = b.bwd_flops / flops_per_s + 2 * traffic / hw.mem_bytes_per_s
-        master = b.param_bytes if dtype != "fp32" else 0  # fp32 master weights
         blocks.append(BlockCost(
             name=b.name,
             fwd_s=fwd_s,
             bwd_s=bwd_s,
             param_bytes=param_bytes,
-            shared_from=tuple((owner, int(nbytes * scale)) for owner, nbytes in b.shared_from),
-            optim_bytes=optimizer.state_factor * b.param_bytes + master,
+            shared_from=b.shared_from,
+            optim_bytes=optimizer.state_factor * b.param_bytes,
             act_bytes=act_bytes,
-            in_bytes=int(in_bytes[i] * scale),
+            in_bytes=in_bytes[i],
             out_bytes=out_bytes,
-            fwd_temp_bytes=int(b.fwd_temp_bytes * scale),
-            bwd_temp_bytes=int(b.bwd_temp_bytes * scale),
+            fwd_temp_bytes=b.fwd_temp_bytes,
+            bwd_temp_bytes=b.bwd_temp_bytes,
             step_temp_bytes=int(optimizer.temp_factor * b.max_param_bytes),
             host_step_s=b.param_bytes / hw.host_optim_bytes_per_s,
             device_step_s=DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s,
             allreduce_s=ring_allreduce_s(param_bytes, world_size, hw.net_bytes_per_s,
                                          hw.net_latency_s),
-            shared_saved_bytes=int(shared_saved[i] * scale),
-            shared_made_bytes=int(shared_made[i] * scale),
-            held_in_bytes=int(held_in[i] * scale),
+            shared_saved_bytes=shared_saved[i],
+            shared_made_bytes=shared_made[i],
+            held_in_bytes=held_in[i],
         ))
-    loss_act_bytes = int(graph.loss_act_bytes * scale)
+    loss_act_bytes = graph.loss_act_bytes
     return Problem(
         blocks=tuple(blocks),
         h2d_bytes_per_s=hw.h2d_bytes_per_s,
@@ -216,6 +223,6 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         # On the CPU backend the "device" is the process's private memory, where the host
         # optimizer's temporaries also land; on a GPU they are host memory.
         host_temps_on_device=hw.device_kind == "cpu",
-        held_saved=tuple(HeldSaved(p, r0, r1, int(nbytes * scale))
+        held_saved=tuple(HeldSaved(p, r0, r1, nbytes)
                          for (p, r0, r1), nbytes in sorted(held.items())),
     )
