@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 
 import pytest
 import torch
 
+from karma.cli.plan import main as plan_main
+from karma.cli.run import main as run_main
 from karma.errors import KarmaError
 from karma.reference import train_reference
 from karma.runtime.runtime import Runtime
+from tests.conftest import EXAMPLES
 from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, run
 
 STEPS = 3
@@ -125,3 +129,66 @@ def test_resume_mid_schedule_and_accumulation_continues_exactly(strategy, fracti
     assert_bitwise_equal(_model_pt(parts, 4), _model_pt(whole, 4))
     ref = train_reference(mf, mf.default_batch_size, 4, **options)
     assert full.losses == ref.losses
+
+
+# --- the commands, and bad input -----------------------------------------------------------
+
+MLP = EXAMPLES / "mlp.py"
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--accumulate", "0"], "accumulate 0 (--accumulate) must be a whole number"),
+    (["--clip-grad-norm", "-1"], "clip_grad_norm -1.0 (--clip-grad-norm) must be a positive"),
+    (["--dtype", "fp16"], "fp16 (--dtype fp16) is not supported: it needs a loss scaler"),
+    (["--dtype", "int8"], "dtype 'int8' (--dtype) is not a training dtype"),
+])
+def test_bad_training_options_are_one_line(argv, expected, capsys):
+    code = plan_main([str(MLP), "--hardware", "cpu", "--gpu-mem", "64M", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("edit,expected", [
+    ("  clip_grad_norm: null", "  clip_grad_norm: -1"),
+    ("  accumulate: 1", "  accumulate: 0"),
+    ("  dtype: fp32", "  dtype: fp16"),
+])
+def test_a_schedule_edited_to_bad_training_options_is_refused(edit, expected, tmp_path, capsys):
+    path = tmp_path / "s.yaml"
+    assert plan_main([str(MLP), "--hardware", "cpu", "--gpu-mem", "64M", "-o", str(path)]) == 0
+    text = path.read_text()
+    assert edit in text
+    path.write_text(text.replace(edit, expected))
+    capsys.readouterr()
+    code = run_main([str(path), "--steps", "1"])
+    err = capsys.readouterr().err
+    key = expected.split(":")[0].strip()
+    assert code == 2 and f"config.{key}" in err and "Traceback" not in err, err
+
+
+def test_a_clipped_schedule_whose_steps_come_early_is_refused(tmp_path, capsys):
+    """A schedule planned without clipping (host steps during the backward) with clipping
+    written into its config: the runtime cannot clip it, and says so before any step."""
+    path = tmp_path / "s.yaml"
+    assert plan_main([str(MLP), "--hardware", "cpu", "--gpu-mem", "64M", "--strategy",
+                      "offload_all", "-o", str(path)]) == 0
+    path.write_text(path.read_text().replace("  clip_grad_norm: null", "  clip_grad_norm: 1"))
+    capsys.readouterr()
+    code = run_main([str(path), "--steps", "1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "every optimizer step must follow every gradient" in err, err
+    assert "--clip-grad-norm" in err and "step 1/" not in out
+
+
+def test_progress_line_and_report_show_the_options_and_the_norm(tmp_path, capsys):
+    schedule, report = tmp_path / "s.yaml", tmp_path / "r.json"
+    assert plan_main([str(MLP), "--hardware", "cpu", "--gpu-mem", "64M", "--dtype", "bf16",
+                      "--accumulate", "2", "--clip-grad-norm", "0.5", "-o", str(schedule)]) == 0
+    assert "bf16 mixed precision, 2 micro-batches per step, clip at norm 0.5" in \
+        capsys.readouterr().out
+    assert run_main([str(schedule), "--steps", "2", "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "training: bf16 mixed precision, 2 micro-batches per step, clip at norm 0.5" in out
+    norms = json.loads(report.read_text())["grad_norms"]
+    assert len(norms) == 2 and all(n > 0 for n in norms)
+    assert f"grad norm {norms[0]:.4g}" in out

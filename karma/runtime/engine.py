@@ -405,9 +405,9 @@ class Engine:
 
     def _start(self, op) -> None:
         self._finish_previous()
+        self._issue_through(op.stage)  # the gradients' last side ops, before waiting for them
         if op.kind == "device_step" and self._updating:
             self._begin_update()
-        self._issue_through(op.stage)
         deps = self._gids(op.deps)
         if op.kind == "forward" and self._carried:
             deps += self._take_carried(self._forward_waits[op.block])
