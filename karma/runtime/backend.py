@@ -123,7 +123,13 @@ class CudaBackend:
         return contextlib.nullcontext()  # host: CPU work
 
     def begin_iteration(self, op_ids) -> None:
-        self._events = {i: torch.cuda.Event() for i in op_ids}
+        """Events for this iteration's ops (the engine's ids, unique across iterations);
+        the previous iteration's stay, for the updates it left running (engine.py, [Note:
+        updates overlapped with the next forward])."""
+        op_ids = list(op_ids)
+        floor = min(op_ids, default=0) - len(op_ids)
+        self._events = {k: e for k, e in self._events.items() if k >= floor}
+        self._events.update({i: torch.cuda.Event() for i in op_ids})
 
     def issued(self, op_id: int, stream: str) -> None:
         """The op's work is enqueued on `stream`: mark the point it ends at."""

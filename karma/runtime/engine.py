@@ -481,7 +481,10 @@ class Engine:
         if self._update_began or self.clip is None:
             return
         self._update_began = True
-        self._wait(self._gids(self._grad_ops))
+        gids = self._gids(self._grad_ops)
+        self._wait(gids)
+        self.backend.order_after(gids, "compute")  # device gradients: after their all-reduces
+        self.backend.order_after(gids, "host")  # host gradients: their copies have landed
         holders = []
         for p in self.model.parameters():  # the plain loop's order; tied weights once
             w, k = self._owner[id(p)]
