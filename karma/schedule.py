@@ -55,6 +55,15 @@ OP_KINDS = (
     "upload",  # copy a block's updated weights back to their device buffers
 )
 
+# [Note: the training options' contract] With gradient accumulation (config.accumulate N)
+# the op list is replayed once per micro-batch and the ops of LAST_MICRO_BATCH_KINDS run only
+# in the last replay of an optimizer step (the others skip them). With clipping
+# (config.clip_grad_norm) every optimizer step comes after every op that makes a gradient
+# final, and the ops of DEFERRED_KINDS may run on into the next iteration, each block's
+# before that block's weights are next used.
+LAST_MICRO_BATCH_KINDS = ("allreduce", "device_step", "host_step", "upload")
+DEFERRED_KINDS = ("host_step", "upload")
+
 ACT_CHOICES = ("keep", "swap", "recompute")
 WEIGHT_CHOICES = ("resident", "streamed")
 OPTIM_CHOICES = ("device", "host")

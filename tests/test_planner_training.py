@@ -21,11 +21,12 @@ from karma.planner.baselines import BASELINES
 from karma.planner.ilp import min_capacity_bytes, solve_ilp
 from karma.planner.lowering import Choice, Stages, Training, stage_memory
 from karma.planner.plan import Plan, evaluate
-from karma.planner.simulate import STEP_KINDS, simulate
+from karma.planner.simulate import simulate
+from karma.schedule import LAST_MICRO_BATCH_KINDS
 from tests.test_planner import GB, HUGE, chain, keep_all_peak, objective_s, random_problem
 
 GRADIENT_KINDS = ("backward", "allreduce", "grads_to_host")
-UPDATE_KINDS = ("device_step", "host_step")
+OPTIMIZER_STEPS = ("device_step", "host_step")
 # every combination of weights and optimizer, activations of every kind
 MIX = [Choice("swap", "resident", "host"), Choice("recompute", "streamed", "host"),
        Choice("keep", "resident", "device"), Choice("swap", "resident", "device"),
@@ -60,8 +61,8 @@ def test_with_clipping_every_step_follows_every_gradient(world_size, accumulate)
     training = Training(accumulate, clip=True)
     ev = evaluate(problem, Plan("x", mixed(6)), HUGE, training)  # simulates: residency checked
     grads = [o for o in ev.ops if o.kind in GRADIENT_KINDS]
-    steps = [o for o in ev.ops if o.kind in UPDATE_KINDS]
-    assert {o.kind for o in steps} == set(UPDATE_KINDS)
+    steps = [o for o in ev.ops if o.kind in OPTIMIZER_STEPS]
+    assert {o.kind for o in steps} == set(OPTIMIZER_STEPS)
     assert min(o.id for o in steps) > max(o.id for o in grads)
     assert min(o.stage for o in steps) > max(o.stage for o in grads)
     update = Stages(6, world_size).update
@@ -147,7 +148,7 @@ def test_a_step_is_the_replays_without_the_update_and_one_with_it(world_size, cl
     ev = evaluate(problem, Plan("x", mixed(6)), HUGE, Training(n, clip))
     # independently: the ops as written, and with the step's kinds at zero duration
     full = simulate(ev.ops, ev.buffers)
-    micro = simulate([dataclasses.replace(o, dur_s=0.0) if o.kind in STEP_KINDS else o
+    micro = simulate([dataclasses.replace(o, dur_s=0.0) if o.kind in LAST_MICRO_BATCH_KINDS else o
                       for o in ev.ops], ev.buffers)
     assert micro.iteration_s < full.iteration_s
     assert ev.iteration_s == pytest.approx((n - 1) * micro.iteration_s + full.iteration_s,

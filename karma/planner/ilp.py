@@ -28,8 +28,7 @@ from karma.planner.lowering import (
 from karma.planner.plan import InfeasiblePlan, Plan
 from karma.planner.prefetch import refine_prefetch
 from karma.planner.problem import Problem
-from karma.planner.simulate import STEP_KINDS
-from karma.schedule import BARRIER_STREAMS
+from karma.schedule import BARRIER_STREAMS, LAST_MICRO_BATCH_KINDS
 from karma.units import format_bytes
 
 GIB = float(1 << 30)
@@ -112,7 +111,7 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     plan that needs the least device memory (limits.device_bytes is then ignored).
 
     The time is one optimizer step as simulate() predicts it: accumulate-1 micro-batches
-    that do not step (their stages t1, without the ops of STEP_KINDS) and one that does.
+    that do not step (their stages t1, without the ops of LAST_MICRO_BATCH_KINDS) and one that does.
     """
     # --- inputs -------------------------------------------------------------------------
     minimize = "capacity" if minimize_capacity else "time"
@@ -167,7 +166,7 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
             f"stage_{k}_{stream}"
         if micro:
             lp += t1[k] >= pulp.lpSum(d if key is None else d * x[key]
-                                      for d, key, kind in terms if kind not in STEP_KINDS), \
+                                      for d, key, kind in terms if kind not in LAST_MICRO_BATCH_KINDS), \
                 f"micro_stage_{k}_{stream}"
     # [Constraint] stages run one after another
     lp += s[0] == 0, "start"

@@ -7,7 +7,7 @@ the device memory timeline. The simulation also checks the schedule: every buffe
 operation uses must be filled and not yet freed when the operation starts.
 
 An optimizer step of `accumulate` micro-batches replays the op list that many times, the
-first accumulate-1 without the ops of STEP_KINDS (see [Note: accumulation] in lowering.py):
+first accumulate-1 without the ops of LAST_MICRO_BATCH_KINDS (see [Note: accumulation] in lowering.py):
 the step takes (accumulate-1) replays without them plus one full replay, each simulated.
 With clipping, the updates run after the whole backward; `overlapped_iteration_s` is what
 an iteration would take if they overlapped the next iteration's forward instead (see
@@ -21,10 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from karma.errors import KarmaError
-from karma.schedule import STREAMS, Buffer, Op
-
-STEP_KINDS = ("allreduce", "device_step", "host_step", "upload")  # skipped between steps
-UPDATE_KINDS = ("host_step", "upload")  # what overlaps the next iteration's forward
+from karma.schedule import DEFERRED_KINDS, LAST_MICRO_BATCH_KINDS, STREAMS, Buffer, Op
 
 
 class ScheduleError(KarmaError):
@@ -67,7 +64,7 @@ def simulate(ops: Sequence[Op], buffers: Sequence[Buffer], accumulate: int = 1,
     busy = dict.fromkeys(STREAMS, 0.0)
     moved = {"h2d": 0, "d2h": 0}
     for op in ops:
-        times = 1 if op.kind in STEP_KINDS else accumulate
+        times = 1 if op.kind in LAST_MICRO_BATCH_KINDS else accumulate
         busy[op.stream] += times * op.dur_s
         if op.stream in moved:
             moved[op.stream] += times * op.bytes
@@ -124,7 +121,7 @@ def _times(ops: Sequence[Op]) -> tuple[list[float], list[float]]:
 
 def _without_step(ops: Sequence[Op]) -> list[Op]:
     """The replay of a micro-batch that does not step: the step's ops take no time."""
-    return [replace(op, dur_s=0.0) if op.kind in STEP_KINDS else op for op in ops]
+    return [replace(op, dur_s=0.0) if op.kind in LAST_MICRO_BATCH_KINDS else op for op in ops]
 
 
 _WEIGHTS = re.compile(r"w\.(\d+)(@[fb]\d*)?$")  # w.OWNER (resident) or w.OWNER@fUSER (fetched)
@@ -151,7 +148,7 @@ def overlapped_iteration_s(ops: Sequence[Op], accumulate: int = 1) -> float:
 
     first: dict[int, int] = {}  # id in `ops` -> id in `merged`, for the first iteration
     for op in ops:
-        if op.kind not in UPDATE_KINDS:
+        if op.kind not in DEFERRED_KINDS:
             first[op.id] = add(op, (first[d] for d in op.deps if d in first))
     e1 = max(_times(merged)[1], default=0.0)
     # the second iteration starts when the first's work (its updates aside) is done
@@ -164,7 +161,7 @@ def overlapped_iteration_s(ops: Sequence[Op], accumulate: int = 1) -> float:
 
     second: dict[int, int] = {}
     for op in _without_step(ops) if accumulate > 1 else ops:
-        if op.kind in UPDATE_KINDS:
+        if op.kind in DEFERRED_KINDS:
             continue
         deps = [second[d] for d in op.deps if d in second] + list(last.values())
         for name in op.uses:

@@ -34,15 +34,9 @@ from karma.runtime.distributed import GradientExchange
 from karma.runtime.host import BuildInTier, HostPool
 from karma.runtime.streams import StreamWorker, wait_for
 from karma.runtime.swap import DivergedError, SwapStore
-from karma.runtime.training import (
-    GRAD_KINDS,
-    UPDATE_KINDS,
-    GradClip,
-    MixedPrecision,
-    check_training_ops,
-)
+from karma.runtime.training import GRAD_KINDS, GradClip, MixedPrecision, check_training_ops
 from karma.runtime.weights import BlockWeights, SharedStorage
-from karma.schedule import Schedule
+from karma.schedule import DEFERRED_KINDS, LAST_MICRO_BATCH_KINDS, Schedule
 
 _WEIGHT_BUFFER = re.compile(r"w\.(\d+)@([fb])(\d*)$")
 
@@ -138,14 +132,16 @@ class Engine:
         # weights it uses, a fetch for the host step of the weights it copies. Everything
         # that reads weights or optimizer state from outside (checkpoints, evaluation, the
         # LR schedule's copy into host optimizers) waits for them all first: settle().
-        self._deferred = {op.id for op in ops if op.kind in ("host_step", "upload")} \
+        self._deferred = {op.id for op in ops if op.kind in DEFERRED_KINDS} \
             if clip is not None else set()
         self._carried: dict[int, object] = {}  # local op id -> gid of a deferred op in flight
         self._after_update: list = []  # keys of work queued behind the host steps in flight
         uploads = {op.block: op.id for op in ops if op.kind == "upload"}
         self._host_step_of = {op.block: op.id for op in ops if op.kind == "host_step"}
-        self._forward_waits = {
-            b.index: [uploads[o] for o in self._owners(b.index) if o in uploads]
+        owner = {n: b.index for b in self.blocks for n in b.params}
+        self._forward_waits = {  # the uploads of the weights each block's forward reads
+            b.index: [uploads[o] for o in {b.index, *(owner[n] for n in b.shared_params
+                                                      if n in owner)} if o in uploads]
             for b in self.blocks}
 
     # --- one iteration -------------------------------------------------------------------
@@ -153,7 +149,7 @@ class Engine:
     def begin_iteration(self, update: bool = True, first: bool = True) -> None:
         """Start replaying the schedule for one micro-batch. `update`: the last micro-batch of
         an optimizer step, whose all-reduces, optimizer steps and uploads run (the others
-        skip them: training.UPDATE_KINDS). `first`: the first, whose gradients start the
+        skip them: schedule.LAST_MICRO_BATCH_KINDS). `first`: the first, whose gradients start the
         accumulation."""
         self._updating = update
         self._first_micro = first
@@ -448,7 +444,7 @@ class Engine:
         while self._issued < len(self.side_ops) and self.side_ops[self._issued].stage <= stage:
             op = self.side_ops[self._issued]
             self._issued += 1
-            if op.kind in UPDATE_KINDS and not self._updating:
+            if op.kind in LAST_MICRO_BATCH_KINDS and not self._updating:
                 self._skip(op)
                 continue
             if op.kind == "host_step":
@@ -534,13 +530,6 @@ class Engine:
                 return partial(w.reduce_host_grads, self.exchange.allreduce)
             return partial(self.exchange.allreduce, w.params)
         raise DivergedError(f"operation {op.id} ({op.kind}) is not supported by this runtime")
-
-    def _owners(self, block: int) -> list[int]:
-        """The blocks whose weights block `block` uses: itself and the owners of its shared
-        parameters."""
-        b = self.blocks[block]
-        owner = {n: o.index for o in self.blocks for n in o.params}
-        return [block] + sorted({owner[n] for n in b.shared_params if n in owner} - {block})
 
     def _fetch_params(self, buffer: str) -> list[torch.nn.Parameter]:
         """The parameters behind weight buffer `w.OWNER@fUSER` / `w.OWNER@bUSER` (looked up

@@ -29,11 +29,9 @@ import torch
 from karma.errors import KarmaError
 from karma.schedule import Schedule
 
-# the kinds of operation that run only in the last micro-batch of an optimizer step
-UPDATE_KINDS = ("allreduce", "device_step", "host_step", "upload")
 # the kinds after which a block's gradient is final (clipping waits for all of them)
 GRAD_KINDS = ("backward", "allreduce", "grads_to_host")
-STEP_KINDS = ("device_step", "host_step")
+OPTIMIZER_STEP_KINDS = ("device_step", "host_step")
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -104,7 +102,7 @@ def check_training_ops(schedule: Schedule) -> None:
     ops = schedule.ops
     if schedule.config.clip_grad_norm is not None:
         last_grad = max((op.id for op in ops if op.kind in GRAD_KINDS), default=-1)
-        early = [op for op in ops if op.kind in STEP_KINDS and op.id < last_grad]
+        early = [op for op in ops if op.kind in OPTIMIZER_STEP_KINDS and op.id < last_grad]
         if early:
             op = early[0]
             raise KarmaError(
