@@ -111,7 +111,7 @@ def _stopped(signum, frame) -> None:
 def _out_of_memory(e: BaseException) -> bool:
     text = str(e)
     return isinstance(e, MemoryError) or "can't allocate memory" in text \
-        or "out of memory" in text.lower()
+        or "out of memory" in text.lower() or "std::bad_alloc" in text
 
 
 def _check_writable(path: Path) -> None:

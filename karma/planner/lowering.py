@@ -261,6 +261,11 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
         f.buffer(f"opt.{i}", i, b.optim_bytes, None, None)
         if training.accumulate > 1:  # summed over the micro-batches of a step
             f.buffer(grad, i, b.param_bytes, None, None)
+            # once .grad exists, autograd makes each new gradient beside it and adds it in:
+            # a second copy during the backward of the block and of each block sharing it
+            f.buffer(f"gradnew.{i}", i, b.param_bytes, bwd, bwd)
+            for j, nbytes in users:
+                f.buffer(f"gradnew.{i}.{j}", i, nbytes, ("backward", j), ("backward", j))
         else:
             f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), step)
     else:
