@@ -192,3 +192,16 @@ def test_progress_line_and_report_show_the_options_and_the_norm(tmp_path, capsys
     norms = json.loads(report.read_text())["grad_norms"]
     assert len(norms) == 2 and all(n > 0 for n in norms)
     assert f"grad norm {norms[0]:.4g}" in out
+
+
+def test_norms_of_host_gradients_are_taken_where_they_become_final():
+    """With every block on the host optimizer, each gradient's norm is taken by the
+    grads_to_host that makes it final (on its stream), not after the backward."""
+    mf = load_small("mlp")
+    schedule = plan(mf, "offload_all", clip_grad_norm=CLIP)
+    data = mf.checked_batches(mf.default_batch_size, 0, 1)
+    with Runtime(schedule, model_file=mf, log=lambda line: None) as rt:
+        rt.step(*next(data))
+        taken = rt.engine._norms  # noqa: SLF001 - what the streams recorded this step
+        assert set(taken) == {id(p) for p in rt.model.parameters()}
+        assert rt.last.grad_norm > 0

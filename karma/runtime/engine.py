@@ -125,6 +125,9 @@ class Engine:
         self._first_micro = True
         self._update_began = False
         self.grad_norm: float | None = None  # this step's, before clipping (with clipping)
+        # id(param) -> the norm of its final gradient, taken where the gradient became final
+        # on another stream (training.py, [Note: clipping from per-parameter norms])
+        self._norms: dict[int, torch.Tensor] = {}
         # [Note: updates overlapped with the next forward] With clipping no optimizer steps
         # before the backward ends, so the host steps and the uploads after them are left
         # running when the iteration returns, and the next iteration waits for each block's
@@ -155,6 +158,7 @@ class Engine:
         self._first_micro = first
         self._update_began = False
         self.grad_norm = None
+        self._norms = {}
         self._gen += 1
         self._base = self._gen * self._n_ops
         stale = [k for k in self._events if self._generation(k) < self._gen - 1]
@@ -481,11 +485,15 @@ class Engine:
         self._wait(gids)
         self.backend.order_after(gids, "compute")  # device gradients: after their all-reduces
         self.backend.order_after(gids, "host")  # host gradients: their copies have landed
-        holders = []
+        holders, norms = [], []
         for p in self.model.parameters():  # the plain loop's order; tied weights once
             w, k = self._owner[id(p)]
-            holders.append(w.grad_holder(k))
-        self.grad_norm = self.clip.clip(holders)
+            holder = w.grad_holder(k)
+            holders.append(holder)
+            if holder.grad is not None:  # a device gradient, or one whose norm is still due
+                norm = self._norms.get(id(p))
+                norms.append(self.clip.norm(holder.grad) if norm is None else norm)
+        self.grad_norm = self.clip.clip(holders, norms)
 
     def _run_then_release(self, run, releases):
         after = run()
@@ -520,16 +528,42 @@ class Engine:
         if op.kind == "swap_out":
             return self.swaps[op.block].swap_out
         if op.kind == "grads_to_host":
-            return partial(w.grads_to_host, add=not self._first_micro)
+            add = not self._first_micro
+            if self.clip is None or not self._updating or op.block in self._reduce_on_host:
+                return partial(w.grads_to_host, add=add)
+            return partial(self._grads_to_host_with_norms, w, add)
         if op.kind == "host_step":
             return w.host_step
         if op.kind == "upload":
             return w.upload
         if op.kind == "allreduce" and self.exchange is not None:
             if op.block in self._reduce_on_host:
-                return partial(w.reduce_host_grads, self.exchange.allreduce)
+                return partial(self._reduce_host_grads, w)
             return partial(self.exchange.allreduce, w.params)
         raise DivergedError(f"operation {op.id} ({op.kind}) is not supported by this runtime")
+
+    def _grads_to_host_with_norms(self, w: BlockWeights, add: bool):
+        """grads_to_host in the step's last micro-batch with clipping: the block's gradients
+        are final here, so their norms are taken too (from the device gradient before it
+        goes, or from the host sum of an accumulation)."""
+        if not add:
+            for p in w.params:
+                if p.grad is not None:
+                    self._norms[id(p)] = self.clip.norm(p.grad)
+        release = w.grads_to_host(add=add)
+        if add:
+            self._host_norms(w)
+        return release
+
+    def _reduce_host_grads(self, w: BlockWeights) -> None:
+        w.reduce_host_grads(self.exchange.allreduce)
+        if self.clip is not None:
+            self._host_norms(w)
+
+    def _host_norms(self, w: BlockWeights) -> None:
+        for p, g, has in zip(w.params, w.host_grads, w.has_grad):
+            if has:
+                self._norms[id(p)] = self.clip.norm(g)
 
     def _fetch_params(self, buffer: str) -> list[torch.nn.Parameter]:
         """The parameters behind weight buffer `w.OWNER@fUSER` / `w.OWNER@bUSER` (looked up

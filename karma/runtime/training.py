@@ -64,15 +64,29 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class GradClip:
-    """Clip to `max_norm` exactly as `clip_grad_norm_(model.parameters(), max_norm)` does."""
+    """Clip to `max_norm` exactly as `clip_grad_norm_(model.parameters(), max_norm)` does.
+
+    [Note: clipping from per-parameter norms] clip_grad_norm_ takes each gradient's norm,
+    then the norm of those norms (stacked in the parameters' order), then scales every
+    gradient by min(1, max_norm / (total + 1e-6)). Each gradient's norm is taken here as
+    soon as the gradient is final (`norm`, on the stream that makes it final), and the
+    total once all are in (`clip`), with PyTorch's own get_total_norm and
+    clip_grads_with_norm_: the norm of one tensor's norm is that norm (an absolute value),
+    so the total is bitwise clip_grad_norm_'s."""
 
     max_norm: float
 
-    def clip(self, holders: list[torch.Tensor]) -> float:
+    @staticmethod
+    def norm(grad: torch.Tensor) -> torch.Tensor:
+        return torch.nn.utils.get_total_norm([grad])
+
+    def clip(self, holders: list[torch.Tensor], norms: list[torch.Tensor]) -> float:
         """Scale the gradients of `holders` in place (each a tensor whose `.grad` is the final
-        gradient of one model parameter, in `model.parameters()` order); return the total
-        norm before clipping."""
-        return float(torch.nn.utils.clip_grad_norm_(holders, self.max_norm))
+        gradient of one model parameter, or None, in `model.parameters()` order; `norms`,
+        those gradients' norms in the same order); return the total norm before clipping."""
+        total = torch.nn.utils.get_total_norm(norms)
+        torch.nn.utils.clip_grads_with_norm_(holders, self.max_norm, total)
+        return float(total)
 
 
 @dataclass
