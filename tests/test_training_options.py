@@ -21,7 +21,7 @@ from karma.runtime.runtime import Runtime
 from tests.conftest import EXAMPLES
 from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, run
 
-STEPS = 3
+STEPS = 2
 MODELS = ("gpt", "resnet", "mlp")
 STRATEGIES = [("keep_all", 1.0), ("recompute_all", 1.0), ("swap_all", 1.0),
               ("offload_all", 1.0), ("greedy", 1.0), ("ilp", 0.6)]
