@@ -134,13 +134,21 @@ class Predicted:
     """What the planner's simulator predicts for one iteration."""
 
     iteration_s: float
-    lower_bound_s: float  # max over streams of their busy time
+    lower_bound_s: float  # the stream bound: max over streams of their busy time
     peak_device_bytes: int  # simulated peak of allocated buffers
     stage_peak_bytes: int  # the planner's bound: the largest sum of buffers live in a stage
     host_bytes: int
     pinned_bytes: int
     busy_s: tuple[tuple[str, float], ...]  # (stream, seconds busy)
     scaling_efficiency: float  # one rank's iteration time over this one's (1.0 on one rank)
+    # the ideal: the same training with unlimited device memory (keep_all: nothing moved,
+    # recomputed or offloaded); iteration_s / ideal_s is the price of the budget. None in
+    # schedules from before it.
+    ideal_s: float | None = None
+
+    @property
+    def price_of_budget(self) -> float | None:
+        return self.iteration_s / self.ideal_s if self.ideal_s else None
 
 
 @dataclass(frozen=True)
@@ -226,7 +234,8 @@ def dump_schedule(s: Schedule) -> str:
                             ("stage_peak_bytes", p.stage_peak_bytes),
                             ("host_bytes", p.host_bytes), ("pinned_bytes", p.pinned_bytes)])
     lines.append(f"  busy_s: {_flow_map(p.busy_s, _SECONDS_DIGITS)}")
-    lines += _scalar_lines([("scaling_efficiency", p.scaling_efficiency)])
+    lines += _scalar_lines([("scaling_efficiency", p.scaling_efficiency),
+                            ("ideal_s", p.ideal_s)])
 
     lines.append("# blocks: each block's decisions (act: keep | swap | recompute; weights: "
                  "resident | streamed; optim: device | host)")
@@ -541,6 +550,10 @@ def _optional_op(v, path):
     return None if v is None else _integer(0, "an op id or null")(v, path)
 
 
+def _optional_number(v, path) -> float | None:
+    return None if v is None else _number(v, path)
+
+
 def _clip_norm(v, path):
     if v is None:
         return None
@@ -617,8 +630,8 @@ _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_sche
         "iteration_s": _number, "lower_bound_s": _number, "peak_device_bytes": _COUNT,
         "stage_peak_bytes": _COUNT, "host_bytes": _COUNT, "pinned_bytes": _COUNT,
         "busy_s": _pairs(_text(STREAMS, "a stream"), _number),
-        "scaling_efficiency": _number,
-    }, "predicted"),
+        "scaling_efficiency": _number, "ideal_s": _optional_number,
+    }, "predicted", optional=("ideal_s",)),
     "blocks": _list(_BLOCK),
     "ops": _list(_OP),
     "buffers": _list(_BUFFER),

@@ -53,6 +53,10 @@ def test_json_summary_has_every_key(capsys):
     assert 0 < doc["lower_bound_s"] <= doc["iteration_s"]
     assert doc["solve_s"] >= 0
     assert doc["scaling_efficiency"] == 1.0
+    # the ideal: keep_all's time (its memory unlimited); the price of the budget is >= 1
+    assert doc["ideal_s"] == doc["baselines"]["keep_all"]["iteration_s"]
+    assert doc["price_of_budget"] == pytest.approx(doc["iteration_s"] / doc["ideal_s"])
+    assert doc["price_of_budget"] >= 1.0
     assert set(doc["decisions"]) >= {"keep", "swap", "recompute", "streamed_weights"}
     # tiny GPT: head, h.0, h.1, tail; with 16 GiB everything stays
     assert doc["decisions"]["keep"] + doc["decisions"]["swap"] + doc["decisions"]["recompute"] == 4

@@ -111,6 +111,8 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
             "host_bytes": p.host_bytes,
             "pinned_bytes": p.pinned_bytes,
             "scaling_efficiency": p.scaling_efficiency,
+            "ideal_s": p.ideal_s,  # None in schedules from before it
+            "price_of_budget": p.price_of_budget,
             # re-simulated from the ops, not stored in the file:
             "replay_s": sim.replay_s,  # the micro-batch that steps
             "micro_batch_s": sim.micro_batch_s,  # one that does not (accumulate > 1)
@@ -145,8 +147,10 @@ def render(info: dict) -> str:
         f"decisions   {d['blocks']} blocks: {d['keep']} keep, {d['swap']} swap, "
         f"{d['recompute']} recompute; {d['streamed_weights']} streamed weights, "
         f"{d['host_optimizer']} host optimizer",
-        f"iteration   {format_seconds(p['iteration_s'])} predicted (lower bound "
-        f"{format_seconds(p['lower_bound_s'])})" + _step_parts(c, p),
+        f"iteration   {format_seconds(p['iteration_s'])} predicted ("
+        + (f"{p['price_of_budget']:.2f}x the ideal {format_seconds(p['ideal_s'])} of "
+           "unlimited memory; " if p["ideal_s"] else "")
+        + f"stream bound {format_seconds(p['lower_bound_s'])})" + _step_parts(c, p),
         f"peak        {format_bytes(p['peak_device_bytes'])} of "
         f"{format_bytes(c['capacity_bytes'])} capacity "
         f"({100 * p['peak_fraction_of_capacity']:.1f}%); stage bound "

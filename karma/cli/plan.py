@@ -128,6 +128,8 @@ def _summary_json(report) -> dict:
         "stage_peak_bytes": ev.stage_peak_bytes,
         "capacity_bytes": ev.capacity_bytes,
         "lower_bound_s": ev.sim.lower_bound_s,
+        "ideal_s": s.predicted.ideal_s,
+        "price_of_budget": s.predicted.price_of_budget,
         "solve_s": ev.plan.solve_s,
         "scaling_efficiency": s.predicted.scaling_efficiency,
         "world_size": s.config.world_size,
@@ -153,8 +155,10 @@ def _summary_text(report, hardware_name: str, output: str | None) -> str:
         + (f"; {ev.plan.note}" if ev.plan.status == "fallback" else ""),
         f"decisions: {c['keep']} keep, {c['swap']} swap, {c['recompute']} recompute; "
         f"{c['streamed_weights']} streamed weights; {c['host_optimizer']} on the host optimizer",
-        f"predicted iteration {format_seconds(ev.step_s)} (lower bound "
-        f"{format_seconds(ev.sim.lower_bound_s)}, {ev.step_s / ev.sim.lower_bound_s:.2f}x)"
+        f"predicted iteration {format_seconds(ev.step_s)}: "
+        f"{s.predicted.price_of_budget:.2f}x the ideal {format_seconds(s.predicted.ideal_s)} "
+        f"(keep_all with unlimited memory: the price of the budget); stream bound "
+        f"{format_seconds(ev.sim.lower_bound_s)}"
         + ("; host updates overlapped with the next forward" if s.config.clip_grad_norm
            is not None else ""),
         f"predicted peak {format_bytes(ev.peak_device_bytes)} of {format_bytes(cap)} "

@@ -92,7 +92,9 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
         one = build_problem(graph, request.hardware, request.dtype, 1,
                             request.optimizer, request.measured_s)
         single = evaluate(one, chosen.plan, cap, training).step_s
-    schedule = schedule_from(graph, model, request, chosen, single)
+    # the ideal: keep_all's time, its memory unlimited (see Predicted.ideal_s)
+    schedule = schedule_from(graph, model, request, chosen, single,
+                             ideal_s=baselines["keep_all"].step_s)
     return PlanReport(problem, chosen, baselines, schedule, single)
 
 
@@ -113,8 +115,9 @@ def _overlapped_choice(problem: Problem, cap: int, request: PlanRequest, trainin
 
 
 def schedule_from(graph: BlockGraph, model: ModelRef, request: PlanRequest, ev: Evaluation,
-                  single_rank_s: float) -> Schedule:
-    """The Schedule of an evaluated plan (single_rank_s: the same plan on one rank)."""
+                  single_rank_s: float, ideal_s: float | None = None) -> Schedule:
+    """The Schedule of an evaluated plan (single_rank_s: the same plan on one rank;
+    ideal_s: keep_all's iteration with unlimited memory)."""
     import yaml
 
     hardware = yaml.safe_load(dump_hardware(request.hardware))
@@ -148,6 +151,7 @@ def schedule_from(graph: BlockGraph, model: ModelRef, request: PlanRequest, ev: 
             pinned_bytes=ev.pinned_bytes,
             busy_s=tuple(sim.busy_s.items()),
             scaling_efficiency=single_rank_s / ev.step_s if ev.step_s else 1.0,
+            ideal_s=ideal_s,
         ),
         blocks=blocks,
         ops=ev.ops,

@@ -58,6 +58,7 @@ class RunReport:
     allreduce_hidden_s: list[float] = field(default_factory=list)  # the part compute hid
     predicted_allreduce_s: float = 0.0  # the schedule's busy time on the net stream
     evals: list[dict] = field(default_factory=list)  # {"step", "loss", "peak_bytes"} each eval
+    predicted_ideal_s: float | None = None  # the schedule's ideal_s (unlimited memory)
 
     def to_json(self) -> dict:
         median = statistics.median(self.step_s) if self.step_s else None
@@ -97,6 +98,7 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
     report = RunReport(
         steps=[], losses=[], step_s=[], lrs=[], grad_norms=[], peak_device_bytes=0,
         predicted_step_s=schedule.predicted.iteration_s,
+        predicted_ideal_s=schedule.predicted.ideal_s,
         predicted_peak_device_bytes=schedule.predicted.peak_device_bytes,
         capacity_bytes=schedule.config.capacity_bytes, host_tier_peak_bytes=0,
         batch_size=schedule.config.batch_size, baseline_private_bytes=rt.baseline_private_bytes,
