@@ -18,7 +18,7 @@ from karma.cli.run import main as run_main
 from karma.errors import KarmaError
 from karma.reference import train_reference
 from karma.runtime.runtime import Runtime
-from tests.conftest import EXAMPLES
+from tests.conftest import EXAMPLES, SMALL_ENV
 from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, run
 
 STEPS = 2
@@ -136,6 +136,14 @@ def test_resume_mid_schedule_and_accumulation_continues_exactly(strategy, fracti
 MLP = EXAMPLES / "mlp.py"
 
 
+@pytest.fixture
+def small_mlp(monkeypatch):
+    """examples/mlp.py at its test size for the commands (bf16 matmuls are slow on CPUs
+    without bf16 units)."""
+    for key, value in SMALL_ENV["mlp"].items():
+        monkeypatch.setenv(key, value)
+
+
 @pytest.mark.parametrize("argv,expected", [
     (["--accumulate", "0"], "accumulate 0 (--accumulate) must be a whole number"),
     (["--clip-grad-norm", "-1"], "clip_grad_norm -1.0 (--clip-grad-norm) must be a positive"),
@@ -153,7 +161,8 @@ def test_bad_training_options_are_one_line(argv, expected, capsys):
     ("  accumulate: 1", "  accumulate: 0"),
     ("  dtype: fp32", "  dtype: fp16"),
 ])
-def test_a_schedule_edited_to_bad_training_options_is_refused(edit, expected, tmp_path, capsys):
+def test_a_schedule_edited_to_bad_training_options_is_refused(edit, expected, tmp_path, capsys,
+                                                             small_mlp):
     path = tmp_path / "s.yaml"
     assert plan_main([str(MLP), "--hardware", "cpu", "--gpu-mem", "64M", "-o", str(path)]) == 0
     text = path.read_text()
@@ -166,7 +175,7 @@ def test_a_schedule_edited_to_bad_training_options_is_refused(edit, expected, tm
     assert code == 2 and f"config.{key}" in err and "Traceback" not in err, err
 
 
-def test_a_clipped_schedule_whose_steps_come_early_is_refused(tmp_path, capsys):
+def test_a_clipped_schedule_whose_steps_come_early_is_refused(tmp_path, capsys, small_mlp):
     """A schedule planned without clipping (host steps during the backward) with clipping
     written into its config: the runtime cannot clip it, and says so before any step."""
     path = tmp_path / "s.yaml"
@@ -180,7 +189,7 @@ def test_a_clipped_schedule_whose_steps_come_early_is_refused(tmp_path, capsys):
     assert "--clip-grad-norm" in err and "step 1/" not in out
 
 
-def test_progress_line_and_report_show_the_options_and_the_norm(tmp_path, capsys):
+def test_progress_line_and_report_show_the_options_and_the_norm(tmp_path, capsys, small_mlp):
     schedule, report = tmp_path / "s.yaml", tmp_path / "r.json"
     assert plan_main([str(MLP), "--hardware", "cpu", "--gpu-mem", "64M", "--dtype", "bf16",
                       "--accumulate", "2", "--clip-grad-norm", "0.5", "-o", str(schedule)]) == 0
