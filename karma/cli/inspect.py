@@ -50,7 +50,7 @@ def check_predicted(schedule: Schedule, source: str) -> SimResult:
         raise ScheduleFileError(f"{source}: {e}; {_CORRUPT}") from None
     p = schedule.predicted
     busy = dict(p.busy_s)
-    pairs = [("predicted.iteration_s", p.iteration_s, step_s(sim), _show_s, REL_TOL),
+    pairs = [("predicted.iteration_s", p.iteration_s, sim.step_s, _show_s, REL_TOL),
              ("predicted.peak_device_bytes", p.peak_device_bytes, sim.peak_device_bytes,
               _show_bytes, 0.0)]
     pairs += [(f"predicted.busy_s.{s}", busy.get(s, 0.0), sim.busy_s[s], _show_s, REL_TOL)
@@ -61,13 +61,6 @@ def check_predicted(schedule: Schedule, source: str) -> SimResult:
                 f"{source}: re-simulating its {len(schedule.ops)} ops gives {show(simulated)}, "
                 f"but {key} is {show(written)}; {_CORRUPT}")
     return sim
-
-
-def step_s(sim: SimResult) -> float:
-    """One optimizer step as the runtime runs it (with clipping, the host updates overlap the
-    next forward: the overlapped figure)."""
-    overlapped = sim.overlapped_iteration_s
-    return overlapped if overlapped is not None else sim.iteration_s
 
 
 def _show_s(x: float) -> str:
@@ -121,7 +114,7 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
         },
         "busy_s": dict(p.busy_s),
         "check": {"ops": len(s.ops), "buffers": len(s.buffers),
-                  "simulated_iteration_s": step_s(sim),
+                  "simulated_iteration_s": sim.step_s,
                   "simulated_peak_device_bytes": sim.peak_device_bytes, "matches": True},
         "blocks": [{"index": b.index, "name": b.name, "act": b.act, "weights": b.weights,
                     "optim": b.optim, "param_bytes": b.param_bytes, "act_bytes": b.act_bytes}

@@ -82,11 +82,8 @@ class Evaluation:
 
     @property
     def step_s(self) -> float:
-        """One optimizer step as the runtime runs it: with clipping the updates overlap the
-        next iteration's forward (engine.py, [Note: updates overlapped with the next
-        forward]), so the overlapped figure; else iteration_s."""
-        overlapped = self.sim.overlapped_iteration_s
-        return overlapped if overlapped is not None else self.sim.iteration_s
+        """One optimizer step as the runtime runs it (SimResult.step_s)."""
+        return self.sim.step_s
 
     @property
     def peak_device_bytes(self) -> int:

@@ -42,6 +42,14 @@ class SimResult:
     micro_batch_s: float | None = None  # a replay that does not step (accumulate > 1)
     overlapped_iteration_s: float | None = None  # with clipping: updates under the next forward
 
+    @property
+    def step_s(self) -> float:
+        """One optimizer step as the runtime runs it: with clipping the host updates overlap
+        the next iteration's forward (engine.py, [Note: updates overlapped with the next
+        forward]), so the overlapped figure; else iteration_s."""
+        overlapped = self.overlapped_iteration_s
+        return overlapped if overlapped is not None else self.iteration_s
+
 
 def simulate(ops: Sequence[Op], buffers: Sequence[Buffer], accumulate: int = 1,
              clip: bool = False) -> SimResult:

@@ -151,8 +151,8 @@ class BlockWeights:
     def host_step(self) -> None:
         if self.optimizer is None:
             return
-        for m, g, has in zip(self.masters, self.host_grads, self.has_grad):
-            m.grad = g if has else None
+        for k in range(len(self.masters)):
+            self.grad_holder(k)  # each master lent its host gradient, or None
         self.optimizer.step()
         for m in self.masters:
             m.grad = None
