@@ -2,6 +2,7 @@
 
     karma-run schedule.yaml --steps 100 --checkpoint-dir ckpt --report report.json
     karma-run schedule.yaml --steps 100 --checkpoint-dir ckpt --resume
+    karma-run schedule.yaml --steps 3 --trace trace.json    # step 2's ops on each stream
     torchrun --nproc-per-node 2 --no-python karma-run schedule.yaml   # planned --world-size 2
     python -m karma.run schedule.yaml                                  # the same as karma-run
 
@@ -39,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
                         "eval_batches(batch_size), forward only (report: evals)")
     p.add_argument("--report", type=Path, default=None,
                    help="write a JSON report here (on several ranks: rank 0's)")
+    p.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                   help="write the start and end of every op of one step on its stream "
+                        "(CUDA events on the GPU) and the compute thread's waits to this "
+                        "JSON file; view it with karma-inspect SCHEDULE --trace FILE")
+    p.add_argument("--trace-step", type=positive_int, default=None, metavar="N",
+                   help="the step --trace records (default: the second step this run "
+                        "trains, or the only one)")
     p.add_argument("--cap-device-memory", action="store_true",
                    help="on CUDA: let PyTorch's allocator hold only the schedule's budget "
                         "(plus 256 MiB), as on a GPU of that size")
@@ -62,9 +70,18 @@ def _run(args: argparse.Namespace) -> int:
         raise KarmaError(f"--eval-every {args.eval_every} must be 0 (never) or more")
     if args.timeout <= 0:
         raise KarmaError(f"--timeout {args.timeout:g} must be a positive number of seconds")
+    if args.trace_step is not None and args.trace is None:
+        raise KarmaError("--trace-step needs --trace FILE (where the timeline goes)")
+    if args.trace_step is not None and args.trace_step > args.steps:
+        raise KarmaError(f"--trace-step {args.trace_step} is after the last step "
+                         f"(--steps {args.steps}); choose a step from 1 to {args.steps}")
     signal.signal(signal.SIGTERM, _stopped)
-    for path in filter(None, (args.checkpoint_dir, args.report and args.report.parent)):
+    for path in filter(None, (args.checkpoint_dir, args.report and args.report.parent,
+                              args.trace and args.trace.parent)):
         _check_writable(Path(path))
+    if args.trace is not None and args.trace.is_dir():
+        raise KarmaError(f"--trace {args.trace} is a directory; give a file name, e.g. "
+                         f"{args.trace / 'trace.json'}")
     schedule_path = Path(args.schedule)
     schedule = load_schedule(schedule_path)
     mf = open_model_file(schedule, schedule_path)
@@ -73,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
             steps=args.steps, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every, resume=args.resume,
             timeout_s=args.timeout, cap_device_memory=args.cap_device_memory,
-            eval_every=args.eval_every,
+            eval_every=args.eval_every, trace_path=args.trace, trace_step=args.trace_step,
             log=lambda line: print(line, flush=True)))
     except (MemoryError, RuntimeError) as e:
         if not _out_of_memory(e):

@@ -97,8 +97,11 @@ class Engine:
         self._errors: list = []
         self.streams = {name: StreamWorker(name, self._events, self._errors, self.backend)
                         for name in ("h2d", "d2h", "net", "host")}
-        # (start, end) of each time the compute thread waited for another stream, this step
+        # (start, end) of each time the compute thread waited for another stream, this step,
+        # and the stream each wait is blamed on ([Note: which stream a wait is blamed on])
         self.blocked: list[tuple[float, float]] = []
+        self.blocked_on: list[str] = []
+        self.recorder = None  # a tracing.TraceRecorder while a step is traced (trace())
         self._handles: list = []
         self._restore: list = []
         self._install_hooks()
@@ -179,6 +182,9 @@ class Engine:
         self._hooks_ctx = None
         self._output_grad_seen = False
         self.blocked = []
+        self.blocked_on = []
+        if self.recorder is not None:
+            self.recorder.start(self._base)
         self._active = True
         self._issue_through(0)  # the prologue's fetches
 
@@ -213,6 +219,13 @@ class Engine:
         self._events[key] = threading.Event()
         self._after_update.append(key)
         self.streams["host"].submit(key, lambda: fn(), (), label="after the host steps")
+
+    def trace(self, recorder) -> None:
+        """Record the next iteration's operations in `recorder` (tracing.TraceRecorder) on
+        every stream; None stops recording."""
+        self.recorder = recorder
+        for s in self.streams.values():
+            s.recorder = recorder
 
     def abandon(self) -> None:
         """A step failed: leave its swap block's saved-tensor hooks (they would catch every
@@ -413,6 +426,8 @@ class Engine:
             deps += self._take_carried(self._forward_waits[op.block])
         self._wait(deps)
         self.backend.order_after(deps, "compute")
+        if self.recorder is not None:
+            self.recorder.began(self._base + op.id, "compute")
         self._cursor += 1
         self._last_compute = op.id
 
@@ -427,17 +442,32 @@ class Engine:
         return [self._carried[i] for i in ids if i in self._carried]
 
     def _wait(self, deps) -> None:
+        """Block until `deps` are done; a wait is recorded with the stream it is blamed on.
+
+        [Note: which stream a wait is blamed on] The compute thread waits for its
+        dependencies one after another, so the last of them it finds not yet done is the last
+        to finish: the one that held it. The whole wait is blamed on that op's stream, even
+        when another stream was late too (a late swap-in behind a later fetch shows as h2d
+        alone); karma-inspect --trace blames the planned waits the same way (timeline.py).
+        """
         if all(self._events[d].is_set() for d in deps):
             return
         start = time.perf_counter()
-        wait_for(self._events, deps, self._errors)
+        last = wait_for(self._events, deps, self._errors)
         self.blocked.append((start, time.perf_counter()))
+        self.blocked_on.append(self._stream_of(deps[-1] if last is None else last))
+
+    def _stream_of(self, key) -> str:
+        """The stream of the op behind an event key (a gid, or work queued on the host)."""
+        return self.schedule.ops[key % self._n_ops].stream if isinstance(key, int) else "host"
 
     def _finish_previous(self) -> None:
         if self._last_compute is None:
             return
         done = self._last_compute
         self._last_compute = None
+        if self.recorder is not None:
+            self.recorder.ended(self._base + done, "compute")
         for params in self.releases.get(done, ()):
             self.shared.release(params)
         self.backend.issued(self._base + done, "compute")

@@ -54,8 +54,10 @@ from karma.runtime.host import (
 )
 from karma.runtime.lr import LRSchedule
 from karma.runtime.streams import OpFailed
+from karma.runtime.tracing import TraceRecorder
 from karma.runtime.training import Accumulation, GradClip, MixedPrecision
 from karma.schedule import Schedule, load_schedule, schedule_sha256
+from karma.timeline import StepTrace
 from karma.units import format_bytes
 
 # On the CPU backend, factory tensors of at least this size are built in the host tier.
@@ -77,6 +79,16 @@ class StepStats:
     allreduce_intervals: tuple[tuple[float, float], ...]  # (start, end) of each all-reduce
     blocked: tuple[tuple[float, float], ...]  # when the compute thread waited for a stream
     grad_norm: float | None = None  # the global gradient norm before clipping (with clipping)
+    blocked_on: tuple[str, ...] = ()  # the stream each of `blocked` is blamed on
+    trace: StepTrace | None = None  # this step's timeline, if trace_next_step() asked for it
+
+    def wait_s_by_stream(self) -> dict[str, float]:
+        """Seconds the compute thread waited, per stream blamed (engine.py, [Note: which
+        stream a wait is blamed on])."""
+        total: dict[str, float] = {}
+        for (start, end), stream in zip(self.blocked, self.blocked_on):
+            total[stream] = total.get(stream, 0.0) + (end - start)
+        return total
 
 
 def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile:
@@ -138,6 +150,8 @@ class Runtime:
         self._micro: list[tuple[float, float, int]] = []  # this step's (loss, s, peak) so far
         self._step_lr: float | None = None
         self._blocked: list[tuple[float, float]] = []
+        self._blocked_on: list[str] = []
+        self._trace_next = False
         try:
             self._build(cap_device_memory)
         except BaseException:
@@ -215,6 +229,12 @@ class Runtime:
         """Micro-batches (step calls) per optimizer step."""
         return self.accumulation.micro_batches
 
+    def trace_next_step(self) -> None:
+        """Record the timeline of the next optimizer step (its last micro-batch, the one
+        that steps): `last.trace` holds it after that step. With clipping, that step also
+        waits for the updates it leaves running, so that every op of it is in the trace."""
+        self._trace_next = True
+
     def step(self, inputs: Any, targets: Any = None) -> float:
         """One planned training iteration on this batch (inputs as in the model-file
         protocol: a Tensor, a tuple, or a dict of keyword arguments); returns its loss.
@@ -228,6 +248,10 @@ class Runtime:
         if acc.first:
             self._micro = []
             self._step_lr = self.lr
+        recorder = None
+        if self._trace_next and acc.last:
+            recorder = TraceRecorder(self.schedule, self.backend)
+            self.engine.trace(recorder)
         self.meter.start()
         t0 = time.perf_counter()
         try:
@@ -245,6 +269,7 @@ class Runtime:
                 self.lr_schedule.step(self._host_optimizers, self.engine.after_host_updates)
         except BaseException as e:
             self._failed = True  # streams may hold half an iteration: no step after this one
+            self.engine.trace(None)
             self.engine.abandon()
             self.meter.stop()
             if isinstance(e, OpFailed) and isinstance(e.__cause__, distributed.RankLost):
@@ -255,13 +280,21 @@ class Runtime:
         elapsed = time.perf_counter() - t0
         self._micro.append((loss.item(), elapsed, self.meter.stop()))
         self._blocked = ([] if acc.first else self._blocked) + self.engine.blocked
+        self._blocked_on = ([] if acc.first else self._blocked_on) + self.engine.blocked_on
+        trace = None
+        if recorder is not None:
+            self.engine.settle()  # the updates it left running: their ops are in the trace
+            self.engine.trace(None)
+            self._trace_next = False
+            trace = recorder.finish(self.iterations + 1, elapsed, self.engine.blocked,
+                                    self.engine.blocked_on)
         self.stepped = acc.last
         if acc.last:
             calls = tuple(self.exchange.take_intervals()) if self.exchange is not None else ()
             losses, times, peaks = zip(*self._micro)
             self.last = StepStats(sum(losses) / len(losses), sum(times), self._step_lr,
                                   max(peaks), calls, tuple(self._blocked),
-                                  self.engine.grad_norm)
+                                  self.engine.grad_norm, tuple(self._blocked_on), trace)
             self.iterations += 1
         acc.advance()
         return self._micro[-1][0]

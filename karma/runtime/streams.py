@@ -44,6 +44,7 @@ class StreamWorker:
         self._backend = backend
         self._errors = errors  # shared: the first failure stops everything
         self._queue: queue.Queue[Pending | None] = queue.Queue()
+        self.recorder = None  # a tracing.TraceRecorder while a step is traced, else None
         self._thread = threading.Thread(target=self._loop, name=f"karma-{name}", daemon=True)
         self._thread.start()
 
@@ -64,7 +65,12 @@ class StreamWorker:
                 if not self._errors:
                     try:
                         self._backend.order_after(item.deps, self.name, item.op_id)
+                        recorder = self.recorder
+                        if recorder is not None:
+                            recorder.began(item.op_id, self.name)
                         release = item.run()
+                        if recorder is not None:
+                            recorder.ended(item.op_id, self.name)
                         self._backend.issued(item.op_id, self.name)
                         if release is not None:
                             self._backend.release_after(item.op_id, release)
@@ -73,12 +79,18 @@ class StreamWorker:
                 self._events[item.op_id].set()
 
 
-def wait_for(events: dict[int, threading.Event], deps, errors: list) -> None:
-    """Block the compute thread until `deps` are done; raise a stream's failure if any."""
+def wait_for(events: dict[int, threading.Event], deps, errors: list) -> Hashable | None:
+    """Block the compute thread until `deps` are done; raise a stream's failure if any.
+    Returns the last of `deps` that was not done yet when the wait reached it: the last to
+    finish (engine.py, [Note: which stream a wait is blamed on]); None if none blocked."""
+    last = None
     for d in deps:
+        if not events[d].is_set():
+            last = d
         while not events[d].wait(timeout=1.0):
             if errors:
                 break
         if errors:
             name, op_id, e = errors[0]
             raise OpFailed(f"operation {op_id} on stream {name} failed: {e}", name) from e
+    return last

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import torch
 
+from karma.errors import KarmaError
 from karma.modelfile import ModelFile
 from karma.runtime import distributed
 from karma.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from karma.runtime.engine import Engine
 from karma.runtime.runtime import Runtime, open_model_file
 from karma.schedule import Schedule
+from karma.timeline import write_trace
 from karma.units import format_bytes, format_seconds
 
 __all__ = ["RunOptions", "RunReport", "open_model_file", "train"]
@@ -34,6 +36,8 @@ class RunOptions:
     timeout_s: float = 60.0  # how long a collective waits for the other ranks
     cap_device_memory: bool = False  # CUDA: let the allocator have only the schedule's budget
     eval_every: int = 0  # evaluate on the model file's eval_batches every N steps (0: never)
+    trace_path: Path | None = None  # write the timeline of one step here (timeline.py)
+    trace_step: int | None = None  # the step traced; None: the second this run trains
     log: Callable[[str], None] = field(default=print)  # rank 0's progress lines
 
 
@@ -59,6 +63,10 @@ class RunReport:
     predicted_allreduce_s: float = 0.0  # the schedule's busy time on the net stream
     evals: list[dict] = field(default_factory=list)  # {"step", "loss", "peak_bytes"} each eval
     predicted_ideal_s: float | None = None  # the schedule's ideal_s (unlimited memory)
+    # per step: seconds the compute thread waited, per stream blamed (the traced step's
+    # intervals are in the trace file)
+    wait_s: list[dict[str, float]] = field(default_factory=list)
+    traced_step: int | None = None  # the step written to RunOptions.trace_path
 
     def to_json(self) -> dict:
         median = statistics.median(self.step_s) if self.step_s else None
@@ -94,6 +102,7 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
             for _ in range(start_step * rt.accumulate):  # the data continues where it stopped
                 next(data)
             log(f"resumed from {found} (step {start_step})")
+    trace_step = traced_step(options, start_step)
 
     report = RunReport(
         steps=[], losses=[], step_s=[], lrs=[], grad_norms=[], peak_device_bytes=0,
@@ -106,6 +115,8 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         world_size=ranks.world_size,
         predicted_allreduce_s=dict(schedule.predicted.busy_s).get("net", 0.0))
     for step in range(start_step + 1, options.steps + 1):
+        if step == trace_step:
+            rt.trace_next_step()
         for _ in range(rt.accumulate):  # one micro-batch each
             inputs, targets = next(data)
             rt.step(inputs, targets)
@@ -115,6 +126,7 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         report.step_s.append(stats.step_s)
         report.lrs.append(stats.lr)
         report.grad_norms.append(stats.grad_norm)
+        report.wait_s.append(stats.wait_s_by_stream())
         samples = schedule.config.batch_size * ranks.world_size * rt.accumulate
         line = _progress(step, options.steps, stats.loss, stats.lr, stats.step_s, samples,
                          stats.peak_bytes, schedule.predicted.peak_device_bytes,
@@ -129,6 +141,13 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
                      f"({format_seconds(report.allreduce_hidden_s[-1])} hidden; predicted "
                      f"{format_seconds(report.predicted_allreduce_s)})")
         log(line)
+        if stats.trace is not None and options.trace_path is not None:
+            if ranks.main:  # the ranks run the same schedule: one writes its timeline
+                write_trace(options.trace_path, stats.trace)
+            report = dataclasses.replace(report, traced_step=step)
+            waits = ", ".join(f"{s} {format_seconds(t)}" for s, t in report.wait_s[-1].items())
+            log(f"trace of step {step} written to {options.trace_path} (compute waited for: "
+                f"{waits or 'nothing'})")
         if options.eval_every and step % options.eval_every == 0:
             losses, peak = [], 0
             for x, y in evals:
@@ -152,6 +171,19 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         distributed.agree(ranks, "parameters after the last step", _digest(rt.engine),
                           "this is a bug in karma: please report it with the schedule")
     return dataclasses.replace(report, peak_device_bytes=rt.meter.peak)
+
+
+def traced_step(options: RunOptions, start_step: int) -> int | None:
+    """The step that --trace records: the one asked for, or the second this run trains
+    (the first pays one-time costs: first touches of memory, lazy initialisation)."""
+    if options.trace_path is None:
+        return None
+    if options.trace_step is None:
+        return min(start_step + 2, options.steps)
+    if not start_step < options.trace_step <= options.steps:
+        raise KarmaError(f"--trace-step {options.trace_step} is not a step this run trains "
+                         f"(steps {start_step + 1} to {options.steps}); choose one of those")
+    return options.trace_step
 
 
 def _digest(engine: Engine) -> str:
