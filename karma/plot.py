@@ -1,6 +1,7 @@
 """A schedule as a picture: device memory over one iteration above a per-stream Gantt chart.
 
     karma-inspect schedule.yaml --plot schedule.png
+    karma-inspect schedule.yaml --trace trace.json --plot timeline.png   # measured under it
 
 The update stage (weights uploaded after their host steps; with --clip-grad-norm every
 optimizer step, after the whole backward) is shaded. With gradient clipping a dotted line
@@ -24,6 +25,7 @@ from karma.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
     from karma.planner.simulate import SimResult
+    from karma.timeline import OpSpan, StepTrace
 
 # One color per op kind: compute work in blues, oranges and purples, copies in greens and
 # cyans, host and network work in pinks and grays. Fixed, so plots compare at a glance.
@@ -49,22 +51,34 @@ _CAPACITY_OFF_SCALE = 4.0  # capacity above this many times the peak is named, n
 _FIG_WIDTH_IN, _DPI = 13.0, 110
 
 
-def plot_schedule(schedule: Schedule, sim: SimResult, path: str | os.PathLike) -> None:
-    """Draw `schedule` as simulated in `sim` and write it as a PNG to `path`, atomically."""
+def _matplotlib():
     try:
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
     except ImportError:
         raise KarmaError("--plot needs matplotlib: pip install 'karma[plot]'") from None
+    return Figure, Line2D, Patch
 
-    path = Path(path)
+
+def _check_directory(path: Path) -> None:
     if not path.parent.is_dir():
         raise KarmaError(f"cannot write the plot to '{path}': directory '{path.parent}' does "
                          "not exist; create it or give another path")
 
+
+def _time_unit(end_s: float) -> tuple[str, float]:
+    return next((u, k) for u, k in _TIME_UNITS if end_s >= k or u == "ns")
+
+
+def plot_schedule(schedule: Schedule, sim: SimResult, path: str | os.PathLike) -> None:
+    """Draw `schedule` as simulated in `sim` and write it as a PNG to `path`, atomically."""
+    Figure, Line2D, Patch = _matplotlib()
+    path = Path(path)
+    _check_directory(path)
+
     end_s = max(sim.replay_s or sim.iteration_s, 1e-30)
-    t_unit, t_scale = next((u, k) for u, k in _TIME_UNITS if end_s >= k or u == "ns")
+    t_unit, t_scale = _time_unit(end_s)
     fig = Figure(figsize=(_FIG_WIDTH_IN, 7.5), dpi=_DPI, layout="constrained")
     ax_mem, ax_ops = fig.subplots(2, 1, sharex=True, height_ratios=(1.0, 1.15))
 
@@ -73,27 +87,81 @@ def plot_schedule(schedule: Schedule, sim: SimResult, path: str | os.PathLike) -
     ax_ops.set_xlim(0, end_s / t_scale * 1.01)
     _update_stage(ax_mem, ax_ops, schedule, sim, t_scale)
 
-    c, p = schedule.config, schedule.predicted
-    ax_ops.set_xlabel(f"time in one iteration ({t_unit})" if c.accumulate == 1 else
-                      f"time in the last of {c.accumulate} micro-batches, the one that steps "
-                      f"({t_unit})")
+    c = schedule.config
+    ax_ops.set_xlabel(_iteration_label(c.accumulate, t_unit))
+    _kind_legend(ax_ops, kinds, Patch)
+    fig.suptitle(_title(schedule), fontsize=11)
+    _save_atomically(fig, path)
+
+
+def plot_timeline(schedule: Schedule, sim: SimResult, trace: StepTrace,
+                  path: str | os.PathLike) -> None:
+    """The plan (memory, streams) above the traced step's measured streams, each on its
+    own time axis; the compute thread's waits are hatched on the measured compute lane."""
+    from karma.timeline import planned_spans
+
+    Figure, Line2D, Patch = _matplotlib()
+    path = Path(path)
+    _check_directory(path)
+
+    planned_s = max(sim.replay_s or sim.iteration_s, 1e-30)
+    measured_s = max([trace.step_s, *(s.end_s for s in trace.ops)])
+    fig = Figure(figsize=(_FIG_WIDTH_IN, 10.5), dpi=_DPI, layout="constrained")
+    ax_mem, ax_plan, ax_run = fig.subplots(3, 1, height_ratios=(0.8, 1.0, 1.0))
+    ax_mem.sharex(ax_plan)
+
+    t_unit, t_scale = _time_unit(planned_s)
+    _memory_panel(ax_mem, schedule, sim, planned_s, t_scale, Line2D)
+    kinds = _lanes(ax_plan, planned_spans(schedule, sim), planned_s, t_scale,
+                   dict(schedule.predicted.busy_s), f"(b) streams as planned: "
+                   f"{format_seconds(planned_s)}")
+    ax_plan.set_xlim(0, planned_s / t_scale * 1.01)
+    ax_plan.set_xlabel(_iteration_label(schedule.config.accumulate, t_unit), fontsize=9)
+    _update_stage(ax_mem, ax_plan, schedule, sim, t_scale)
+
+    m_unit, m_scale = _time_unit(measured_s)
+    busy: dict[str, float] = {}
+    for s in trace.ops:
+        busy[s.stream] = busy.get(s.stream, 0.0) + (s.end_s - s.start_s)
+    kinds |= _lanes(ax_run, list(trace.ops), measured_s, m_scale, busy,
+                    f"(c) streams as measured in step {trace.step} on the {trace.backend} "
+                    f"backend: {format_seconds(trace.step_s)}")
+    if trace.waits:
+        ax_run.broken_barh([(w.start_s / m_scale, (w.end_s - w.start_s) / m_scale)
+                            for w in trace.waits], (-0.35, 0.7), facecolors="none",
+                           edgecolors="#d62728", hatch="////", linewidth=0.6)
+    ax_run.set_xlim(0, measured_s / m_scale * 1.01)
+    ax_run.set_xlabel(f"time in the traced iteration ({m_unit})")
+    _kind_legend(ax_run, kinds, Patch, extra=[Patch(facecolor="none", edgecolor="#d62728",
+                                                    hatch="////", label="compute waiting")])
+    fig.suptitle(_title(schedule), fontsize=11)
+    _save_atomically(fig, path)
+
+
+def _iteration_label(accumulate: int, t_unit: str) -> str:
+    return (f"time in one iteration ({t_unit})" if accumulate == 1 else
+            f"time in the last of {accumulate} micro-batches, the one that steps ({t_unit})")
+
+
+def _kind_legend(ax, kinds: set[str], Patch, extra=()) -> None:
     handles = [Patch(facecolor=KIND_COLORS[k], edgecolor="white", label=k.replace("_", " "))
                for k in OP_KINDS if k in kinds]
-    ax_ops.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22),
-                  ncol=min(len(handles), 6), frameon=False, fontsize=9,
-                  title="ops (bars labelled with their block)", title_fontsize=9)
+    handles += list(extra)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22),
+              ncol=min(len(handles), 6), frameon=False, fontsize=9,
+              title="ops (bars labelled with their block)", title_fontsize=9)
 
+
+def _title(schedule: Schedule) -> str:
+    c, p = schedule.config, schedule.predicted
     ranks = f"{c.world_size} rank" + ("s" if c.world_size > 1 else "")
     training = "".join([f", {c.accumulate} micro-batches a step" if c.accumulate > 1 else "",
                         f", clip {c.clip_grad_norm:g}" if c.clip_grad_norm is not None else ""])
-    fig.suptitle(
-        f"{schedule.model.path}: {schedule.strategy} ({schedule.status}), batch {c.batch_size}, "
-        f"{c.dtype}, {ranks}{training} — "
-        f"{'step' if c.accumulate > 1 else 'iteration'} {format_seconds(p.iteration_s)} "
-        f"(lower bound {format_seconds(p.lower_bound_s)}), peak "
-        f"{format_bytes(p.peak_device_bytes)} of {format_bytes(c.capacity_bytes)}",
-        fontsize=11)
-    _save_atomically(fig, path)
+    return (f"{schedule.model.path}: {schedule.strategy} ({schedule.status}), batch "
+            f"{c.batch_size}, {c.dtype}, {ranks}{training} — "
+            f"{'step' if c.accumulate > 1 else 'iteration'} {format_seconds(p.iteration_s)} "
+            f"(lower bound {format_seconds(p.lower_bound_s)}), peak "
+            f"{format_bytes(p.peak_device_bytes)} of {format_bytes(c.capacity_bytes)}")
 
 
 def _memory_panel(ax, schedule: Schedule, sim: SimResult, end_s: float, t_scale: float,
@@ -136,27 +204,34 @@ def _memory_panel(ax, schedule: Schedule, sim: SimResult, end_s: float, t_scale:
 def _gantt_panel(ax, schedule: Schedule, sim: SimResult, end_s: float,
                  t_scale: float) -> set[str]:
     """(b) one row per stream, a bar per op from its simulated start to its end."""
+    from karma.timeline import planned_spans
+
+    return _lanes(ax, planned_spans(schedule, sim), end_s, t_scale,
+                  dict(schedule.predicted.busy_s), "(b) streams")
+
+
+def _lanes(ax, spans: list[OpSpan], end_s: float, t_scale: float, busy: dict[str, float],
+           title: str) -> set[str]:
+    """One row per stream, a bar per op from its start to its end; the kinds drawn."""
     rows = {stream: k for k, stream in enumerate(STREAMS)}
     # Bars narrower than a label are left unlabelled: width in points of the axes, roughly.
     axes_points = _FIG_WIDTH_IN * 72 * 0.86
     bars: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
-    for op in schedule.ops:
-        start, stop = sim.start_s[op.id], sim.end_s[op.id]
-        y = rows[op.stream]
-        bars[(y, op.kind)].append((start / t_scale, (stop - start) / t_scale))
-        label = str(op.block)
-        if (stop - start) / end_s * axes_points > 6.5 * len(label) + 4:
-            ax.text((start + stop) / 2 / t_scale, y, label, ha="center", va="center",
+    for s in spans:
+        y = rows[s.stream]
+        bars[(y, s.kind)].append((s.start_s / t_scale, (s.end_s - s.start_s) / t_scale))
+        label = str(s.block)
+        if (s.end_s - s.start_s) / end_s * axes_points > 6.5 * len(label) + 4:
+            ax.text((s.start_s + s.end_s) / 2 / t_scale, y, label, ha="center", va="center",
                     fontsize=8, color="black")
-    for (y, kind), spans in bars.items():
-        ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=KIND_COLORS[kind],
+    for (y, kind), xs in bars.items():
+        ax.broken_barh(xs, (y - 0.35, 0.7), facecolors=KIND_COLORS[kind],
                        edgecolors="white", linewidth=0.6)
-    busy = dict(schedule.predicted.busy_s)
     ax.set_yticks(range(len(STREAMS)))
     ax.set_yticklabels([f"{s}\n{format_seconds(busy.get(s, 0.0))} busy" for s in STREAMS],
                        fontsize=9)
     ax.set_ylim(len(STREAMS) - 0.5, -0.5)  # compute on top
-    ax.set_title("(b) streams", loc="left", fontsize=10)
+    ax.set_title(title, loc="left", fontsize=10)
     ax.grid(True, axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     return {kind for _, kind in bars}

@@ -3,6 +3,8 @@
     karma-inspect schedule.yaml                  # decisions, predictions, per-block table
     karma-inspect schedule.yaml --plot sched.png # memory timeline and per-stream Gantt chart
     karma-inspect schedule.yaml --json           # the summary as JSON
+    karma-inspect schedule.yaml --trace t.json   # a step traced by karma-run --trace, beside
+    karma-inspect schedule.yaml --trace t.json --plot t.png --chrome t.chrome.json
 
 The schedule is validated (load_schedule) and its ops re-simulated; a file whose predicted
 iteration time, peak or stream busy times do not match its ops was edited or is corrupt,
@@ -16,8 +18,16 @@ import json
 from pathlib import Path
 
 from karma.cli.common import run_cli
+from karma.errors import KarmaError
 from karma.planner.simulate import ScheduleError, SimResult, simulate
 from karma.schedule import STREAMS, Schedule, ScheduleFileError, load_schedule, schedule_sha256
+from karma.timeline import (
+    check_trace,
+    compare,
+    load_trace,
+    render_comparison,
+    write_chrome_trace,
+)
 from karma.units import format_bytes, format_number, format_seconds
 
 # [Note: how closely a re-simulation matches] The file holds times to 6 significant digits,
@@ -38,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="also draw the memory timeline and streams to this PNG file "
                         "(needs matplotlib: pip install 'karma[plot]')")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="a step traced by karma-run --trace FILE on this schedule: print its "
+                        "per-stream busy times and the compute thread's waits beside the "
+                        "plan's; --plot then draws the measured streams under the planned")
+    p.add_argument("--chrome", metavar="JSON", default=None,
+                   help="with --trace: write the planned and measured timelines in the Chrome "
+                        "trace format (open it in ui.perfetto.dev or chrome://tracing)")
     return p
 
 
@@ -195,20 +212,36 @@ def _block_table(blocks: list[dict]) -> list[str]:
 
 def _inspect(args: argparse.Namespace) -> int:
     source = args.schedule
+    if args.chrome and not args.trace:
+        raise KarmaError("--chrome needs --trace FILE (a step traced by karma-run --trace)")
     schedule = load_schedule(Path(source), source)
     sim = check_predicted(schedule, source)
     info = summary(schedule, sim, source)
+    trace = None
+    if args.trace:
+        trace = load_trace(args.trace)
+        check_trace(trace, schedule, args.trace, source)
+        info["trace"] = compare(schedule, sim, trace)
     if args.plot:
-        from karma.plot import plot_schedule
+        from karma.plot import plot_schedule, plot_timeline
 
-        plot_schedule(schedule, sim, args.plot)
+        if trace is None:
+            plot_schedule(schedule, sim, args.plot)
+        else:
+            plot_timeline(schedule, sim, trace, args.plot)
         info["plot"] = args.plot
+    if args.chrome:
+        write_chrome_trace(args.chrome, schedule, sim, trace)
+        info["chrome"] = args.chrome
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         print(render(info))
-        if args.plot:
-            print(f"\nwrote {args.plot}")
+        if trace is not None:
+            print("\n" + render_comparison(info["trace"], args.trace))
+        written = [info[key] for key in ("plot", "chrome") if key in info]
+        if written:
+            print("\n" + "\n".join(f"wrote {path}" for path in written))
     return 0
 
 

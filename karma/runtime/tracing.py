@@ -4,6 +4,12 @@ The engine calls `began` and `ended` around every operation of the traced iterat
 ops on the compute thread, the others on their stream's worker), and nothing at all when no
 step is traced. The result is a `timeline.StepTrace`, relative to the iteration's start.
 
+A compute op runs from when the compute thread has its dependencies (engine._start) to when
+the next compute op arrives (engine._finish_previous). A recompute has no boundary of its own
+that the hooks see: autograd runs it inside the block's backward, when the backward unpacks
+what it saved. So a recompute is recorded as an instant at the backward's start, and the
+backward's span holds both.
+
 [Note: two clocks, one origin] On the CPU backend every stream runs on a thread of its own,
 so `time.perf_counter()` at the start and end of an op is when it ran. On CUDA an op only
 enqueues work: each stamp on a device stream (compute, h2d, d2h, net) is a timing event
