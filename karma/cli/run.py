@@ -76,12 +76,10 @@ def _run(args: argparse.Namespace) -> int:
         raise KarmaError(f"--trace-step {args.trace_step} is after the last step "
                          f"(--steps {args.steps}); choose a step from 1 to {args.steps}")
     signal.signal(signal.SIGTERM, _stopped)
-    for path in filter(None, (args.checkpoint_dir, args.report and args.report.parent,
-                              args.trace and args.trace.parent)):
+    for path in filter(None, (args.checkpoint_dir, args.report and args.report.parent)):
         _check_writable(Path(path))
-    if args.trace is not None and args.trace.is_dir():
-        raise KarmaError(f"--trace {args.trace} is a directory; give a file name, e.g. "
-                         f"{args.trace / 'trace.json'}")
+    if args.trace is not None:
+        _check_trace_path(args.trace)
     schedule_path = Path(args.schedule)
     schedule = load_schedule(schedule_path)
     mf = open_model_file(schedule, schedule_path)
@@ -137,6 +135,17 @@ def _check_writable(path: Path) -> None:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK):
         raise KarmaError(f"{path} is not writable; choose a directory you can write to")
+
+
+def _check_trace_path(path: Path) -> None:
+    """--trace is written after its step: a path that cannot be written is refused first."""
+    if path.is_dir():
+        raise KarmaError(f"--trace {path} is a directory; give a file name, e.g. "
+                         f"{path / 'trace.json'}")
+    if not path.parent.is_dir():
+        raise KarmaError(f"--trace {path}: directory {path.parent} does not exist; create it "
+                         "or give another path")
+    _check_writable(path.parent)
 
 
 def main(argv: list[str] | None = None) -> int:

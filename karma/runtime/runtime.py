@@ -283,11 +283,11 @@ class Runtime:
         self._blocked_on = ([] if acc.first else self._blocked_on) + self.engine.blocked_on
         trace = None
         if recorder is not None:
+            waits = list(self.engine.blocked), list(self.engine.blocked_on)  # not settle's
             self.engine.settle()  # the updates it left running: their ops are in the trace
             self.engine.trace(None)
             self._trace_next = False
-            trace = recorder.finish(self.iterations + 1, elapsed, self.engine.blocked,
-                                    self.engine.blocked_on)
+            trace = recorder.finish(self.iterations + 1, elapsed, *waits)
         self.stepped = acc.last
         if acc.last:
             calls = tuple(self.exchange.take_intervals()) if self.exchange is not None else ()

@@ -1,0 +1,200 @@
+"""The measured timeline: karma-run --trace records every op of one step in the schedule's
+order on each stream; karma-inspect --trace compares, plots and exports it; bad input is
+refused with exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import defaultdict
+
+import pytest
+
+from karma.cli.inspect import main as inspect_main
+from karma.cli.run import main as run_main
+from karma.planner.simulate import simulate
+from karma.runtime.streams import wait_for
+from karma.schedule import STREAMS, dump_schedule, load_schedule, schedule_sha256
+from karma.timeline import (
+    StepTrace,
+    compare,
+    load_trace,
+    planned_spans,
+    planned_waits,
+    wait_s_by_stream,
+)
+from tests.runtime_helpers import load_small, plan, run
+from tests.schedule_fixtures import tiny_schedule
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+# (strategy, fraction of keep_all's peak, clip_grad_norm): with clipping the host steps and
+# uploads of the traced step run on after it (engine.py, [Note: updates overlapped with the
+# next forward]) and must be in its trace all the same
+CASES = {"keep_all": ("keep_all", 1.0, None), "swap_all": ("swap_all", 1.0, None),
+         "offload_all": ("offload_all", 1.0, None),
+         "offload_all_clipped": ("offload_all", 1.0, 1.0)}
+
+
+def by_stream(ids_and_streams) -> dict[str, list[int]]:
+    lanes = defaultdict(list)
+    for op_id, stream in ids_and_streams:
+        lanes[stream].append(op_id)
+    return dict(lanes)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_traced_op_order_equals_the_schedules(case, tmp_path):
+    strategy, fraction, clip = CASES[case]
+    mf = load_small("gpt")
+    schedule = plan(mf, strategy, fraction, clip_grad_norm=clip)
+    if clip is not None:
+        assert any(op.kind == "host_step" for op in schedule.ops)  # deferred ops exist
+    report = run(schedule, mf, 2, trace_path=tmp_path / "t.json")
+    trace = load_trace(tmp_path / "t.json")
+
+    assert (trace.step, report.traced_step, trace.backend) == (2, 2, "cpu")
+    assert trace.schedule_sha256 == schedule_sha256(schedule)
+    assert sorted(s.op for s in trace.ops) == [op.id for op in schedule.ops]  # every op once
+    for s in trace.ops:
+        op = schedule.ops[s.op]
+        assert (s.kind, s.block, s.stream) == (op.kind, op.block, op.stream)
+        assert 0 <= s.start_s <= s.end_s
+    measured = by_stream((s.op, s.stream) for s in sorted(trace.ops, key=lambda s: s.start_s))
+    assert measured == by_stream((op.id, op.stream) for op in schedule.ops)
+    for w in trace.waits:
+        assert w.stream in STREAMS and 0 <= w.start_s <= w.end_s
+    # the report's waits per stream: one dict a step, the traced one's equal to the trace's
+    assert len(report.wait_s) == 2
+    traced = wait_s_by_stream(trace.waits)
+    assert report.wait_s[1].keys() == traced.keys()
+    assert all(report.wait_s[1][s] == pytest.approx(t) for s, t in traced.items())
+
+
+def test_a_wait_is_blamed_on_the_last_dependency_to_finish():
+    """wait_for returns the last dependency it found running: the one that finished last,
+    whatever the order of the list."""
+    events = {k: threading.Event() for k in "abc"}
+    events["c"].set()
+    threading.Timer(0.02, events["a"].set).start()
+    threading.Timer(0.08, events["b"].set).start()
+    assert wait_for(events, ["b", "a", "c"], []) == "b"  # a was done when the wait reached it
+    for e in events.values():
+        e.clear()
+    events["c"].set()
+    threading.Timer(0.02, events["a"].set).start()
+    threading.Timer(0.08, events["b"].set).start()
+    assert wait_for(events, ["a", "b", "c"], []) == "b"
+    assert wait_for(events, ["a", "c"], []) is None  # nothing blocked
+
+
+def test_a_trace_that_ran_as_planned_compares_equal():
+    """A trace made of the simulated spans and waits measures what was planned."""
+    s = tiny_schedule()
+    sim = simulate(s.ops, s.buffers)
+    waits = planned_waits(s, sim)
+    assert waits  # the tiny ILP schedule waits for a copy somewhere
+    compute_starts = {sim.start_s[op.id] for op in s.ops if op.stream == "compute"}
+    assert all(w.end_s in compute_starts and w.stream != "compute" for w in waits)
+    trace = StepTrace(schedule_sha256(s), s.model.path, "cpu", 1, sim.replay_s,
+                      tuple(planned_spans(s, sim)), tuple(waits))
+    info = compare(s, sim, trace)
+    for v in info["streams"].values():
+        assert v["busy_s"] == pytest.approx(v["planned_busy_s"])
+        assert v["wait_s"] == pytest.approx(v["planned_wait_s"])
+    assert info["ops_traced"] == info["ops"] == len(s.ops)
+
+
+# --- the commands ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """gpt tiny's ILP schedule, run for 3 steps under karma-run --trace: (dir, schedule path,
+    trace path)."""
+    d = tmp_path_factory.mktemp("trace")
+    (d / "S.yaml").write_text(dump_schedule(plan(load_small("gpt"), "ilp", 0.6)))
+    saved = dict(os.environ)  # karma-run sets the schedule's KARMA_* variables
+    try:
+        code = run_main([str(d / "S.yaml"), "--steps", "3", "--trace", str(d / "t.json"),
+                         "--report", str(d / "R.json")])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert code == 0
+    return d, d / "S.yaml", d / "t.json"
+
+
+def test_run_traces_the_second_step_by_default(traced):
+    d, _, trace_path = traced
+    report = json.loads((d / "R.json").read_text())
+    assert load_trace(trace_path).step == report["traced_step"] == 2
+    assert len(report["wait_s"]) == 3
+
+
+def test_inspect_compares_plots_and_exports_a_trace(traced, capsys):
+    d, schedule_path, trace_path = traced
+    schedule = load_schedule(schedule_path)
+    code = inspect_main([str(schedule_path), "--trace", str(trace_path), "--plot",
+                         str(d / "t.png"), "--chrome", str(d / "t.chrome.json")])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    assert "trace       step 2 (cpu backend)" in out
+    assert "compute waited for it" in out
+    assert (d / "t.png").read_bytes().startswith(PNG_SIGNATURE)
+
+    events = json.loads((d / "t.chrome.json").read_text())["traceEvents"]
+    n_ops = len(load_trace(trace_path).ops)
+    spans = [e for e in events if e["ph"] == "X"]
+    for pid in (1, 2):  # planned, measured: one event per op on its stream's thread
+        ops = [e for e in spans if e["pid"] == pid and e["cat"] != "wait"]
+        assert len(ops) == n_ops
+        assert all(e["dur"] >= 0 for e in ops)
+        assert all(e["tid"] == STREAMS.index(schedule.ops[e["args"]["op"]].stream)
+                   for e in ops)
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert set(STREAMS) <= names
+
+    code = inspect_main([str(schedule_path), "--trace", str(trace_path), "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert code == 0 and info["trace"]["ops_traced"] == n_ops
+
+
+def assert_refused(code: int, err: str, prog: str, fragment: str) -> None:
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), err
+    assert "Traceback" not in err and fragment in err, err
+
+
+def test_inspect_refuses_a_trace_of_another_schedule(traced, tmp_path, capsys):
+    _, _, trace_path = traced
+    other = tmp_path / "other.yaml"
+    other.write_text(dump_schedule(tiny_schedule()))
+    code = inspect_main([str(other), "--trace", str(trace_path)])
+    assert_refused(code, capsys.readouterr().err, "karma-inspect", "traced another schedule")
+
+
+def test_inspect_refuses_what_is_not_a_trace(traced, tmp_path, capsys):
+    _, schedule_path, _ = traced
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"karma_trace": 1, "ops": []}')
+    code = inspect_main([str(schedule_path), "--trace", str(bad)])
+    assert_refused(code, capsys.readouterr().err, "karma-inspect", "is not a karma trace")
+    code = inspect_main([str(schedule_path), "--chrome", str(tmp_path / "c.json")])
+    assert_refused(code, capsys.readouterr().err, "karma-inspect", "--chrome needs --trace")
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--trace", "{tmp}/missing/t.json"], "does not exist"),
+    (["--trace", "{tmp}"], "is a directory"),
+    (["--trace", "{tmp}/t.json", "--trace-step", "5"], "is after the last step"),
+    (["--trace-step", "1"], "--trace-step needs --trace"),
+])
+def test_run_refuses_a_bad_trace_before_training(argv, fragment, traced, tmp_path, capsys):
+    _, schedule_path, _ = traced
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    code = run_main([str(schedule_path), "--steps", "2", *argv])
+    out, err = capsys.readouterr()
+    assert_refused(code, err, "karma-run", fragment)
+    assert "step 1/" not in out
