@@ -79,6 +79,7 @@ class TraceRecorder:
         """A stamp as seconds since the iteration's origin."""
         if isinstance(stamp, float):
             return stamp - self._origin_s
+        self._origin_event.synchronize()  # elapsed_time needs both events completed
         stamp.synchronize()
         return self._origin_event.elapsed_time(stamp) / 1e3  # milliseconds
 
