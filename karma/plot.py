@@ -106,8 +106,14 @@ def plot_timeline(schedule: Schedule, sim: SimResult, trace: StepTrace,
 
     planned_s = max(sim.replay_s or sim.iteration_s, 1e-30)
     measured_s = max([trace.step_s, *(s.end_s for s in trace.ops)])
-    fig = Figure(figsize=(_FIG_WIDTH_IN, 10.5), dpi=_DPI, layout="constrained")
-    ax_mem, ax_plan, ax_run = fig.subplots(3, 1, height_ratios=(0.8, 1.0, 1.0))
+    if trace.memory:
+        fig = Figure(figsize=(_FIG_WIDTH_IN, 13.0), dpi=_DPI, layout="constrained")
+        ax_mem, ax_plan, ax_run_mem, ax_run = fig.subplots(
+            4, 1, height_ratios=(0.8, 1.0, 0.8, 1.0))
+        ax_run_mem.sharex(ax_run)
+    else:
+        fig = Figure(figsize=(_FIG_WIDTH_IN, 10.5), dpi=_DPI, layout="constrained")
+        ax_mem, ax_plan, ax_run = fig.subplots(3, 1, height_ratios=(0.8, 1.0, 1.0))
     ax_mem.sharex(ax_plan)
 
     t_unit, t_scale = _time_unit(planned_s)
@@ -124,8 +130,10 @@ def plot_timeline(schedule: Schedule, sim: SimResult, trace: StepTrace,
     for s in trace.ops:
         busy[s.stream] = busy.get(s.stream, 0.0) + (s.end_s - s.start_s)
     kinds |= _lanes(ax_run, list(trace.ops), measured_s, m_scale, busy,
-                    f"(c) streams as measured in step {trace.step} on the {trace.backend} "
+                    f"({'d' if trace.memory else 'c'}) streams as measured in step {trace.step} on the {trace.backend} "
                     f"backend: {format_seconds(trace.step_s)}")
+    if trace.memory:
+        _measured_memory_panel(ax_run_mem, schedule, trace, m_scale)
     if trace.waits:
         ax_run.broken_barh([(w.start_s / m_scale, (w.end_s - w.start_s) / m_scale)
                             for w in trace.waits], (-0.35, 0.7), facecolors="none",
@@ -136,6 +144,31 @@ def plot_timeline(schedule: Schedule, sim: SimResult, trace: StepTrace,
                                                     hatch="////", label="compute waiting")])
     fig.suptitle(_title(schedule), fontsize=11)
     _save_atomically(fig, path)
+
+
+def _measured_memory_panel(ax, schedule: Schedule, trace: StepTrace, t_scale: float) -> None:
+    """(c) the memory the peak is measured on, sampled in the traced step, against the
+    predicted peak and the capacity (panel (a) is the same quantity as planned)."""
+    capacity, peak = schedule.config.capacity_bytes, schedule.predicted.peak_device_bytes
+    measured = max(b for _, b in trace.memory)
+    top = max(peak, measured, capacity if capacity <= _CAPACITY_OFF_SCALE * max(peak, 1) else 0, 1)
+    b_unit, b_scale = next((u, k) for u, k in _BYTE_UNITS if top >= k or u == "B")
+    ts = [t / t_scale for t, _ in trace.memory]
+    ys = [b / b_scale for _, b in trace.memory]
+    ax.fill_between(ts, ys, color="#2ca02c", alpha=0.18, linewidth=0)
+    ax.plot(ts, ys, color="#2ca02c", linewidth=1.2,
+            label=f"measured ({'private memory' if trace.backend == 'cpu' else 'allocated'}"
+                  f"), peak {format_bytes(measured)}")
+    ax.axhline(peak / b_scale, color="#ff7f0e", linestyle=":", linewidth=1.4,
+               label=f"predicted peak {format_bytes(peak)}")
+    if top >= capacity:
+        ax.axhline(capacity / b_scale, color="#d62728", linestyle="--", linewidth=1.4,
+                   label=f"capacity {format_bytes(capacity)}")
+    ax.set_ylim(0, top / b_scale * 1.12)
+    ax.set_ylabel(f"memory ({b_unit})")
+    ax.set_title(f"(c) memory as measured in step {trace.step}", loc="left", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=9, frameon=False)
 
 
 def _iteration_label(accumulate: int, t_unit: str) -> str:

@@ -18,15 +18,16 @@ measurement as two processes, one thread per stream.
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from karma.errors import KarmaError
 from karma.fileio import write_text_atomic
 from karma.schedule import STREAMS, Schedule, schedule_sha256
-from karma.units import format_seconds
+from karma.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
     from karma.planner.simulate import SimResult
@@ -67,13 +68,17 @@ class StepTrace:
     step_s: float  # the traced iteration's wall time on the compute thread
     ops: tuple[OpSpan, ...]
     waits: tuple[ComputeWait, ...]
+    # (seconds, bytes): the memory the peak is measured on, sampled every millisecond
+    # (CPU backend: private memory above the baseline; empty where not sampled)
+    memory: tuple[tuple[float, int], ...] = ()
     version: int = TRACE_VERSION
 
     def to_json(self) -> dict:
         return {"karma_trace": self.version, "schedule_sha256": self.schedule_sha256,
                 "model": self.model, "backend": self.backend, "step": self.step,
                 "step_s": self.step_s, "ops": [asdict(s) for s in self.ops],
-                "waits": [asdict(w) for w in self.waits]}
+                "waits": [asdict(w) for w in self.waits],
+                "memory": [[round(t, 6), b] for t, b in self.memory]}
 
 
 def write_trace(path: str | Path, trace: StepTrace) -> None:
@@ -90,7 +95,8 @@ def load_trace(path: str | Path) -> StepTrace:
         return StepTrace(str(data["schedule_sha256"]), str(data["model"]), str(data["backend"]),
                          int(data["step"]), float(data["step_s"]),
                          tuple(OpSpan(**row) for row in data["ops"]),
-                         tuple(ComputeWait(**row) for row in data["waits"]))
+                         tuple(ComputeWait(**row) for row in data["waits"]),
+                         tuple((float(t), int(b)) for t, b in data.get("memory", ())))
     except FileNotFoundError:
         raise KarmaError(f"trace file {path} does not exist; write one with karma-run "
                          "SCHEDULE --trace FILE") from None
@@ -156,9 +162,52 @@ def compare(schedule: Schedule, sim: SimResult, trace: StepTrace) -> dict:
             streams[stream] = {"ops": ops, "busy_s": busy, "planned_busy_s": plan,
                                "wait_s": measured_wait.get(stream, 0.0),
                                "planned_wait_s": planned_wait.get(stream, 0.0)}
-    return {"step": trace.step, "backend": trace.backend, "ops_traced": len(trace.ops),
+    info = {"step": trace.step, "backend": trace.backend, "ops_traced": len(trace.ops),
             "ops": len(schedule.ops), "step_s": trace.step_s,
             "planned_s": sim.replay_s or sim.iteration_s, "streams": streams}
+    if trace.memory:
+        rows = memory_by_op(sim, trace)
+        info["memory"] = {
+            "peak_bytes": max(b for _, b in trace.memory),
+            "planned_peak_bytes": schedule.predicted.peak_device_bytes,
+            "samples": len(trace.memory),
+            "most_above_plan": [r._asdict() for r in sorted(
+                rows, key=lambda r: r.planned_bytes - r.measured_bytes)[:MEMORY_ROWS]]}
+    return info
+
+
+MEMORY_ROWS = 3  # compute ops listed where measured memory is furthest above the plan
+
+
+class OpMemory(NamedTuple):
+    op: int
+    kind: str
+    block: int
+    measured_bytes: int  # the largest sample while the op ran
+    planned_bytes: int  # the largest planned allocation while the op ran, as planned
+
+
+def memory_by_op(sim: SimResult, trace: StepTrace) -> list[OpMemory]:
+    """For each traced compute op with samples: the memory measured while it ran beside
+    the memory planned while it runs in the plan (each on its own clock), so that a gap
+    between the measured and the planned peak is pinned on the op where it opens."""
+    samples = sorted(trace.memory)
+    times = [t for t, _ in samples]
+    plan = list(sim.timeline)
+    plan_times = [t for t, _ in plan]
+    rows = []
+    for s in trace.ops:
+        if s.stream != "compute":
+            continue
+        lo, hi = bisect.bisect_left(times, s.start_s), bisect.bisect_right(times, s.end_s)
+        if lo >= hi:
+            continue
+        p_lo = max(bisect.bisect_right(plan_times, sim.start_s[s.op]) - 1, 0)
+        p_hi = bisect.bisect_right(plan_times, sim.end_s[s.op])
+        planned = max((b for _, b in plan[p_lo:max(p_hi, p_lo + 1)]), default=0)
+        rows.append(OpMemory(s.op, s.kind, s.block, max(b for _, b in samples[lo:hi]),
+                             planned))
+    return rows
 
 
 def render_comparison(info: dict, source: str) -> str:
@@ -175,6 +224,16 @@ def render_comparison(info: dict, source: str) -> str:
     for r in [head, *rows]:
         lines.append("  " + "  ".join(v.ljust(w) if k == 0 else v.rjust(w)
                                       for k, (v, w) in enumerate(zip(r, widths))).rstrip())
+    memory = info.get("memory")
+    if memory:
+        lines.append(f"  memory: peak {format_bytes(memory['peak_bytes'])} measured "
+                     f"({memory['samples']} samples) against "
+                     f"{format_bytes(memory['planned_peak_bytes'])} planned; most above the "
+                     "plan:")
+        for r in memory["most_above_plan"]:
+            lines.append(f"    op {r['op']} ({r['kind']} of block {r['block']}): "
+                         f"{format_bytes(r['measured_bytes'])} measured, "
+                         f"{format_bytes(r['planned_bytes'])} planned")
     return "\n".join(lines)
 
 
@@ -204,6 +263,10 @@ def chrome_trace(schedule: Schedule, sim: SimResult, trace: StepTrace) -> dict:
                            "pid": pid, "tid": tids[s.stream],
                            "args": {"op": s.op, "block": s.block,
                                     "stage": schedule.ops[s.op].stage}})
+    for pid, points in ((1, sim.timeline), (2, trace.memory)):  # counter tracks
+        for t, nbytes in points:
+            events.append({"name": "memory", "ph": "C", "ts": t * 1e6, "pid": pid,
+                           "args": {"MiB": nbytes / 2**20}})
     for w in trace.waits:
         events.append({"name": f"wait for {w.stream}", "cat": "wait", "ph": "X",
                        "ts": w.start_s * 1e6, "dur": (w.end_s - w.start_s) * 1e6, "pid": 2,

@@ -160,6 +160,28 @@ def test_inspect_compares_plots_and_exports_a_trace(traced, capsys):
     assert code == 0 and info["trace"]["ops_traced"] == n_ops
 
 
+def test_the_trace_holds_the_measured_memory_beside_the_plan(traced, capsys):
+    """On the CPU backend the peak meter's samples of the traced step go into the trace:
+    the curve the reported peak is the maximum of, and per compute op what was measured
+    beside what was planned."""
+    d, schedule_path, trace_path = traced
+    trace = load_trace(trace_path)
+    report = json.loads((d / "R.json").read_text())
+    assert len(trace.memory) >= 2
+    times = [t for t, _ in trace.memory]
+    assert times == sorted(times) and -0.1 < times[0] < trace.step_s
+    assert all(b >= 0 for _, b in trace.memory)
+    assert max(b for _, b in trace.memory) <= report["peak_device_bytes"]
+
+    code = inspect_main([str(schedule_path), "--trace", str(trace_path), "--json"])
+    memory = json.loads(capsys.readouterr().out)["trace"]["memory"]
+    assert code == 0 and memory["samples"] == len(trace.memory)
+    assert memory["peak_bytes"] == max(b for _, b in trace.memory)
+    rows = memory["most_above_plan"]
+    assert rows and all(load_schedule(schedule_path).ops[r["op"]].stream == "compute"
+                        for r in rows)
+
+
 def assert_refused(code: int, err: str, prog: str, fragment: str) -> None:
     assert code == 2
     lines = err.strip().splitlines()

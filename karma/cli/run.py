@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from karma.cli.common import positive_int, run_cli
+from karma.cli.common import huge_pages_for_large_tensors, positive_int, run_cli
 from karma.errors import KarmaError
 
 
@@ -149,6 +149,7 @@ def _check_trace_path(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    huge_pages_for_large_tensors()  # before torch is imported
     prog = "karma-run"
     if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):  # say which rank fails
         prog += f" (rank {os.environ.get('RANK', '?')})"

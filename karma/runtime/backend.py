@@ -80,7 +80,7 @@ class CpuBackend:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
-    # No device-memory counters: the peak is the process's private memory (train._PeakSampler).
+    # No device-memory counters: the peak is the process's private memory (peak.PrivatePeak).
 
     def cap(self, nbytes: int) -> int:
         from karma.errors import KarmaError

@@ -167,7 +167,9 @@ def return_freed_memory_promptly() -> None:
     freed, after which big tensors come from the heap and their memory stays with the process
     when freed: the process's private memory then tracks its past peak, not what it holds.
     Pinning the threshold (64 KiB) and the trim threshold (128 KiB) makes freed tensors go
-    back to the system, so that a memory cap holds what the schedule planned."""
+    back to the system, so that a memory cap holds what the schedule planned. Each such
+    tensor is then faulted in afresh: see [Note: huge pages for large tensors] in
+    karma/cli/common.py for what keeps that cheap."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

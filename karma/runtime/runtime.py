@@ -21,7 +21,6 @@ import contextlib
 import gc
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from karma.runtime.host import (
     return_freed_memory_promptly,
 )
 from karma.runtime.lr import LRSchedule
+from karma.runtime.peak import DevicePeak, PrivatePeak
 from karma.runtime.streams import OpFailed
 from karma.runtime.tracing import TraceRecorder
 from karma.runtime.training import Accumulation, GradClip, MixedPrecision
@@ -159,6 +159,8 @@ class Runtime:
                 self.engine.close(failed=True)
             if hasattr(self, "pool"):
                 self.pool.close()
+            if hasattr(self, "meter"):
+                self.meter.close()
             distributed.leave(self.ranks)
             raise
 
@@ -175,8 +177,8 @@ class Runtime:
         self.log(f"baseline before the model: {format_bytes(self.baseline_private_bytes)} "
                  f"private, {format_bytes(self.baseline_data_bytes)} data segment (what "
                  "prlimit --data caps)")
-        self.meter = _PeakSampler(self.baseline_private_bytes) if backend.name == "cpu" \
-            else _DevicePeak(backend)
+        self.meter = PrivatePeak(self.baseline_private_bytes) if backend.name == "cpu" \
+            else DevicePeak(backend)
         if cap_device_memory:
             total = backend.cap(schedule.config.capacity_bytes + DEVICE_SLACK_BYTES)
             self.log(f"device memory capped at {format_bytes(schedule.config.capacity_bytes)} "
@@ -252,7 +254,7 @@ class Runtime:
         if self._trace_next and acc.last:
             recorder = TraceRecorder(self.schedule, self.backend)
             self.engine.trace(recorder)
-        self.meter.start()
+        self.meter.start(record=recorder is not None)
         t0 = time.perf_counter()
         try:
             self.engine.begin_iteration(update=acc.last, first=acc.first)
@@ -287,7 +289,8 @@ class Runtime:
             self.engine.settle()  # the updates it left running: their ops are in the trace
             self.engine.trace(None)
             self._trace_next = False
-            trace = recorder.finish(self.iterations + 1, elapsed, *waits)
+            trace = recorder.finish(self.iterations + 1, elapsed, *waits,
+                                    memory=self.meter.samples())
         self.stepped = acc.last
         if acc.last:
             calls = tuple(self.exchange.take_intervals()) if self.exchange is not None else ()
@@ -395,6 +398,8 @@ class Runtime:
         self._closed = True
         try:
             self.engine.close(self._failed)
+            if hasattr(self, "meter"):
+                self.meter.close()
             self.pool_peak_bytes = self.pool.peak_bytes
             self.pool.close()
         finally:  # also after a failure: a process group left to the interpreter's exit aborts
@@ -430,55 +435,3 @@ class BlockOptimizers:
 
 def _quiet(line: str) -> None:
     """Ranks other than 0 print no progress lines (their errors still reach stderr)."""
-
-
-class _DevicePeak:
-    """Peak device memory above what was allocated before the model was placed."""
-
-    def __init__(self, backend):
-        self._backend = backend
-        backend.warm_up()  # cuBLAS's workspace: a one-time cost of CUDA, not of the schedule
-        self.baseline = backend.memory_baseline()
-        self.peak = 0
-
-    def start(self) -> None:
-        self._backend.reset_peak()
-
-    def stop(self) -> int:
-        step_peak = max(0, self._backend.peak_bytes() - self.baseline)
-        self.peak = max(self.peak, step_peak)
-        return step_peak
-
-
-class _PeakSampler:
-    """Peak private memory above a baseline, sampled every millisecond on a thread."""
-
-    def __init__(self, baseline: int):
-        self.baseline = baseline
-        self.peak = 0  # over the whole run
-        self.step_peak = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Start sampling a new step (stop() returns that step's peak)."""
-        self.step_peak = 0
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> int:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self._sample()
-        return self.step_peak
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.001):
-            self._sample()
-
-    def _sample(self) -> None:
-        now = private_bytes() - self.baseline
-        self.step_peak = max(self.step_peak, now)
-        self.peak = max(self.peak, now)

@@ -83,9 +83,12 @@ class TraceRecorder:
         stamp.synchronize()
         return self._origin_event.elapsed_time(stamp) / 1e3  # milliseconds
 
-    def finish(self, step: int, step_s: float, blocked, blocked_on) -> StepTrace:
+    def finish(self, step: int, step_s: float, blocked, blocked_on,
+               memory: list[tuple[float, int]] = ()) -> StepTrace:
         """The trace, once every traced op has run (after engine.settle()). `blocked` and
-        `blocked_on`: the engine's compute waits of the iteration and their streams."""
+        `blocked_on`: the engine's compute waits of the iteration and their streams;
+        `memory`: the peak meter's samples (perf_counter seconds, bytes above the
+        baseline), where it records them (the CPU backend's private memory)."""
         spans = []
         for op in self._schedule.ops:
             gid = self._base + op.id
@@ -94,5 +97,6 @@ class TraceRecorder:
                 spans.append(OpSpan(op.id, op.kind, op.block, op.stream, start_s, end_s))
         waits = tuple(ComputeWait(stream, start - self._origin_s, end - self._origin_s)
                       for (start, end), stream in zip(blocked, blocked_on))
+        samples = tuple((t - self._origin_s, nbytes) for t, nbytes in memory)
         return StepTrace(schedule_sha256(self._schedule), self._schedule.model.path,
-                         self._backend, step, step_s, tuple(spans), waits)
+                         self._backend, step, step_s, tuple(spans), waits, samples)
