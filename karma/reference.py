@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,6 +22,7 @@ import torch
 
 from karma.modelfile import ModelFile, load_model_file, map_targets
 from karma.runtime.host import data_bytes, private_bytes
+from karma.runtime.peak import PrivatePeak
 
 
 @dataclass(frozen=True)
@@ -138,17 +140,21 @@ def main() -> None:
     mf = load_model_file(args.model)
     mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])  # import-time costs, as karma-run
     baseline, baseline_data = private_bytes(), data_bytes()
-    peak = 0
-
-    def sample() -> None:
-        nonlocal peak
-        peak = max(peak, private_bytes() - baseline)
-
-    run = train_reference(mf, args.batch_size, args.steps, args.seed, args.world_size,
-                          on_step=sample, device=args.device, dtype=args.dtype,
-                          accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm)
+    meter = PrivatePeak(baseline)  # as karma-run measures its peak (runtime/peak.py)
+    stamps = [time.perf_counter()]
+    meter.start()
+    try:
+        run = train_reference(mf, args.batch_size, args.steps, args.seed, args.world_size,
+                              on_step=lambda: stamps.append(time.perf_counter()),
+                              device=args.device, dtype=args.dtype,
+                              accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm)
+        peak = meter.stop()
+    finally:
+        meter.close()
     cuda_peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
+    # step_s[0] includes building the model; the others are one step each, data included
     print(json.dumps({"losses": run.losses, "peak_private_bytes": peak,
+                      "step_s": [b - a for a, b in zip(stamps, stamps[1:])],
                       "peak_cuda_bytes": cuda_peak,
                       "baseline_private_bytes": baseline, "baseline_data_bytes": baseline_data}))
 
