@@ -56,12 +56,13 @@ class _Sizes(NamedTuple):
     transfer_bytes: int  # host <-> device (CPU: RAM <-> file tier) copy
     optim_numel: int  # fp32 parameters stepped by AdamW
     repeats: int  # timed runs per measurement; the median is kept
-    contention_bytes: int = 0  # copied each way, and stepped by AdamW, beside a matmul (cpu)
+    contention_bytes: int = 0  # copied each way, and stepped by AdamW, beside compute (cpu)
+    contention_matmuls: int = 0  # 1024 x 1024 fp32 matmuls that make one run of compute (cpu)
 
 
 _PLANS = {
-    ("cpu", False): _Sizes(0.1, 2048, 256 * _MiB, 256 * _MiB, 32 * _MiB, 5, 32 * _MiB),
-    ("cpu", True): _Sizes(0.05, 1024, 64 * _MiB, 64 * _MiB, 4 * _MiB, 5, 8 * _MiB),
+    ("cpu", False): _Sizes(0.1, 2048, 256 * _MiB, 256 * _MiB, 32 * _MiB, 5, 32 * _MiB, 3),
+    ("cpu", True): _Sizes(0.05, 1024, 64 * _MiB, 64 * _MiB, 4 * _MiB, 5, 8 * _MiB, 1),
     # On CUDA the largest sizes keep an H200 busy for a millisecond or more per repeat.
     ("cuda", False): _Sizes(0.005, 8192, _GiB, 256 * _MiB, 32 * _MiB, 10),
     ("cuda", True): _Sizes(0.005, 4096, 256 * _MiB, 64 * _MiB, 4 * _MiB, 5),
@@ -103,7 +104,7 @@ def measure_local(
     slowdowns = {}
     if dev.type == "cpu":
         say("contention: a matmul beside copies and beside AdamW")
-        slowdowns = _contention(plan.contention_bytes, plan.repeats)
+        slowdowns = _contention(plan.contention_bytes, plan.contention_matmuls, plan.repeats)
     net_bytes_per_s, net_latency_s = _NET_DEFAULTS[dev.type]
     return Hardware(
         name=name,
@@ -235,12 +236,12 @@ def _host_optim_bytes_per_s(numel: int, repeats: int) -> float:
     return 4 * (numel // 8) * 8 / seconds
 
 
-def _contention(nbytes: int, repeats: int) -> dict[str, float]:
+def _contention(nbytes: int, matmuls: int, repeats: int) -> dict[str, float]:
     """[Note: measuring contention] The Hardware fields of [Note: contention between
     streams], measured as the runtime's CPU backend runs its streams: compute on the calling
     thread, a copy or a host step on a worker thread, each with the process's thread setting.
 
-    Compute is a 1024 x 1024 fp32 matmul, three times (about 0.1 s on 2 cores); the copy
+    Compute is `matmuls` 1024 x 1024 fp32 matmuls (each about 0.04 s on 2 cores); the copy
     moves `nbytes` from a file-tier mapping (`torch.from_file(shared=True)`) to RAM and back,
     as a swap does; the host step is AdamW(foreach) on `nbytes` of fp32 parameters. Each is
     timed alone, then beside the other running in a loop on a second thread; a slowdown is
@@ -252,7 +253,7 @@ def _contention(nbytes: int, repeats: int) -> dict[str, float]:
     a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
 
     def compute() -> None:
-        for _ in range(3):
+        for _ in range(matmuls):
             torch.mm(a, b, out=out)
 
     with tempfile.TemporaryDirectory(prefix="karma-profile-") as directory:
