@@ -227,6 +227,5 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         host_temps_on_device=hw.device_kind == "cpu",
         held_saved=tuple(HeldSaved(p, r0, r1, nbytes)
                          for (p, r0, r1), nbytes in sorted(held.items())),
-        contention=Contention(hw.compute_slowdown_copy, hw.copy_slowdown_compute,
-                              hw.compute_slowdown_host, hw.host_slowdown_compute),
+        contention=Contention.of(vars(hw)),
     )

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 
 from karma.errors import KarmaError
 from karma.schedule import DEFERRED_KINDS, LAST_MICRO_BATCH_KINDS, STREAMS, Buffer, Op
@@ -39,6 +39,12 @@ class Contention:
     copy_slowdown_compute: float = 0.0  # a copy (h2d or d2h), while compute runs
     compute_slowdown_host: float = 0.0  # compute, while a host step runs
     host_slowdown_compute: float = 0.0  # a host step, while compute runs
+
+    @classmethod
+    def of(cls, hardware: Mapping[str, object]) -> Contention:
+        """The fractions among a profile's fields (a Hardware's, or a schedule's `hardware`
+        pairs as a dict); those it lacks are 0."""
+        return cls(*(float(hardware.get(f.name, 0.0)) for f in fields(cls)))
 
     def speed(self, stream: str, busy) -> float:
         """The speed of `stream` (1: its ops' full speed) while the streams in `busy` run."""
