@@ -63,7 +63,9 @@ def test_builtin_loads_and_round_trips_exactly(name, tmp_path):
     assert load_hardware(str(path)) == hw
     # Plain types only, in the fixed key order.
     data = yaml.safe_load(text)
-    assert list(data) == ["version", *(f.name for f in dataclasses.fields(Hardware))]
+    # (the contention fractions only where not 0: independent streams need none)
+    assert list(data) == ["version", *(f.name for f in dataclasses.fields(Hardware)
+                                       if "slowdown" not in f.name or getattr(hw, f.name))]
     assert list(data["flops_per_s"]) == list(DTYPES)
     assert all(type(data[k]) is int for k in ("device_mem_bytes", "host_mem_bytes"))
     assert all(type(v) is float for v in data["flops_per_s"].values())
@@ -82,9 +84,13 @@ def test_builtin_numbers_are_the_documented_ones():
     assert v100.flops_per_s["fp32"] == 1.2e13 and v100.h2d_bytes_per_s == 1.2e10
     cpu = load_hardware("cpu")
     assert cpu.device_kind == "cpu" and cpu.flops_per_s["fp32"] == 5.0e10
+    # a CPU's copies and host steps share its cores; a GPU's streams are independent
+    assert (cpu.compute_slowdown_copy, cpu.compute_slowdown_host) == (0.3, 0.2)
     for name in builtin_names():
         hw = load_hardware(name)
         assert hw.pinned_mem_bytes <= hw.host_mem_bytes
+        if hw.device_kind == "cuda":
+            assert hw.compute_slowdown_copy == hw.compute_slowdown_host == 0
 
 
 def test_hardware_is_hashable_immutable_and_copyable():
@@ -300,6 +306,9 @@ def test_measure_local_quick_on_cpu_gives_plausible_numbers():
     assert hw.device_mem_bytes > 256 * 1024**2
     assert hw.pinned_mem_bytes == hw.host_mem_bytes
     assert (hw.net_bytes_per_s, hw.net_latency_s) == (1e9, 50e-6)
+    slowdowns = (hw.compute_slowdown_copy, hw.copy_slowdown_compute, hw.compute_slowdown_host,
+                 hw.host_slowdown_compute)
+    assert all(0 <= x <= 0.95 for x in slowdowns)
     assert hardware_from_yaml(dump_hardware(hw)) == hw
 
 
@@ -323,6 +332,7 @@ def test_cli_writes_a_loadable_profile(tmp_path, monkeypatch, capsys):
     assert main(["--quick", "-o", "me.yaml"]) == 0
     out = capsys.readouterr().out
     assert "TFLOP/s" in out and "GB/s" in out and "wrote me.yaml" in out
+    assert "speed lost beside a copy" in out  # the CPU's contention, measured
     hw = load_hardware(str(tmp_path / "me.yaml"))
     assert hw.flops_per_s["fp32"] > 0
     assert f"{format_number(hw.flops_per_s['fp32'] / 1e12)} TFLOP/s" in out

@@ -5,7 +5,8 @@
     karma-profile --quick           # about 2 s, rougher numbers (for tests)
 
 It measures the CUDA device if PyTorch sees one, else the CPU (whose offload tier is a file on
-local disk). The network is not measured: edit net_bytes_per_s and net_latency_s in the file.
+local disk, and whose copies and host optimizer take cores from compute: it also measures how
+much, see [Note: measuring contention] in karma/planner/measure_hw.py). The network is not measured: edit net_bytes_per_s and net_latency_s in the file.
 """
 
 from __future__ import annotations
@@ -87,6 +88,16 @@ def format_table(hw: Hardware, subtitle: str = "") -> str:
         ("host memory", format_bytes(hw.host_mem_bytes), "file tier (disk)" if cpu else ""),
         ("pinned memory", format_bytes(hw.pinned_mem_bytes), ""),
         ("host optimizer", gbps(hw.host_optim_bytes_per_s), "fp32 param bytes, AdamW"),
+        *(
+            (label, f"{format_number(100 * value)}%", note)
+            for label, value, note in (
+                ("compute", hw.compute_slowdown_copy, "speed lost beside a copy"),
+                ("copy", hw.copy_slowdown_compute, "speed lost beside compute"),
+                ("compute", hw.compute_slowdown_host, "speed lost beside a host step"),
+                ("host optimizer", hw.host_slowdown_compute, "speed lost beside compute"),
+            )
+            if cpu
+        ),
         (
             "network",
             f"{gbps(hw.net_bytes_per_s)}, {format_seconds(hw.net_latency_s)}",

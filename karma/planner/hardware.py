@@ -40,6 +40,14 @@ _FLOAT_FIELDS = (
     "net_bytes_per_s",
     "net_latency_s",
 )
+_FRACTION_FIELDS = (
+    "compute_slowdown_copy",
+    "copy_slowdown_compute",
+    "compute_slowdown_host",
+    "host_slowdown_compute",
+)
+"""Optional keys (older profiles lack them): 0, their default, means independent streams."""
+_MAX_SLOWDOWN = 0.95  # a stream that lost more would never finish in a useful time
 _HOW_TO_FIX = "fix it in the profile, or measure this machine with karma-profile -o FILE"
 
 
@@ -97,6 +105,19 @@ class Hardware:
     host_optim_bytes_per_s: float  # host AdamW throughput, fp32 parameter bytes stepped per second
     net_bytes_per_s: float  # per-rank network bandwidth for all-reduce
     net_latency_s: float  # per-message network latency
+    # [Note: contention between streams] On the CPU there is no copy engine: a copy (h2d or
+    # d2h) and the host optimizer run on worker threads that take cores from compute. Each
+    # field is a fraction of a stream's speed lost while another stream is busy (0: independent
+    # streams, as a GPU's copy engines and a GPU's host are); simulate.py runs the streams
+    # at the reduced speeds while they overlap (processor sharing). karma-profile measures
+    # them on the CPU by timing a matmul alone and beside a copying (or AdamW-stepping)
+    # thread, and that copy (step) alone and beside the matmul (measure_hw._contention).
+    # The model is deliberately small: h2d and d2h busy at once cost compute what one does,
+    # and copies and host steps do not slow each other (none of these was measured).
+    compute_slowdown_copy: float = 0.0  # compute's speed lost while h2d or d2h copies
+    copy_slowdown_compute: float = 0.0  # a copy's speed lost while compute runs
+    compute_slowdown_host: float = 0.0  # compute's speed lost while a host step runs
+    host_slowdown_compute: float = 0.0  # a host step's speed lost while compute runs
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -113,6 +134,9 @@ class Hardware:
         object.__setattr__(self, "flops_per_s", _checked_flops(self.name, self.flops_per_s))
         for field_name in _FLOAT_FIELDS:
             value = _positive_float(self.name, field_name, getattr(self, field_name))
+            object.__setattr__(self, field_name, value)
+        for field_name in _FRACTION_FIELDS:
+            value = _fraction(self.name, field_name, getattr(self, field_name))
             object.__setattr__(self, field_name, value)
         if self.pinned_mem_bytes > self.host_mem_bytes:
             raise KarmaError(
@@ -137,6 +161,16 @@ def _positive_float(hw_name: str, field_name: str, value: object) -> float:
         raise KarmaError(
             f"hardware {hw_name!r}: {field_name} must be a positive number, got {value!r}; "
             f"{_HOW_TO_FIX}"
+        )
+    return float(value)
+
+
+def _fraction(hw_name: str, field_name: str, value: object) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not 0 <= value <= _MAX_SLOWDOWN:
+        raise KarmaError(
+            f"hardware {hw_name!r}: {field_name} must be a fraction from 0 to {_MAX_SLOWDOWN}, "
+            f"got {value!r}; {_HOW_TO_FIX}"
         )
     return float(value)
 
@@ -210,11 +244,12 @@ def hardware_from_yaml(text: str, source: str = "<text>") -> Hardware:
             f"{source}: a hardware profile is a mapping with keys {', '.join(keys)}, "
             f"got {type(data).__name__}; karma-profile -o FILE writes one"
         )
-    missing = [key for key in keys if key not in data]
+    required = [key for key in keys if key not in _FRACTION_FIELDS]
+    missing = [key for key in required if key not in data]
     if missing:
         raise KarmaError(
             f"{source}: missing key {', '.join(map(repr, missing))}; a hardware profile needs "
-            f"all of {', '.join(keys)}"
+            f"all of {', '.join(required)}"
         )
     unknown = [key for key in data if key not in keys]
     if unknown:
@@ -226,7 +261,7 @@ def hardware_from_yaml(text: str, source: str = "<text>") -> Hardware:
             f"{source}: version {data['version']!r} is not supported; this karma reads "
             f"version {FORMAT_VERSION} (re-run karma-profile -o FILE to write a current profile)"
         )
-    values = {key: _coerce(source, key, data[key]) for key in keys[1:]}
+    values = {key: _coerce(source, key, data[key]) for key in keys[1:] if key in data}
     try:
         return Hardware(**values)
     except KarmaError as e:
@@ -237,7 +272,7 @@ def _coerce(source: str, key: str, value: object) -> object:
     """Accept what people write by hand: "16G" for bytes, "12e12" (a string to YAML) for rates."""
     if key in _BYTE_FIELDS and isinstance(value, str):
         return parse_size(value, what=f"{source}: {key}")
-    if key in _FLOAT_FIELDS:
+    if key in _FLOAT_FIELDS or key in _FRACTION_FIELDS:
         return _float_text(source, key, value)
     if key == "flops_per_s" and isinstance(value, dict):
         return {dtype: _float_text(source, f"flops_per_s.{dtype}", v) for dtype, v in value.items()}
@@ -265,12 +300,17 @@ def dump_hardware(hw: Hardware) -> str:
     """YAML for `hw`: fixed key order, plain types, a unit comment per number.
 
     `hardware_from_yaml(dump_hardware(hw)) == hw` holds exactly: floats are written with the
-    shortest digits that read back to the same float.
+    shortest digits that read back to the same float. The contention fractions are left out
+    when 0 (their default), so a GPU's profile reads as it did before they existed.
     """
     lines = [_HEADER, f"version: {FORMAT_VERSION}"]
     for f in fields(Hardware):
         value = getattr(hw, f.name)
-        if f.name == "flops_per_s":
+        if f.name in _FRACTION_FIELDS:
+            if value != 0:
+                lines.append(_with_comment(f"{f.name}: {_yaml_float(value)}",
+                                           f"{format_number(100 * value)}% of its speed lost"))
+        elif f.name == "flops_per_s":
             lines.append("flops_per_s:")
             for dtype in DTYPES:
                 tflops = f"{format_number(value[dtype] / 1e12)} TFLOP/s"

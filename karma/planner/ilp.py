@@ -2,11 +2,24 @@
 
 One binary per (block, choice) picks each block's fragment (karma/planner/lowering.py); the
 constraints sum those fragments stage by stage exactly as the simulator runs them, so the
-optimum's objective is the simulated step time of the schedule it lowers to.
+optimum's objective is the simulated step time of the schedule it lowers to (on independent
+streams; see [Note: contention in the ILP] for shared cores).
+
+[Note: contention in the ILP] Where streams share cores (Problem.contention, the CPU), a
+stage's compute (W s of work) and a copy (D s) that start together at its barrier slow each
+other down (simulate.py's [Note: processor sharing]): compute at 1 - a of its speed while
+the copy runs, the copy at 1 - b while compute does. If the copy ends first, after D / (1 - b),
+the stage lasts W + a D / (1 - b); if compute does, D + b W / (1 - a). When a + b <= 1 (no
+worse than running them one after the other) the stage lasts the larger of the two, so both
+are linear constraints beside "as long as its busiest stream". h2d and d2h copies start
+together and compute loses a while either runs, so each copy stream has its pair. Host steps
+are not charged here (when they run against which stage is not a stage sum): the
+simulator charges them when the pipeline compares the ILP's plan with the baselines.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -168,6 +181,27 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
             lp += t1[k] >= pulp.lpSum(d if key is None else d * x[key]
                                       for d, key, kind in terms if kind not in LAST_MICRO_BATCH_KINDS), \
                 f"micro_stage_{k}_{stream}"
+    # [Constraint] on shared cores (the CPU) a stage's compute and copies slow each other down
+    # (see [Note: contention in the ILP])
+    slow = problem.contention
+    a, b = slow.compute_slowdown_copy, slow.copy_slowdown_compute
+
+    def work(k: int, stream: str, stepping: bool) -> pulp.LpAffineExpression:
+        """Seconds of work on `stream` in stage k (stepping: in the replay that steps)."""
+        return pulp.lpSum(d if key is None else d * x[key]
+                          for d, key, kind in load.get((k, stream), [])
+                          if stepping or kind not in LAST_MICRO_BATCH_KINDS)
+
+    for durations, stepping in ([(t, True), (t1, False)] if micro else [(t, True)]) \
+            if a or b else []:
+        name = "stage" if stepping else "micro_stage"
+        for k, copy in itertools.product(range(st.update), ("h2d", "d2h")):
+            if (k, copy) in load and (k, "compute") in load:
+                compute, moved = work(k, "compute", stepping), work(k, copy, stepping)
+                lp += durations[k] >= compute + a / (1 - b) * moved, \
+                    f"{name}_{k}_compute_beside_{copy}"
+                lp += durations[k] >= moved + b / (1 - a) * compute, \
+                    f"{name}_{k}_{copy}_beside_compute"
     # [Constraint] stages run one after another
     lp += s[0] == 0, "start"
     for k in range(st.update):

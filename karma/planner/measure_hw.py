@@ -16,6 +16,7 @@ What is and is not measured:
   (`torch.from_file(shared=True)`) in the temporary directory, i.e. the CPU backend's offload
   tier, at page-cache speed;
 - host optimizer rate: torch.optim.AdamW(foreach=True).step() on fp32 parameters;
+- on the CPU, contention between streams (see [Note: measuring contention]);
 - memory: MemAvailable from /proc/meminfo (on the CPU the file tier's size is the free disk
   space of the temporary directory);
 - not the network: a single machine cannot; net_* get defaults to edit by hand.
@@ -28,6 +29,7 @@ import re
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -54,11 +56,13 @@ class _Sizes(NamedTuple):
     transfer_bytes: int  # host <-> device (CPU: RAM <-> file tier) copy
     optim_numel: int  # fp32 parameters stepped by AdamW
     repeats: int  # timed runs per measurement; the median is kept
+    contention_bytes: int = 0  # copied each way, and stepped by AdamW, beside compute (cpu)
+    contention_matmuls: int = 0  # 1024 x 1024 fp32 matmuls that make one run of compute (cpu)
 
 
 _PLANS = {
-    ("cpu", False): _Sizes(0.1, 2048, 256 * _MiB, 256 * _MiB, 32 * _MiB, 5),
-    ("cpu", True): _Sizes(0.05, 1024, 64 * _MiB, 64 * _MiB, 4 * _MiB, 5),
+    ("cpu", False): _Sizes(0.1, 2048, 256 * _MiB, 256 * _MiB, 32 * _MiB, 5, 32 * _MiB, 3),
+    ("cpu", True): _Sizes(0.05, 1024, 64 * _MiB, 64 * _MiB, 4 * _MiB, 5, 8 * _MiB, 1),
     # On CUDA the largest sizes keep an H200 busy for a millisecond or more per repeat.
     ("cuda", False): _Sizes(0.005, 8192, _GiB, 256 * _MiB, 32 * _MiB, 10),
     ("cuda", True): _Sizes(0.005, 4096, 256 * _MiB, 64 * _MiB, 4 * _MiB, 5),
@@ -97,6 +101,10 @@ def measure_local(
         name, device_mem, pinned = "local-cpu", host_mem, tier_bytes
     say("host optimizer (AdamW foreach)")
     optim = _round3(_host_optim_bytes_per_s(plan.optim_numel, plan.repeats))
+    slowdowns = {}
+    if dev.type == "cpu":
+        say("contention: a matmul beside copies and beside AdamW")
+        slowdowns = _contention(plan.contention_bytes, plan.contention_matmuls, plan.repeats)
     net_bytes_per_s, net_latency_s = _NET_DEFAULTS[dev.type]
     return Hardware(
         name=name,
@@ -111,6 +119,7 @@ def measure_local(
         host_optim_bytes_per_s=optim,
         net_bytes_per_s=net_bytes_per_s,
         net_latency_s=net_latency_s,
+        **slowdowns,
     )
 
 
@@ -225,6 +234,94 @@ def _host_optim_bytes_per_s(numel: int, repeats: int) -> float:
     optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
     seconds = _median_seconds(optimizer.step, torch.device("cpu"), repeats)
     return 4 * (numel // 8) * 8 / seconds
+
+
+def _contention(nbytes: int, matmuls: int, repeats: int) -> dict[str, float]:
+    """[Note: measuring contention] The Hardware fields of [Note: contention between
+    streams], measured as the runtime's CPU backend runs its streams: compute on the calling
+    thread, a copy or a host step on a worker thread, each with the process's thread setting.
+
+    Compute is `matmuls` 1024 x 1024 fp32 matmuls (each about 0.04 s on 2 cores); the copy
+    moves `nbytes` from a file-tier mapping (`torch.from_file(shared=True)`) to RAM and back,
+    as a swap does; the host step is AdamW(foreach) on `nbytes` of fp32 parameters. Each is
+    timed alone, then beside the other running in a loop on a second thread; a slowdown is
+    1 - alone / beside, kept between 0 and 0.95. A side that runs faster beside compute (on a
+    small VM OpenMP's idle threads sleep less when compute keeps the cores busy) counts as 0.
+    """
+    cpu = torch.device("cpu")
+    n = 1024
+    a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+
+    def compute() -> None:
+        for _ in range(matmuls):
+            torch.mm(a, b, out=out)
+
+    with tempfile.TemporaryDirectory(prefix="karma-profile-") as directory:
+        compute_copy, copy_compute = _slowdowns(
+            compute, _file_copy(os.path.join(directory, "tier.bin"), nbytes), cpu, repeats)
+    params = [torch.nn.Parameter(torch.randn(nbytes // 4 // 8)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    compute_host, host_compute = _slowdowns(compute, optimizer.step, cpu, repeats)
+    return {"compute_slowdown_copy": compute_copy, "copy_slowdown_compute": copy_compute,
+            "compute_slowdown_host": compute_host, "host_slowdown_compute": host_compute}
+
+
+def _file_copy(path: str, nbytes: int) -> Callable[[], None]:
+    """`nbytes` from a file-tier mapping to RAM and back, as a swap moves them."""
+    tier = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    ram = torch.ones(nbytes, dtype=torch.uint8)
+
+    def copy() -> None:
+        ram.copy_(tier)
+        tier.copy_(ram)
+
+    return copy
+
+
+def _slowdowns(main: Callable[[], object], side: Callable[[], object], dev: torch.device,
+               repeats: int) -> tuple[float, float]:
+    """(main's, side's) fraction of speed lost while the other runs on a second thread."""
+    main_alone = _median_seconds(main, dev, repeats)
+    side_alone = _median_seconds(side, dev, repeats)
+    main_beside, side_beside = _beside(main, side, repeats)
+
+    def lost(alone: float, beside: float) -> float:
+        return _round3(min(max(1.0 - alone / beside, 0.0), 0.95))
+
+    return lost(main_alone, main_beside), lost(side_alone, side_beside)
+
+
+def _beside(main: Callable[[], object], side: Callable[[], object], repeats: int,
+            max_s: float = 5.0) -> tuple[float, float]:
+    """Median seconds of `main` on this thread and of `side` on another, each in a loop,
+    until both have `repeats` runs (or `max_s` has passed). The side's first and last runs
+    are dropped: they overlap the main loop only in part."""
+    stop = threading.Event()
+    side_s: list[float] = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            side()
+            side_s.append(time.perf_counter() - t0)
+
+    thread = threading.Thread(target=loop, name="karma-profile-side", daemon=True)
+    main_s: list[float] = []
+    started = time.perf_counter()
+    thread.start()
+    try:
+        main()  # warm-up, while the side loop gets going
+        while (len(main_s) < repeats or len(side_s) < repeats + 1) \
+                and time.perf_counter() - started < max_s:
+            t0 = time.perf_counter()
+            main()
+            main_s.append(time.perf_counter() - t0)
+    finally:
+        stop.set()
+        thread.join()
+    return statistics.median(main_s), statistics.median(side_s[1:-1] or side_s)
 
 
 def _mem_available_bytes() -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from karma.ir.graph import BlockGraph
 from karma.modelfile import OptimizerProfile
 from karma.planner.hardware import Hardware
+from karma.planner.simulate import INDEPENDENT, Contention
 
 DTYPES = ("fp32", "bf16")
 # bytes an AdamW step reads and writes per fp32 parameter byte on the device: p, g, m, v
@@ -117,6 +118,7 @@ class Problem:
     dtype: str
     host_temps_on_device: bool = False  # cpu: the host optimizer's temporaries are private
     held_saved: tuple[HeldSaved, ...] = ()
+    contention: Contention = INDEPENDENT  # streams sharing cores (the CPU; hardware.py)
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -225,4 +227,5 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         host_temps_on_device=hw.device_kind == "cpu",
         held_saved=tuple(HeldSaved(p, r0, r1, nbytes)
                          for (p, r0, r1), nbytes in sorted(held.items())),
+        contention=Contention.of(vars(hw)),
     )

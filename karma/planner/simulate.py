@@ -1,7 +1,8 @@
 """The performance model: an event simulation of one iteration of a schedule's operations.
 
 Each stream runs its operations in order; an operation starts when its stream is free and its
-dependencies have finished, and lasts its predicted duration. Buffers are allocated when
+dependencies have finished, and lasts its predicted duration, or longer where streams
+contend for the same cores (see [Note: processor sharing]). Buffers are allocated when
 their allocating operation starts and freed when their freeing operation ends, which gives
 the device memory timeline. The simulation also checks the schedule: every buffer an
 operation uses must be filled and not yet freed when the operation starts.
@@ -17,8 +18,9 @@ overlapped_iteration_s below).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 
 from karma.errors import KarmaError
 from karma.schedule import DEFERRED_KINDS, LAST_MICRO_BATCH_KINDS, STREAMS, Buffer, Op
@@ -26,6 +28,43 @@ from karma.schedule import DEFERRED_KINDS, LAST_MICRO_BATCH_KINDS, STREAMS, Buff
 
 class ScheduleError(KarmaError):
     """A schedule that cannot run as written (a buffer used before it is filled, ...)."""
+
+
+@dataclass(frozen=True)
+class Contention:
+    """Fractions of its speed a stream loses while another is busy (see [Note: contention
+    between streams] in hardware.py); all 0, the default: independent streams (a GPU)."""
+
+    compute_slowdown_copy: float = 0.0  # compute, while h2d or d2h copies
+    copy_slowdown_compute: float = 0.0  # a copy (h2d or d2h), while compute runs
+    compute_slowdown_host: float = 0.0  # compute, while a host step runs
+    host_slowdown_compute: float = 0.0  # a host step, while compute runs
+
+    @classmethod
+    def of(cls, hardware: Mapping[str, object]) -> Contention:
+        """The fractions among a profile's fields (a Hardware's, or a schedule's `hardware`
+        pairs as a dict); those it lacks are 0."""
+        return cls(*(float(hardware.get(f.name, 0.0)) for f in fields(cls)))
+
+    def speed(self, stream: str, busy) -> float:
+        """The speed of `stream` (1: its ops' full speed) while the streams in `busy` run."""
+        if stream == "compute":
+            speed = 1.0
+            if "h2d" in busy or "d2h" in busy:
+                speed *= 1.0 - self.compute_slowdown_copy
+            if "host" in busy:
+                speed *= 1.0 - self.compute_slowdown_host
+            return speed
+        if "compute" not in busy:
+            return 1.0
+        if stream in ("h2d", "d2h"):
+            return 1.0 - self.copy_slowdown_compute
+        if stream == "host":
+            return 1.0 - self.host_slowdown_compute
+        return 1.0
+
+
+INDEPENDENT = Contention()
 
 
 @dataclass(frozen=True)
@@ -52,19 +91,19 @@ class SimResult:
 
 
 def simulate(ops: Sequence[Op], buffers: Sequence[Buffer], accumulate: int = 1,
-             clip: bool = False) -> SimResult:
+             clip: bool = False, contention: Contention = INDEPENDENT) -> SimResult:
     """One optimizer step of `accumulate` micro-batches (with `clip`, the overlapped figure
-    too); with the defaults, one replay of the op list."""
+    too); with the defaults, one replay of the op list on independent streams."""
     if accumulate < 1:
         raise ValueError(f"accumulate = {accumulate} must be at least 1")
-    start, end = _times(ops)
+    start, end = _times(ops, contention)
     _check_residency(ops, buffers, start, end)
     timeline, peak = _memory(buffers, start, end)
     replay_s = max(end, default=0.0)
     micro_s = None
     if accumulate > 1:  # the other replays: their own timing, their own memory peak
         micro = _without_step(ops)
-        micro_start, micro_end = _times(micro)
+        micro_start, micro_end = _times(micro, contention)
         _check_residency(micro, buffers, micro_start, micro_end)
         peak = max(peak, _memory(buffers, micro_start, micro_end)[1])
         micro_s = max(micro_end, default=0.0)
@@ -87,7 +126,8 @@ def simulate(ops: Sequence[Op], buffers: Sequence[Buffer], accumulate: int = 1,
         transfer_bytes=moved,
         replay_s=replay_s,
         micro_batch_s=micro_s,
-        overlapped_iteration_s=overlapped_iteration_s(ops, accumulate) if clip else None,
+        overlapped_iteration_s=(overlapped_iteration_s(ops, accumulate, contention)
+                                if clip else None),
     )
 
 
@@ -111,20 +151,63 @@ def _memory(buffers: Sequence[Buffer], start: list[float], end: list[float]
     return timeline, peak
 
 
-def _times(ops: Sequence[Op]) -> tuple[list[float], list[float]]:
-    """Start and end of every op: each stream in list order, each op after its deps."""
+def _times(ops: Sequence[Op], contention: Contention = INDEPENDENT
+           ) -> tuple[list[float], list[float]]:
+    """Start and end of every op: each stream in list order, each op after its deps.
+
+    [Note: processor sharing] Time advances from one op's end to the next. Between two such
+    events the set of busy streams is fixed, so each running op progresses at the constant
+    speed `contention.speed` gives its stream (1 on independent streams): an op's duration
+    is work at full speed, and it ends when that work is done. A compute op that overlaps a
+    copy for half its length thus takes longer by half its length times the slowdown, and
+    the copy likewise. With no contention every speed stays 1, and every op ends at exactly
+    start + dur_s, the same floats as a plain list schedule.
+    """
     start = [0.0] * len(ops)
     end = [0.0] * len(ops)
-    free_at = dict.fromkeys(STREAMS, 0.0)
+    done = [False] * len(ops)
+    waiting: dict[str, deque[Op]] = {stream: deque() for stream in STREAMS}
     for op in ops:
         if any(d >= op.id for d in op.deps):
             raise ScheduleError(f"op {op.id} ({op.kind} of block {op.block}) depends on a "
                                 "later op; the op list must be in issue order")
-        ready = max((end[d] for d in op.deps), default=0.0)
-        start[op.id] = max(ready, free_at[op.stream])
-        end[op.id] = start[op.id] + op.dur_s
-        free_at[op.stream] = end[op.id]
+        waiting[op.stream].append(op)
+    running: dict[str, _Running] = {}
+    now = 0.0
+    while True:
+        # start each idle stream's next op once its deps are done
+        for stream, queue in waiting.items():
+            if stream not in running and queue and all(done[d] for d in queue[0].deps):
+                op = queue.popleft()
+                start[op.id] = now
+                running[stream] = _Running(op.id, now, op.dur_s, 0.0)
+        if not running:
+            break
+        for stream, r in running.items():
+            speed = contention.speed(stream, running)
+            if speed != r.speed:  # from now on: the work left, at the new speed
+                left_s = r.left_s - (now - r.since_s) * r.speed
+                running[stream] = _Running(r.op, now, left_s, speed)
+        finish = {stream: r.since_s + max(r.left_s, 0.0) / r.speed
+                  for stream, r in running.items()}
+        now = min(finish.values())
+        for stream, t in finish.items():
+            if t == now:
+                op_id = running.pop(stream).op
+                end[op_id] = now
+                done[op_id] = True
     return start, end
+
+
+@dataclass(frozen=True)
+class _Running:
+    """The op a stream is running: `left_s` of its work (at full speed) was left at
+    `since_s`, and it has run at `speed` since."""
+
+    op: int
+    since_s: float
+    left_s: float
+    speed: float
 
 
 def _without_step(ops: Sequence[Op]) -> list[Op]:
@@ -135,7 +218,8 @@ def _without_step(ops: Sequence[Op]) -> list[Op]:
 _WEIGHTS = re.compile(r"w\.(\d+)(@[fb]\d*)?$")  # w.OWNER (resident) or w.OWNER@fUSER (fetched)
 
 
-def overlapped_iteration_s(ops: Sequence[Op], accumulate: int = 1) -> float:
+def overlapped_iteration_s(ops: Sequence[Op], accumulate: int = 1,
+                           contention: Contention = INDEPENDENT) -> float:
     """[Note: updates under the next forward] The step time if host steps and uploads ran
     while the next iteration's forward does, each done before its block's weights are next
     read: a fetch of block o's weights waits for o's host step, the first op reading o's
@@ -158,7 +242,7 @@ def overlapped_iteration_s(ops: Sequence[Op], accumulate: int = 1) -> float:
     for op in ops:
         if op.kind not in DEFERRED_KINDS:
             first[op.id] = add(op, (first[d] for d in op.deps if d in first))
-    e1 = max(_times(merged)[1], default=0.0)
+    e1 = max(_times(merged, contention)[1], default=0.0)
     # the second iteration starts when the first's work (its updates aside) is done
     last = {op.stream: k for k, op in enumerate(merged)}
     host_step: dict[int, int] = {}
@@ -183,11 +267,11 @@ def overlapped_iteration_s(ops: Sequence[Op], accumulate: int = 1) -> float:
                 up = pending.pop(owner)
                 deps.append(add(up, [first[d] for d in up.deps]))
         second[op.id] = add(op, deps)
-    end = _times(merged)[1]
+    end = _times(merged, contention)[1]
     e2 = max((end[k] for k in second.values()), default=e1)
     if accumulate == 1:
         return e2 - e1
-    return e2 + (accumulate - 2) * max(_times(_without_step(ops))[1], default=0.0)
+    return e2 + (accumulate - 2) * max(_times(_without_step(ops), contention)[1], default=0.0)
 
 
 def _check_residency(ops: Sequence[Op], buffers: Sequence[Buffer], start: list[float],
