@@ -174,9 +174,6 @@ def test_a_cpu_schedule_re_simulates_with_the_contention_it_carries():
     assert simulate(s.ops, s.buffers).step_s < sim.step_s  # independent streams: faster
 
 
-@pytest.mark.xfail(strict=True, reason="karma/cli/inspect.py's check_predicted re-simulates "
-                   "without contention: it must pass contention=Contention.of(dict("
-                   "schedule.hardware)) to simulate (a file this change may not touch)")
 def test_karma_inspect_accepts_a_cpu_schedule():
     from karma.cli.inspect import check_predicted
 

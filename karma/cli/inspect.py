@@ -19,7 +19,7 @@ from pathlib import Path
 
 from karma.cli.common import run_cli
 from karma.errors import KarmaError
-from karma.planner.simulate import ScheduleError, SimResult, simulate
+from karma.planner.simulate import Contention, ScheduleError, SimResult, simulate
 from karma.schedule import STREAMS, Schedule, ScheduleFileError, load_schedule, schedule_sha256
 from karma.timeline import (
     check_trace,
@@ -62,7 +62,8 @@ def check_predicted(schedule: Schedule, source: str) -> SimResult:
     """Re-simulate the schedule's ops; raise ScheduleFileError unless `predicted` matches."""
     c = schedule.config
     try:
-        sim = simulate(schedule.ops, schedule.buffers, c.accumulate, c.clip_grad_norm is not None)
+        sim = simulate(schedule.ops, schedule.buffers, c.accumulate, c.clip_grad_norm is not None,
+                       Contention.of(dict(schedule.hardware)))
     except ScheduleError as e:
         raise ScheduleFileError(f"{source}: {e}; {_CORRUPT}") from None
     p = schedule.predicted
