@@ -22,6 +22,8 @@ What is measured, once, then cached as JSON under $XDG_CACHE_HOME/karma (default
   model file's sha256 and the KARMA_* environment, the block graph's hash, the batch size,
   the dtype and --blocks.
 A cache file that cannot be read or does not check out is measured again, never an error.
+If timing the blocks fails when measuring was not asked for (measure=None), the plan uses the
+roofline estimate and says so: a plan that worked before calibration keeps working.
 
 [Note: timing at a smaller batch] Timing every block at the plan's batch can take minutes on
 a CPU (GPT-2 small's output layer alone does 1.9 TFLOP per step at batch 8). Blocks are timed
@@ -116,7 +118,14 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
     else:
         hw = _measured_machine(device, hw, say)
     start = time.perf_counter()
-    times, path, fresh = _block_times(mf, graph, hw, device, blocks_regex, say)
+    try:
+        times, path, fresh = _block_times(mf, graph, hw, device, blocks_regex, say)
+    except KarmaError as e:
+        if measure:  # asked for: the error is the answer
+            raise
+        say(f"could not time the blocks ({e}); planning with the roofline estimate "
+            "(--no-measure skips trying)")
+        return Calibration(hw, None, "roofline estimate (timing the blocks failed)")
     how = (f"measured now in {time.perf_counter() - start:.0f} s" if fresh
            else "measured on this machine")
     return Calibration(hw, times, f"{how} (cached in {path})")

@@ -4,6 +4,7 @@ same-shaped blocks once, cached; the roofline for other hardware and with --no-m
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -23,10 +24,22 @@ GPT = str(EXAMPLES / "gpt.py")
 TINY = {"KARMA_GPT": "tiny"}
 
 
+@pytest.fixture(scope="module")
+def machine_files():
+    """This machine's measured rates, in the session's cache (measured once a session)."""
+    from karma.calibrate import _measured_machine
+
+    _measured_machine("cpu", load_hardware("cpu"), lambda line: None)
+    return list(cache_dir().glob("machine-*.json"))
+
+
 @pytest.fixture
-def own_cache(tmp_path, monkeypatch):
-    """A cache of the test's own, empty at the start."""
+def own_cache(tmp_path, monkeypatch, machine_files):
+    """A cache of the test's own that knows this machine's rates and no block times."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "xdg" / "karma").mkdir(parents=True)
+    for path in machine_files:
+        shutil.copy(path, tmp_path / "xdg" / "karma")
     return tmp_path / "xdg" / "karma"
 
 
@@ -58,29 +71,27 @@ def test_bf16_blocks_are_timed_under_autocast(example):
     assert all(f > 0 and b > 0 for f, b in times.fwd_bwd_s)
 
 
-def test_plan_for_cpu_measures_once_then_reads_the_cache(own_cache, tmp_path):
+def test_plan_for_cpu_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "xdg" / "karma"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     notes = []
     with environment(TINY):
         first = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
         again = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
     assert first.block_times.startswith("measured now in ")
     assert again.block_times.startswith("measured on this machine (cached in ")
-    assert any(n.startswith("measuring this machine") for n in notes)
+    assert sum(n.startswith("measuring this machine") for n in notes) == 1
     assert sum(n.startswith("timing the blocks") for n in notes) == 1  # the second: cached
-    assert sorted(p.name.split("-")[0] for p in own_cache.iterdir()) == ["blocks", "machine"]
+    assert sorted(p.name.split("-")[0] for p in cache.iterdir()) == ["blocks", "machine"]
     assert first.problem.blocks == again.problem.blocks
     assert first.schedule.predicted.calibration == "measured"
     first.schedule.save(tmp_path / "s.yaml")
     assert "calibration: measured" in (tmp_path / "s.yaml").read_text()
     assert karma.load_schedule(tmp_path / "s.yaml").predicted.calibration == "measured"
-
-
-def test_measured_machine_rates_replace_the_builtin_guesses(own_cache):
-    with environment(TINY):
-        report = plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
-    hw, builtin = report.schedule.hardware, load_hardware("cpu")
-    assert dict(hw)["name"] == "cpu" and dict(hw)["device_mem_bytes"] == builtin.device_mem_bytes
-    assert dict(hw)["mem_bytes_per_s"] != builtin.mem_bytes_per_s  # measured, not 1e10
+    # the machine's measured rates replace the built-in guesses; its sizes stay
+    hw, builtin = dict(first.schedule.hardware), load_hardware("cpu")
+    assert hw["name"] == "cpu" and hw["device_mem_bytes"] == builtin.device_mem_bytes
+    assert hw["mem_bytes_per_s"] != builtin.mem_bytes_per_s
 
 
 def test_no_measure_and_other_hardware_use_the_roofline(own_cache, tmp_path):
@@ -92,18 +103,39 @@ def test_no_measure_and_other_hardware_use_the_roofline(own_cache, tmp_path):
     assert off.schedule.predicted.calibration is None
     off.schedule.save(tmp_path / "s.yaml")
     assert "calibration" not in (tmp_path / "s.yaml").read_text()  # as before: goldens unchanged
-    assert not own_cache.exists()  # nothing measured
+    assert not list(own_cache.glob("blocks-*"))  # nothing timed
 
 
 def test_a_corrupt_cache_file_is_measured_again(own_cache):
+    from karma.calibrate import _read_machine
+
     with environment(TINY):
         plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
-        for path in own_cache.iterdir():
-            path.write_text("{not json" if path.name.startswith("blocks") else
-                            json.dumps({"hardware": "version: 99"}))
+        (blocks,) = own_cache.glob("blocks-*.json")
+        blocks.write_text("{not json")
         again = plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
     assert again.block_times.startswith("measured now in ")
-    assert all(json.loads(p.read_text())["version"] == 1 for p in own_cache.iterdir())
+    assert json.loads(blocks.read_text())["version"] == 1
+    for text in ("", "[]", json.dumps({"hardware": "version: 99"}), json.dumps({"x": 1})):
+        blocks.write_text(text)
+        assert _read_machine(blocks) is None
+
+
+def test_a_block_that_fails_to_run_falls_back_to_the_roofline_unless_asked(own_cache,
+                                                                          monkeypatch):
+    from karma.errors import IRError
+
+    def fail(*args, **kwargs):
+        raise IRError("timing block h.0 on cpu failed: RuntimeError: boom")
+
+    monkeypatch.setattr("karma.ir.timing.time_blocks", fail)
+    notes = []
+    with environment(TINY):
+        report = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
+        assert report.block_times == "roofline estimate (timing the blocks failed)"
+        assert any("boom" in n and "--no-measure" in n for n in notes)
+        with pytest.raises(IRError, match="boom"):
+            plan_report(GPT, "400K", "cpu", 2, measure=True, log=notes.append)
 
 
 def test_the_cache_is_keyed_by_the_model_environment(own_cache):

@@ -9,9 +9,16 @@ the split module on meta tensors (nothing computed) records every block's argume
 with the same signature (see `_signature`) share one timing, so GPT-2's twelve layers are
 timed once. Each distinct block runs on its own, on real tensors on the device: only its own
 weights are materialised (random), its inputs come from the real example batch where they are
-the model's inputs and are made up, with the recorded shapes, dtypes and strides, where they
+the model's inputs, and are made up, with the recorded shapes, dtypes and strides, where they
 come from another block (see [Note: made-up block inputs]). The time is the median of a few
-timed runs after a warm-up, forward and backward (from gradients of ones) separately.
+timed runs after a warm-up (see [Note: how often a block runs]), forward and backward (from
+gradients of ones) separately.
+
+[Note: how often a block runs] A block runs once to warm up (first-call costs: kernel
+selection, allocator growth), then up to `repeats` timed runs, fewer once the timed runs add
+up to _BLOCK_BUDGET_S: the median of three short runs smooths the noise of a shared machine,
+and one run of seconds has little to smooth. A warm-up of _LONG_RUN_S or more counts as a
+timed run (first-call costs are lost in it), so a block that takes seconds runs once.
 
 [Note: made-up block inputs] Running the whole model to get each block's real inputs would
 cost a full forward and need every weight in memory at once (32 GB for an 8B model). A
@@ -42,6 +49,8 @@ from karma.ir.trace import retarget_device, trace
 from karma.modelfile import ModelFile
 
 _AUTOCAST = {"bf16": torch.bfloat16}
+_LONG_RUN_S = 0.5  # a run this long needs no warm-up of its own
+_BLOCK_BUDGET_S = 2.0  # timed seconds per distinct block, after which it stops repeating
 
 
 @dataclass(frozen=True)
@@ -181,7 +190,8 @@ def _fill(x: torch.Tensor, name: str, weight: bool) -> None:
 
 def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: dict,
                 dev: torch.device, dtype: str, repeats: int) -> tuple[float, float]:
-    """Median forward and backward seconds of `submod` over `repeats` runs after a warm-up."""
+    """Median forward and backward seconds of `submod` over up to `repeats` runs after a
+    warm-up (see [Note: how often a block runs])."""
     retarget_device(submod, torch.device("meta"), dev)  # arange(T, device=x.device) in forward
     submod.to_empty(device=dev)  # weights split_module left inside the block, if any
     with torch.no_grad():
@@ -192,7 +202,9 @@ def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: 
     autocast = (torch.autocast(dev.type, dtype=_AUTOCAST[dtype]) if dtype in _AUTOCAST
                 else None)
     fwd, bwd = [], []
-    for _ in range(repeats + 1):  # the first run warms up
+    while len(fwd) < repeats + 1:
+        if len(fwd) >= 2 and sum(fwd[1:]) + sum(bwd[1:]) >= _BLOCK_BUDGET_S:
+            break  # enough seconds of samples (see [Note: how often a block runs])
         # fresh leaves each run: the gradients land on them and go with them
         fresh = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
                  else a for a in real]
@@ -210,7 +222,9 @@ def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: 
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         sync()
         t2 = time.perf_counter()
-        fwd.append(t1 - t0)
-        bwd.append(t2 - t1)
+        # fwd[0], bwd[0]: the warm-up; a long one is a timed run too
+        copies = 2 if not fwd and t2 - t0 >= _LONG_RUN_S else 1
+        fwd += [t1 - t0] * copies
+        bwd += [t2 - t1] * copies
         del out, outs, fresh
     return statistics.median(fwd[1:]), statistics.median(bwd[1:])
