@@ -44,6 +44,7 @@ from torch.fx.passes.split_module import split_module
 
 from karma.errors import IRError
 from karma.ir.blocks import find_units, group_nodes
+from karma.ir.compute import _drop_metadata_asserts
 from karma.ir.measure import _Probe, _tensors
 from karma.ir.trace import retarget_device, trace
 from karma.modelfile import ModelFile
@@ -156,6 +157,28 @@ def _describe(value) -> str:
     return repr(value)
 
 
+def _as_on_device(gm: torch.fx.GraphModule, dev: torch.device) -> None:
+    """[Note: device branches taken on meta] A model may branch on its device while traced
+    on meta; where the branch for meta (taken as for a GPU) uses an op this device lacks, the
+    op is rewritten as the model writes it for this device: on the CPU, `histc` of integers
+    (CUDA only) gets floats, as transformers' grouped mixture of experts does on the CPU."""
+    if dev.type != "cpu":
+        return
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.histc.default:
+            source = node.args[0]
+            val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+            if val is not None and not val.is_floating_point():
+                with gm.graph.inserting_before(node):
+                    as_float = gm.graph.call_function(
+                        torch.ops.aten._to_copy.default, (source,), {"dtype": torch.float32})
+                node.replace_input_with(source, as_float)
+                changed = True
+    if changed:
+        gm.recompile()
+
+
 def _real_args(args: list, real_of: dict[int, torch.Tensor], names: dict[int, str],
                dev: torch.device) -> list:
     """The block's arguments on `dev`: the model's inputs as the example batch has them,
@@ -193,6 +216,9 @@ def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: 
     """Median forward and backward seconds of `submod` over up to `repeats` runs after a
     warm-up (see [Note: how often a block runs])."""
     retarget_device(submod, torch.device("meta"), dev)  # arange(T, device=x.device) in forward
+    _as_on_device(submod, dev)
+    if dtype in _AUTOCAST:
+        _drop_metadata_asserts(submod)  # the fp32 the trace saw may be bf16 under autocast
     submod.to_empty(device=dev)  # weights split_module left inside the block, if any
     with torch.no_grad():
         for name, t in (*submod.named_parameters(), *submod.named_buffers()):
