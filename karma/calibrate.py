@@ -110,9 +110,9 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
     False never does; True times the blocks on the local device of hw's kind in any case.
     """
     say = log or (lambda line: None)
-    device = local_device(hardware)
     if measure is False:
         return Calibration(hw, None, "roofline estimate (--no-measure)")
+    device = local_device(hardware)
     if device is None and not measure:
         return Calibration(hw, None, f"roofline estimate from the {hw.name} profile "
                                      "(not this machine)")
