@@ -16,11 +16,13 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
+from karma.calibrate import calibrate
 from karma.errors import KarmaError
 from karma.ir import build_block_graph
-from karma.modelfile import ModelFile, load_model_file, optimizer_profile
+from karma.modelfile import load_model_file, optimizer_profile
 from karma.planner.hardware import Hardware, load_hardware
 from karma.planner.pipeline import STRATEGIES, PlanReport, PlanRequest, make_schedule
 from karma.planner.plan import InfeasiblePlan
@@ -34,19 +36,23 @@ def plan(model_file: str | Path, gpu_mem: str | int = "16G", hardware: str | Har
     int) on `hardware` (a built-in profile's name, a karma-profile file, or a Hardware).
     Options, as karma-plan's flags: world_size, dtype ("fp32", or "bf16" for mixed
     precision), accumulate (micro-batches per optimizer step), clip_grad_norm (a float, or
-    None), strategy, seed, time_limit_s, gap, blocks, profile_blocks. Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
+    None), strategy, seed, time_limit_s, gap, blocks, measure (default: measure block times
+    when `hardware` is this machine; False: the roofline estimate, as --no-measure; see
+    karma/calibrate.py). Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
     return plan_report(model_file, gpu_mem, hardware, batch_size, **options).schedule
 
 
 def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hardware,
                 batch_size: int | None = None, *, world_size: int = 1, dtype: str = "fp32",
                 strategy: str = "ilp", seed: int = 0, time_limit_s: float = 60.0,
-                gap: float = 0.01, blocks: str | None = None, profile_blocks: bool = False,
+                gap: float = 0.01, blocks: str | None = None, measure: bool | None = None,
                 accumulate: int = 1, clip_grad_norm: float | None = None,
-                log: Callable[[str], None] | None = None) -> PlanReport:
+                log: Callable[[str], None] | None = None,
+                profile_blocks: bool = False) -> PlanReport:
     """`plan`, with everything karma-plan prints: the chosen plan's evaluation and every
-    baseline's. `log` gets notes about the model (e.g. a KV cache turned off; default:
-    printed to stderr)."""
+    baseline's. `log` gets notes about the model (e.g. a KV cache turned off) and about
+    measuring (default: printed to stderr). profile_blocks=True is the old name of
+    measure=True."""
     capacity = gpu_mem if isinstance(gpu_mem, int) else parse_size(str(gpu_mem), "gpu_mem")
     if capacity <= 0:
         raise KarmaError(f"the memory budget {gpu_mem!r} (gpu_mem, --gpu-mem) must be more than "
@@ -69,18 +75,20 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
         ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
         env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_"))),
     )
+    cal = calibrate(mf, graph, hardware, hw, True if profile_blocks else measure, blocks,
+                    log or _note_to_stderr)
     request = PlanRequest(
-        capacity_bytes=capacity, hardware=hw, batch_size=graph.batch_size, dtype=dtype,
-        world_size=world_size, seed=seed, strategy=strategy, time_limit_s=time_limit_s,
-        gap=gap, optimizer=optimizer_profile(mf),
-        measured_s=_profile(mf, graph.batch_size, blocks, hw) if profile_blocks else None,
-        accumulate=accumulate, clip_grad_norm=clip_grad_norm,
+        capacity_bytes=capacity, hardware=cal.hardware, batch_size=graph.batch_size,
+        dtype=dtype, world_size=world_size, seed=seed, strategy=strategy,
+        time_limit_s=time_limit_s, gap=gap, optimizer=optimizer_profile(mf),
+        measured_s=cal.measured_s, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
     )
     try:
-        return make_schedule(graph, model, request)
+        report = make_schedule(graph, model, request)
     except InfeasiblePlan as e:
         e.batch_size = graph.batch_size  # for the advice of a smaller batch
         raise
+    return replace(report, block_times=cal.summary)
 
 
 def check_training_options(dtype: str, accumulate: int, clip_grad_norm: float | None) -> None:
@@ -105,19 +113,3 @@ def check_training_options(dtype: str, accumulate: int, clip_grad_norm: float | 
 
 def _note_to_stderr(note: str) -> None:
     print(f"karma: note: {note}", file=sys.stderr)
-
-
-def _profile(mf: ModelFile, batch_size: int, blocks: str | None,
-             hardware: Hardware) -> list[tuple[float, float]]:
-    import torch
-
-    from karma.ir.timing import profile_blocks
-
-    if hardware.device_kind == "cuda":
-        if not torch.cuda.is_available():
-            raise KarmaError(
-                f"--profile-blocks times blocks on this machine, which has no GPU, so it cannot "
-                f"stand for --hardware {hardware.name}; drop --profile-blocks or plan for "
-                "--hardware cpu")
-        return profile_blocks(mf, batch_size, blocks, device="cuda")
-    return profile_blocks(mf, batch_size, blocks, device="cpu")

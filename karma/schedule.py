@@ -69,6 +69,7 @@ WEIGHT_CHOICES = ("resident", "streamed")
 OPTIM_CHOICES = ("device", "host")
 DTYPES = ("fp32", "bf16")
 STATUSES = ("optimal", "time-limit", "heuristic", "fallback")
+CALIBRATIONS = ("measured",)  # predicted.calibration; left out: the roofline estimate
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,9 @@ class Predicted:
     # recomputed or offloaded); iteration_s / ideal_s is the price of the budget. None in
     # schedules from before it.
     ideal_s: float | None = None
+    # "measured": the block times were measured on the planning machine (karma/calibrate.py);
+    # None (the key left out): the roofline estimate, as in schedules from before it
+    calibration: str | None = None
 
     @property
     def price_of_budget(self) -> float | None:
@@ -236,6 +240,8 @@ def dump_schedule(s: Schedule) -> str:
     lines.append(f"  busy_s: {_flow_map(p.busy_s, _SECONDS_DIGITS)}")
     lines += _scalar_lines([("scaling_efficiency", p.scaling_efficiency),
                             ("ideal_s", p.ideal_s)])
+    if p.calibration is not None:
+        lines += _scalar_lines([("calibration", p.calibration)])
 
     lines.append("# blocks: each block's decisions (act: keep | swap | recompute; weights: "
                  "resident | streamed; optim: device | host)")
@@ -631,7 +637,8 @@ _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_sche
         "stage_peak_bytes": _COUNT, "host_bytes": _COUNT, "pinned_bytes": _COUNT,
         "busy_s": _pairs(_text(STREAMS, "a stream"), _number),
         "scaling_efficiency": _number, "ideal_s": _optional_number,
-    }, "predicted", optional=("ideal_s",)),
+        "calibration": _text(CALIBRATIONS, "a calibration"),
+    }, "predicted", optional=("ideal_s", "calibration")),
     "blocks": _list(_BLOCK),
     "ops": _list(_OP),
     "buffers": _list(_BUFFER),

@@ -57,9 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", metavar="REGEX", default=None,
                    help="module paths whose calls are blocks, e.g. 'h\\.\\d+' "
                         "(default: every call of a repeated layer)")
+    p.add_argument("--no-measure", action="store_true",
+                   help="estimate block times from FLOPs and bytes (roofline) even when "
+                        "--hardware is this machine, where they are measured by default "
+                        "(once; cached in ~/.cache/karma)")
     p.add_argument("--profile-blocks", action="store_true",
-                   help="time each block's forward and backward on this machine's device "
-                        "instead of estimating them from FLOPs")
+                   help=argparse.SUPPRESS)  # the old flag: measure, even for other hardware
     p.add_argument("-o", "--output", metavar="FILE", help="write the schedule YAML here")
     p.add_argument("--print-ir", action="store_true",
                    help="print the block graph (blocks, sizes, FLOPs, edges) and exit")
@@ -90,11 +93,11 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     try:
         report = plan_report(
-            args.model, args.gpu_mem, hardware, args.batch_size, world_size=args.world_size,
+            args.model, args.gpu_mem, args.hardware, args.batch_size, world_size=args.world_size,
             dtype=args.dtype, strategy=args.strategy, seed=args.seed,
             accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
             time_limit_s=args.time_limit, gap=args.gap, blocks=args.blocks,
-            profile_blocks=args.profile_blocks, log=lambda note: _notes([note]))
+            measure=_measure(args), log=lambda note: _notes([note]))
     except InfeasiblePlan as e:
         if args.json:
             print(json.dumps({"feasible": False, "capacity_bytes": capacity,
@@ -109,6 +112,12 @@ def _plan(args: argparse.Namespace) -> int:
     print(json.dumps(_summary_json(report), indent=2) if args.json
           else _summary_text(report, hardware.name, args.output))
     return 0
+
+
+def _measure(args: argparse.Namespace) -> bool | None:
+    if args.no_measure and args.profile_blocks:
+        raise KarmaError("--no-measure and --profile-blocks contradict each other; give one")
+    return False if args.no_measure else True if args.profile_blocks else None
 
 
 def _notes(notes) -> None:
@@ -131,6 +140,7 @@ def _summary_json(report) -> dict:
         "ideal_s": s.predicted.ideal_s,
         "price_of_budget": s.predicted.price_of_budget,
         "solve_s": ev.plan.solve_s,
+        "block_times": "measured" if s.predicted.calibration == "measured" else "roofline",
         "scaling_efficiency": s.predicted.scaling_efficiency,
         "world_size": s.config.world_size,
         "decisions": ev.plan.counts(),
@@ -155,6 +165,7 @@ def _summary_text(report, hardware_name: str, output: str | None) -> str:
         + (f"; {ev.plan.note}" if ev.plan.status == "fallback" else ""),
         f"decisions: {c['keep']} keep, {c['swap']} swap, {c['recompute']} recompute; "
         f"{c['streamed_weights']} streamed weights; {c['host_optimizer']} on the host optimizer",
+        f"block times: {report.block_times}",
         f"predicted iteration {format_seconds(ev.step_s)}: "
         f"{s.predicted.price_of_budget:.2f}x the ideal {format_seconds(s.predicted.ideal_s)} "
         f"(keep_all with unlimited memory: the price of the budget); stream bound "

@@ -1,87 +1,256 @@
-"""Time each block's forward and backward on the local device (`karma-plan --profile-blocks`).
+"""Time each block's forward and backward on a real device (calibrated planning, karma.calibrate).
 
-The traced graph is split per block as for measuring; the split module gets real, randomly
-initialised weights on the device, one forward of the whole model records each block's real
-inputs, and then each block runs on its own: the median of a few timed repeats of its
-forward, and of its backward from gradients of ones.
+    times = time_blocks(load_model_file("examples/gpt.py"), batch_size=1)
+    times.fwd_bwd_s[3]      # (forward s, backward s) of block 3
+    times.distinct          # how many blocks were actually run (same-shaped ones share)
+
+The model is traced on the meta device and split per block as for measuring; a forward of
+the split module on meta tensors (nothing computed) records every block's arguments. Blocks
+with the same signature (see `_signature`) share one timing, so GPT-2's twelve layers are
+timed once. Each distinct block runs on its own, on real tensors on the device: only its own
+weights are materialised (random), its inputs come from the real example batch where they are
+the model's inputs, and are made up, with the recorded shapes, dtypes and strides, where they
+come from another block (see [Note: made-up block inputs]). The time is the median of a few
+timed runs after a warm-up (see [Note: how often a block runs]), forward and backward (from
+gradients of ones) separately.
+
+[Note: how often a block runs] A block runs once to warm up (first-call costs: kernel
+selection, allocator growth), then up to `repeats` timed runs, fewer once the timed runs add
+up to _BLOCK_BUDGET_S: the median of three short runs smooths the noise of a shared machine,
+and one run of seconds has little to smooth. A warm-up of _LONG_RUN_S or more counts as a
+timed run (first-call costs are lost in it), so a block that takes seconds runs once.
+
+[Note: made-up block inputs] Running the whole model to get each block's real inputs would
+cost a full forward and need every weight in memory at once (32 GB for an 8B model). A
+block's time depends on its inputs' shapes, not their values, so the inputs another block
+makes are uniform random numbers in [0, 1) (non-negative, so that a square root or a sampling
+op sees valid values), integers are zeros (a valid index into anything) and booleans true
+(attend everywhere). Data-dependent work (a mixture of experts routing every token to one
+expert) may then be timed off its average; that is the price of never running the model
+whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 from torch.fx.passes.split_module import split_module
 
 from karma.errors import IRError
 from karma.ir.blocks import find_units, group_nodes
-from karma.ir.measure import _differentiable, _Probe, _tensors
-from karma.ir.trace import _flat_inputs as _flatten
+from karma.ir.compute import _drop_metadata_asserts
+from karma.ir.measure import _Probe, _tensors
 from karma.ir.trace import retarget_device, trace
 from karma.modelfile import ModelFile
 
+_AUTOCAST = {"bf16": torch.bfloat16}
+_LONG_RUN_S = 0.5  # a run this long needs no warm-up of its own
+_BLOCK_BUDGET_S = 2.0  # timed seconds per distinct block, after which it stops repeating
 
-def profile_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
-                   device: str = "cpu", repeats: int = 3) -> list[tuple[float, float]]:
-    """(forward seconds, backward seconds) of every block, in block order."""
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Measured block times at one batch size."""
+
+    fwd_bwd_s: tuple[tuple[float, float], ...]  # (forward s, backward s) per block, in order
+    batch_size: int  # the batch they were timed at
+    distinct: int  # blocks actually run; the others share a same-shaped block's times
+    names: tuple[str, ...]  # block names, in order (to check against the block graph)
+
+
+def time_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
+                device: str = "cpu", dtype: str = "fp32", repeats: int = 3,
+                log: Callable[[str], None] | None = None) -> BlockTimes:
+    """Time every block of the model at `batch_size` on `device`, in `dtype` (bf16: the
+    forward under autocast, as training runs it)."""
+    dev = torch.empty(0, device=device).device  # with its index (cuda:0), as graphs compare it
     traced = trace(mf, batch_size)
-    # tensors the forward makes itself (`arange(T, device=x.device)`) land on the device, not
-    # on meta; with its index (cuda:0), as the graph's dtype and device asserts compare it
-    retarget_device(traced.gm, torch.device("meta"), torch.empty(0, device=device).device)
     specs = group_nodes(traced.gm, find_units(traced.model, blocks_regex))
     block_of = {node: i for i, spec in enumerate(specs) for node in spec.nodes}
     split = split_module(traced.gm, traced.gm, lambda n: block_of[n.name],
                          keep_original_order=True)
-    _materialize(split, torch.device(device))
-    with torch.device(device), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        inputs, _ = mf.checked_example_batch(batch_size)
     probe = _Probe(split)
-    try:
-        with torch.no_grad():
-            probe.run(*_flat_inputs(inputs, traced))
-        return [_time_block(getattr(split, f"submod_{i}"), *probe.args[i], device, repeats)
-                for i in range(len(specs))]
-    except torch.OutOfMemoryError as e:
-        raise IRError(f"--profile-blocks ran out of memory on {device} at batch {batch_size}; "
-                      "profile with a smaller --batch-size or without --profile-blocks") from e
+    with torch.enable_grad():  # on meta: records which inputs require grad, computes nothing
+        probe.run(*traced.flat_inputs)
+    with torch.device(dev), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        real_inputs, _ = mf.checked_example_batch(batch_size)
+    real_of = dict(zip(map(id, traced.flat_inputs), _flat_real(real_inputs, traced)))
+    names = {id(t): n for n, t in (*split.named_parameters(), *split.named_buffers())}
+
+    submods = [getattr(split, f"submod_{i}") for i in range(len(specs))]
+    sigs = [_signature(submod, *probe.args[i]) for i, submod in enumerate(submods)]
+    first_of: dict[str, int] = {}  # signature -> the first block that has it
+    times: list[tuple[float, float]] = []
+    for i, spec in enumerate(specs):
+        if sigs[i] in first_of:
+            times.append(times[first_of[sigs[i]]])
+            continue
+        first_of[sigs[i]] = i
+        alike = sigs.count(sigs[i]) - 1
+        if log:
+            log(f"timing block {spec.name}" + (f" (and {alike} alike)" if alike else ""))
+        try:
+            times.append(_time_block(submods[i], probe.args[i][0], real_of, names, dev,
+                                     dtype, repeats))
+        except torch.OutOfMemoryError as e:
+            raise IRError(f"timing block {spec.name} ran out of memory on {dev} at batch "
+                          f"{batch_size}; plan with --no-measure or a smaller --batch-size") from e
+        except Exception as e:  # noqa: BLE001 - user code; name the block
+            raise IRError(f"timing block {spec.name} on {dev} failed: {type(e).__name__}: "
+                          f"{str(e)[:300]}") from e
+    return BlockTimes(tuple(times), batch_size, len(first_of), tuple(s.name for s in specs))
 
 
-def _flat_inputs(inputs, traced) -> tuple[torch.Tensor, ...]:
+def profile_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
+                   device: str = "cpu", repeats: int = 3) -> list[tuple[float, float]]:
+    """(forward seconds, backward seconds) of every block at `batch_size`, in block order."""
+    return list(time_blocks(mf, batch_size, blocks_regex, device, repeats=repeats).fwd_bwd_s)
+
+
+def _flat_real(inputs, traced) -> tuple[torch.Tensor, ...]:
     """Real inputs in the order of the graph's placeholders (as Traced.flat_inputs)."""
+    from karma.ir.trace import _flat_inputs
+
     if traced.out_spec is None:
         return inputs.args
-    return _flatten(inputs, traced.gm.graph._codegen.pytree_info.in_spec)  # noqa: SLF001
+    return _flat_inputs(inputs, traced.gm.graph._codegen.pytree_info.in_spec)  # noqa: SLF001
 
 
-def _materialize(split: torch.nn.Module, device: torch.device) -> None:
-    split.to_empty(device=device)
+def _signature(submod: torch.fx.GraphModule, args: list, from_block: list[bool]) -> str:
+    """What a block's time depends on: its graph with nodes numbered in order (not named:
+    h.0's and h.1's differ only in names), the modules it calls, and its arguments' shapes,
+    strides, dtypes, and whether they require grad or come from another block."""
+    number: dict[torch.fx.Node, str] = {}
+    lines = []
+    for node in submod.graph.nodes:
+        number[node] = f"%{len(number)}"
+        target = node.target
+        if node.op == "call_module":
+            mod = submod.get_submodule(node.target)
+            target = f"{type(mod).__qualname__}({mod.extra_repr()}) " + str(
+                [(tuple(p.shape), p.dtype) for p in mod.parameters()])
+        elif node.op == "get_attr":
+            value = getattr(submod, node.target)
+            target = _describe(value)
+        elif node.op == "placeholder":
+            target = ""
+        operands = torch.fx.node.map_aggregate(
+            (node.args, node.kwargs), lambda a: number[a] if isinstance(a, torch.fx.Node) else a)
+        lines.append(f"{node.op} {target} {operands}")
+    lines += [f"{_describe(a)} {fb}" for a, fb in zip(args, from_block)]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return (f"tensor{tuple(value.shape)}{value.stride()}{value.dtype}"
+                f"{value.requires_grad}{isinstance(value, torch.nn.Parameter)}")
+    if isinstance(value, (tuple, list)):
+        return f"[{', '.join(map(_describe, value))}]"
+    return repr(value)
+
+
+def _as_on_device(gm: torch.fx.GraphModule, dev: torch.device) -> None:
+    """[Note: device branches taken on meta] A model may branch on its device while traced
+    on meta; where the branch for meta (taken as for a GPU) uses an op this device lacks, the
+    op is rewritten as the model writes it for this device: on the CPU, `histc` of integers
+    (CUDA only) gets floats, as transformers' grouped mixture of experts does on the CPU."""
+    if dev.type != "cpu":
+        return
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.histc.default:
+            source = node.args[0]
+            val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+            if val is not None and not val.is_floating_point():
+                with gm.graph.inserting_before(node):
+                    as_float = gm.graph.call_function(
+                        torch.ops.aten._to_copy.default, (source,), {"dtype": torch.float32})
+                node.replace_input_with(source, as_float)
+                changed = True
+    if changed:
+        gm.recompile()
+
+
+def _real_args(args: list, real_of: dict[int, torch.Tensor], names: dict[int, str],
+               dev: torch.device) -> list:
+    """The block's arguments on `dev`: the model's inputs as the example batch has them,
+    weights random, buffers as `_fill` sets them, the rest made up (see [Note: made-up block
+    inputs])."""
+    def real(t: torch.Tensor):
+        if id(t) in real_of:
+            return real_of[id(t)]
+        if t.device.type != "meta":  # a constant the trace kept
+            return t.to(dev)
+        x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)
+        with torch.no_grad():
+            _fill(x, names.get(id(t), ""), weight=isinstance(t, torch.nn.Parameter))
+        return x.requires_grad_(t.requires_grad)
+
+    return [pytree.tree_map_only(torch.Tensor, real, a) for a in args]
+
+
+def _fill(x: torch.Tensor, name: str, weight: bool) -> None:
+    if x.is_floating_point() or x.is_complex():
+        if weight:
+            x.normal_(0.0, 0.02)
+        elif name.endswith("var"):  # a norm's running variance
+            x.fill_(1.0)
+        else:
+            x.uniform_(0.0, 1.0)
+    elif x.dtype == torch.bool:
+        x.fill_(True)
+    else:
+        x.zero_()
+
+
+def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: dict,
+                dev: torch.device, dtype: str, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of `submod` over up to `repeats` runs after a
+    warm-up (see [Note: how often a block runs])."""
+    retarget_device(submod, torch.device("meta"), dev)  # arange(T, device=x.device) in forward
+    _as_on_device(submod, dev)
+    if dtype in _AUTOCAST:
+        _drop_metadata_asserts(submod)  # the fp32 the trace saw may be bf16 under autocast
+    submod.to_empty(device=dev)  # weights split_module left inside the block, if any
     with torch.no_grad():
-        for p in split.parameters():
-            p.normal_(0.0, 0.02)
-        for name, b in split.named_buffers():
-            if b.is_floating_point():
-                b.fill_(1.0 if name.endswith("var") else 0.0)
-            else:
-                b.zero_()
-
-
-def _time_block(submod, args, from_block, device: str, repeats: int) -> tuple[float, float]:
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        for name, t in (*submod.named_parameters(), *submod.named_buffers()):
+            _fill(t, name, weight=isinstance(t, torch.nn.Parameter))
+    real = _real_args(args, real_of, names, dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    autocast = (torch.autocast(dev.type, dtype=_AUTOCAST[dtype]) if dtype in _AUTOCAST
+                else None)
     fwd, bwd = [], []
-    for _ in range(repeats + 1):  # the first run warms up
-        fresh = [a.detach().requires_grad_(True) if fb and _differentiable(a) else a
-                 for a, fb in zip(args, from_block)]
+    while len(fwd) < repeats + 1:
+        if len(fwd) >= 2 and sum(fwd[1:]) + sum(bwd[1:]) >= _BLOCK_BUDGET_S:
+            break  # enough seconds of samples (see [Note: how often a block runs])
+        # fresh leaves each run: the gradients land on them and go with them
+        fresh = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
+                 else a for a in real]
         sync()
         t0 = time.perf_counter()
-        outs = [o for o in _tensors(submod(*fresh)) if o.requires_grad]
+        if autocast is None:
+            out = submod(*fresh)
+        else:
+            with autocast:
+                out = submod(*fresh)
+        outs = [o for o in _tensors(out) if o.requires_grad]
         sync()
         t1 = time.perf_counter()
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         sync()
         t2 = time.perf_counter()
-        fwd.append(t1 - t0)
-        bwd.append(t2 - t1)
+        # fwd[0], bwd[0]: the warm-up; a long one is a timed run too
+        copies = 2 if not fwd and t2 - t0 >= _LONG_RUN_S else 1
+        fwd += [t1 - t0] * copies
+        bwd += [t2 - t1] * copies
+        del out, outs, fresh
     return statistics.median(fwd[1:]), statistics.median(bwd[1:])

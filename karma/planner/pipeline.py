@@ -52,6 +52,7 @@ class PlanReport:
     baselines: dict[str, Evaluation]
     schedule: Schedule
     single_rank_iteration_s: float  # the chosen plan on one rank (for scaling efficiency)
+    block_times: str = "roofline estimate"  # where the block times came from, for the summary
 
 
 def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> PlanReport:
@@ -161,6 +162,7 @@ def schedule_from(graph: BlockGraph, model: ModelRef, request: PlanRequest, ev: 
             busy_s=tuple(sim.busy_s.items()),
             scaling_efficiency=single_rank_s / ev.step_s if ev.step_s else 1.0,
             ideal_s=ideal_s,
+            calibration="measured" if request.measured_s is not None else None,
         ),
         blocks=blocks,
         ops=ev.ops,

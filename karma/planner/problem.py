@@ -11,7 +11,7 @@ numbers.
 
 Compute time is a roofline estimate: FLOPs at the profile's matmul rate plus the bytes a block
 reads and writes at the device's memory bandwidth (elementwise work is memory-bound), unless
-measured times are given (`karma-plan --profile-blocks`).
+measured times are given (karma/calibrate.py: by default when planning for this machine).
 """
 
 from __future__ import annotations

@@ -1,0 +1,285 @@
+"""Calibrated planning: when karma plans for this machine, it measures it.
+
+    cal = calibrate(mf, graph, "cpu", load_hardware("cpu"), measure=None)
+    cal.hardware        # the profile to plan with: built-in sizes, this machine's rates
+    cal.measured_s      # (fwd s, bwd s) per block, or None for the roofline estimate
+    cal.summary         # one line for karma-plan: where the block times came from
+
+Which hardware is "this machine": the built-in `cpu` profile (the CPU backend always runs on
+the local CPU), and a built-in GPU profile that names the local GPU (its family, e.g. h100, in
+the device's name and its memory within 10%). Planning for any other built-in profile, or for
+a karma-profile file (which may describe another machine), uses that profile's numbers and the
+roofline estimate; `measure=True` (karma-plan --profile-blocks) still times the blocks on the
+local device of the profile's kind, keeping the profile's other numbers.
+
+What is measured, once, then cached as JSON under $XDG_CACHE_HOME/karma (default
+~/.cache/karma), each file named by a hash of everything its numbers depend on:
+- the machine's rates (`measure_local(quick=True)`: matmul, memory and copy bandwidth, host
+  optimizer), keyed by the CPU model, core and thread counts, OMP_WAIT_POLICY, the GPU's name
+  and the torch version. The profile's sizes (memory, disk, network) stay the built-in ones:
+  the budget is --gpu-mem, and the network is not measured.
+- every distinct block's forward and backward (karma.ir.timing), keyed by the machine, the
+  model file's sha256 and the KARMA_* environment, the block graph's hash, the batch size,
+  the dtype and --blocks.
+A cache file that cannot be read or does not check out is measured again, never an error.
+If timing the blocks fails when measuring was not asked for (measure=None), the plan uses the
+roofline estimate and says so: a plan that worked before calibration keeps working.
+
+[Note: timing at a smaller batch] Timing every block at the plan's batch can take minutes on
+a CPU (GPT-2 small's output layer alone does 1.9 TFLOP per step at batch 8). Blocks are timed
+at the largest batch whose roofline estimate from the profile given (not the measured one:
+a quick matmul's rate varies threefold between runs on a shared machine), one forward and
+backward of each distinct block, stays under _TIMING_BUDGET_S, and their times are scaled by
+the plan's batch over that one. A block's work is proportional to its batch, so this is close
+once a batch fills the device; what does not grow with the batch (per-call overheads, an
+embedding's dense weight gradient) is scaled up too, which errs slow. GPT-2 small (sequence
+1024) on the 2-core machine: timed at batch 2, its layers' time per sample is 1.445 s against
+1.211 s at batch 4 (1.380 s at batch 1); its output layer's 5.06 s against 4.72 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from karma.errors import KarmaError
+from karma.fileio import write_text_atomic
+from karma.ir.graph import BlockGraph
+from karma.modelfile import ModelFile
+from karma.planner.hardware import (
+    Hardware,
+    builtin_names,
+    dump_hardware,
+    hardware_from_yaml,
+    load_hardware,
+)
+from karma.planner.problem import build_problem
+
+CACHE_VERSION = 1  # bump when what a cache file holds changes meaning
+_TIMING_BUDGET_S = 15.0  # see [Note: timing at a smaller batch]
+_RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
+                "host_optim_bytes_per_s")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What to plan with, and where its numbers came from."""
+
+    hardware: Hardware  # the profile given, with this machine's rates when it was measured
+    measured_s: tuple[tuple[float, float], ...] | None  # per block; None: roofline estimate
+    summary: str  # e.g. "measured on this machine (cached in ~/.cache/karma/blocks-....json)"
+
+
+def cache_dir() -> Path:
+    """$XDG_CACHE_HOME/karma, or ~/.cache/karma."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "karma"
+
+
+def local_device(hardware: str | Hardware) -> str | None:
+    """"cpu" or "cuda" if `hardware` (a built-in profile's name) is this machine, else None."""
+    if not isinstance(hardware, str) or hardware not in builtin_names():
+        return None
+    if hardware == "cpu":
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    hw = load_hardware(hardware)
+    name = torch.cuda.get_device_name().lower()
+    total = torch.cuda.get_device_properties(0).total_memory
+    family = hardware.split("-")[0]
+    same = family in name and abs(total - hw.device_mem_bytes) <= 0.1 * hw.device_mem_bytes
+    return "cuda" if same else None
+
+
+def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Hardware,
+              measure: bool | None = None, blocks_regex: str | None = None,
+              log: Callable[[str], None] | None = None) -> Calibration:
+    """The profile and block times to plan `graph` with on `hw` (loaded from `hardware`).
+
+    measure: None (default) measures when `hardware` is this machine (see `local_device`);
+    False never does; True times the blocks on the local device of hw's kind in any case.
+    """
+    say = log or (lambda line: None)
+    if measure is False:
+        return Calibration(hw, None, "roofline estimate (--no-measure)")
+    device = local_device(hardware)
+    if device is None and not measure:
+        return Calibration(hw, None, f"roofline estimate from the {hw.name} profile "
+                                     "(not this machine)")
+    profile = hw  # its rates size the timing (see [Note: timing at a smaller batch])
+    if device is None:
+        device = _device_for(hw)
+    else:
+        hw = _measured_machine(device, hw, say)
+    start = time.perf_counter()
+    try:
+        times, path, fresh = _block_times(mf, graph, profile, device, blocks_regex, say)
+    except KarmaError as e:
+        if measure:  # asked for: the error is the answer
+            raise
+        say(f"could not time the blocks ({e}); planning with the roofline estimate "
+            "(--no-measure skips trying)")
+        return Calibration(hw, None, "roofline estimate (timing the blocks failed)")
+    how = (f"measured now in {time.perf_counter() - start:.0f} s" if fresh
+           else "measured on this machine")
+    return Calibration(hw, times, f"{how} (cached in {path})")
+
+
+def _device_for(hw: Hardware) -> str:
+    import torch
+
+    if hw.device_kind == "cuda" and not torch.cuda.is_available():
+        raise KarmaError(f"measuring times blocks on this machine, which has no GPU, so it "
+                         f"cannot stand for --hardware {hw.name}; plan without "
+                         "--profile-blocks (measure=True) or for --hardware cpu")
+    return hw.device_kind
+
+
+# ---------------------------------------------------------------------------------------------
+# The machine
+
+
+def _machine_key(device: str) -> dict:
+    import torch
+
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _measured_machine(device: str, hw: Hardware, say: Callable[[str], None]) -> Hardware:
+    """`hw` with this machine's measured rates (cached)."""
+    key = _machine_key(device)
+    path = _cache_path("machine", key)
+    measured = _read_machine(path)
+    if measured is None:
+        from karma.planner.measure_hw import measure_local
+
+        say(f"measuring this machine ({device}; once, cached in {path})")
+        measured = measure_local(device, quick=True)
+        _write(path, {"key": key, "hardware": dump_hardware(measured)}, say)
+    return replace(hw, **{f: getattr(measured, f) for f in _RATE_FIELDS})
+
+
+def _read_machine(path: Path) -> Hardware | None:
+    data = _read(path)
+    try:
+        return hardware_from_yaml(data["hardware"], str(path))
+    except (KarmaError, KeyError, TypeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The blocks
+
+
+def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
+                 blocks_regex: str | None, say: Callable[[str], None]
+                 ) -> tuple[tuple[tuple[float, float], ...], Path, bool]:
+    """Every block's (fwd s, bwd s) at the graph's batch: from the cache, or timed now."""
+    key = {
+        "machine": _machine_key(device),
+        "model_sha256": mf.sha256,
+        "env": sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_")),
+        "graph_sha256": hashlib.sha256(graph.to_json().encode()).hexdigest(),
+        "batch_size": graph.batch_size,
+        "dtype": graph.dtype,
+        "blocks": blocks_regex,
+    }
+    path = _cache_path("blocks", key)
+    cached = _read_times(path, len(graph.blocks))
+    if cached is not None:
+        return cached, path, False
+    from karma.ir.timing import time_blocks
+
+    batch = timing_batch(graph, hw)
+    say(f"timing the blocks of {graph.model} on this machine ({device}, batch {batch}"
+        + (f", scaled to {graph.batch_size}" if batch != graph.batch_size else "")
+        + f"; once, cached in {path})")
+    timed = time_blocks(mf, batch, blocks_regex, device, graph.dtype, log=say)
+    if timed.names != tuple(b.name for b in graph.blocks):
+        raise KarmaError(f"timing {graph.model} at batch {batch} found the blocks "
+                         f"{', '.join(timed.names)}, not the plan's; plan with --no-measure")
+    scale = graph.batch_size / batch
+    times = tuple((fwd * scale, bwd * scale) for fwd, bwd in timed.fwd_bwd_s)
+    _write(path, {"key": key, "timed_batch_size": batch, "distinct_blocks": timed.distinct,
+                  "fwd_bwd_s": times}, say)
+    return times, path, True
+
+
+def timing_batch(graph: BlockGraph, hw: Hardware) -> int:
+    """The batch to time blocks at (see [Note: timing at a smaller batch])."""
+    problem = build_problem(graph, hw, graph.dtype)
+    distinct = {}
+    for b, cost in zip(graph.blocks, problem.blocks):
+        shape = (b.param_bytes, b.act_bytes, b.out_bytes, b.fwd_flops, b.bwd_flops)
+        distinct[shape] = cost.fwd_s + cost.bwd_s
+    estimate_s = sum(distinct.values())
+    if estimate_s <= _TIMING_BUDGET_S:
+        return graph.batch_size
+    return max(1, math.floor(graph.batch_size * _TIMING_BUDGET_S / estimate_s))
+
+
+def _read_times(path: Path, n_blocks: int) -> tuple[tuple[float, float], ...] | None:
+    data = _read(path)
+    try:
+        times = tuple((float(f), float(b)) for f, b in data["fwd_bwd_s"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    ok = len(times) == n_blocks and all(math.isfinite(t) and t >= 0 for p in times for t in p)
+    return times if ok else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache
+
+
+def _cache_path(kind: str, key: dict) -> Path:
+    text = json.dumps({"version": CACHE_VERSION, **key}, sort_keys=True)
+    return cache_dir() / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:20]}.json"
+
+
+def _read(path: Path) -> dict:
+    """The cache file's JSON object, or {} when it is missing or unreadable."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, data: dict, say: Callable[[str], None]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"version": CACHE_VERSION, **data}, indent=1) + "\n")
+    except (OSError, KarmaError) as e:
+        say(f"could not cache the measurement in {path} ({e}); it is measured again next time")
+
+
+__all__ = ["Calibration", "cache_dir", "calibrate", "local_device", "timing_batch"]

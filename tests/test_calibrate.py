@@ -1,0 +1,188 @@
+"""Calibrated planning (karma/calibrate.py, karma/ir/timing.py): blocks timed on this machine,
+same-shaped blocks once, cached; the roofline for other hardware and with --no-measure."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+import karma
+from karma.api import plan_report
+from karma.calibrate import cache_dir, local_device, timing_batch
+from karma.cli.plan import main as plan_main
+from karma.errors import KarmaError
+from karma.ir import build_block_graph
+from karma.ir.timing import time_blocks
+from karma.planner.hardware import load_hardware
+from tests.conftest import EXAMPLES, environment
+
+GPT = str(EXAMPLES / "gpt.py")
+TINY = {"KARMA_GPT": "tiny"}
+
+
+@pytest.fixture(scope="module")
+def machine_files():
+    """This machine's measured rates, in the session's cache (measured once a session)."""
+    from karma.calibrate import _measured_machine
+
+    _measured_machine("cpu", load_hardware("cpu"), lambda line: None)
+    return list(cache_dir().glob("machine-*.json"))
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch, machine_files):
+    """A cache of the test's own that knows this machine's rates and no block times."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "xdg" / "karma").mkdir(parents=True)
+    for path in machine_files:
+        shutil.copy(path, tmp_path / "xdg" / "karma")
+    return tmp_path / "xdg" / "karma"
+
+
+@pytest.mark.parametrize("name, env", [
+    ("gpt", {}), ("resnet", {}), ("mlp", {}), ("hf_gpt2", {}),
+    # rotary tables and cache positions made with device=x.device inside forward
+    ("hf_llama", {"KARMA_HF": "tiny", "KARMA_SEQ": "16"}),
+    # traced on meta, transformers' experts take the GPU's branch: histc of integers
+    ("hf_mixtral", {"KARMA_HF": "tiny", "KARMA_SEQ": "16"}),
+])
+def test_blocks_of_every_kind_of_example_are_timed(example, name, env):
+    mf = example(name, **env)
+    graph = build_block_graph(mf, 2)
+    times = time_blocks(mf, 2, repeats=1)
+    assert times.names == tuple(b.name for b in graph.blocks)
+    assert all(f > 0 and b > 0 for f, b in times.fwd_bwd_s)
+
+
+def test_same_shaped_blocks_are_timed_once(example):
+    mf = example("gpt")  # tiny: head, h.0, h.1, tail
+    seen = []
+    times = time_blocks(mf, 2, repeats=1, log=seen.append)
+    assert times.distinct == 3 and len(times.fwd_bwd_s) == 4
+    assert times.fwd_bwd_s[1] == times.fwd_bwd_s[2]
+    assert seen == ["timing block head", "timing block h.0 (and 1 alike)", "timing block tail"]
+
+
+def test_bf16_blocks_are_timed_under_autocast(example):
+    # the trace asserts fp32 where autocast makes bf16 (an RMSNorm's .to(float32))
+    mf = example("hf_llama", KARMA_HF="tiny", KARMA_SEQ="16")
+    times = time_blocks(mf, 2, dtype="bf16", repeats=1)
+    assert all(f > 0 and b > 0 for f, b in times.fwd_bwd_s)
+
+
+def test_plan_for_cpu_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "xdg" / "karma"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    notes = []
+    with environment(TINY):
+        first = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
+        again = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
+    assert first.block_times.startswith("measured now in ")
+    assert again.block_times.startswith("measured on this machine (cached in ")
+    assert sum(n.startswith("measuring this machine") for n in notes) == 1
+    assert sum(n.startswith("timing the blocks") for n in notes) == 1  # the second: cached
+    assert sorted(p.name.split("-")[0] for p in cache.iterdir()) == ["blocks", "machine"]
+    assert first.problem.blocks == again.problem.blocks
+    assert first.schedule.predicted.calibration == "measured"
+    first.schedule.save(tmp_path / "s.yaml")
+    assert "calibration: measured" in (tmp_path / "s.yaml").read_text()
+    assert karma.load_schedule(tmp_path / "s.yaml").predicted.calibration == "measured"
+    # the machine's measured rates replace the built-in guesses; its sizes stay
+    hw, builtin = dict(first.schedule.hardware), load_hardware("cpu")
+    assert hw["name"] == "cpu" and hw["device_mem_bytes"] == builtin.device_mem_bytes
+    assert hw["mem_bytes_per_s"] != builtin.mem_bytes_per_s
+
+
+def test_no_measure_and_other_hardware_use_the_roofline(own_cache, tmp_path):
+    with environment(TINY):
+        off = plan_report(GPT, "400K", "cpu", 2, measure=False)
+        v100 = plan_report(GPT, "400K", "v100-16g", 2)
+    assert off.block_times == "roofline estimate (--no-measure)"
+    assert v100.block_times == "roofline estimate from the v100-16g profile (not this machine)"
+    assert off.schedule.predicted.calibration is None
+    off.schedule.save(tmp_path / "s.yaml")
+    assert "calibration" not in (tmp_path / "s.yaml").read_text()  # as before: goldens unchanged
+    assert not list(own_cache.glob("blocks-*"))  # nothing timed
+
+
+def test_a_corrupt_cache_file_is_measured_again(own_cache):
+    from karma.calibrate import _read_machine
+
+    with environment(TINY):
+        plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
+        (blocks,) = own_cache.glob("blocks-*.json")
+        blocks.write_text("{not json")
+        again = plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
+    assert again.block_times.startswith("measured now in ")
+    assert json.loads(blocks.read_text())["version"] == 1
+    for text in ("", "[]", json.dumps({"hardware": "version: 99"}), json.dumps({"x": 1})):
+        blocks.write_text(text)
+        assert _read_machine(blocks) is None
+
+
+def test_a_block_that_fails_to_run_falls_back_to_the_roofline_unless_asked(own_cache,
+                                                                          monkeypatch):
+    from karma.errors import IRError
+
+    def fail(*args, **kwargs):
+        raise IRError("timing block h.0 on cpu failed: RuntimeError: boom")
+
+    monkeypatch.setattr("karma.ir.timing.time_blocks", fail)
+    notes = []
+    with environment(TINY):
+        report = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
+        assert report.block_times == "roofline estimate (timing the blocks failed)"
+        assert any("boom" in n and "--no-measure" in n for n in notes)
+        with pytest.raises(IRError, match="boom"):
+            plan_report(GPT, "400K", "cpu", 2, measure=True, log=notes.append)
+
+
+def test_the_cache_is_keyed_by_the_model_environment(own_cache):
+    with environment(TINY):
+        plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
+    with environment({**TINY, "KARMA_SEQ": "16"}):
+        other = plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
+    assert other.block_times.startswith("measured now in ")
+    assert sum(p.name.startswith("blocks") for p in own_cache.iterdir()) == 2
+
+
+def test_the_cache_lives_under_xdg_cache_home(own_cache):
+    assert cache_dir() == own_cache
+
+
+def test_only_cpu_and_the_local_gpu_are_this_machine():
+    assert local_device("cpu") == "cpu"
+    assert local_device(load_hardware("cpu")) is None  # a Hardware or a file: someone's machine
+    if not torch.cuda.is_available():
+        assert local_device("h100-80g") is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_measuring_gpu_hardware_without_a_gpu_says_what_to_do(own_cache):
+    with environment(TINY), pytest.raises(KarmaError, match="no GPU.*--hardware cpu"):
+        plan_report(GPT, "400K", "v100-16g", 2, measure=True)
+
+
+def test_a_slow_estimate_times_blocks_at_a_smaller_batch(example):
+    graph = build_block_graph(example("gpt"), 8)
+    cpu = load_hardware("cpu")
+    assert timing_batch(graph, cpu) == 8  # tiny: cheap enough at the plan's batch
+    slow = replace(cpu, flops_per_s={"fp32": 1e3, "bf16": 1e3}, mem_bytes_per_s=1e3)
+    assert timing_batch(graph, slow) == 1
+
+
+def test_karma_plan_says_where_block_times_came_from(own_cache, capsys):
+    with environment(TINY):
+        args = [GPT, "--gpu-mem", "400K", "--hardware", "cpu", "--batch-size", "2"]
+        assert plan_main([*args, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["block_times"] == "measured"
+        assert plan_main([*args, "--no-measure", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["block_times"] == "roofline"
+        assert plan_main([*args, "--profile-blocks"]) == 0  # the old flag: measure
+        assert "block times: measured on this machine (cached in" in capsys.readouterr().out
+        assert plan_main([*args, "--no-measure", "--profile-blocks"]) == 2
+    assert "contradict" in capsys.readouterr().err
