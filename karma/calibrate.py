@@ -65,7 +65,12 @@ from karma.planner.problem import build_problem
 CACHE_VERSION = 1  # bump when what a cache file holds changes meaning
 _TIMING_BUDGET_S = 15.0  # see [Note: timing at a smaller batch]
 _RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
-                "host_optim_bytes_per_s")
+                "host_optim_bytes_per_s",
+                # how the streams slow each other (hardware.py, [Note: contention between
+                # streams]): measured on the CPU, 0 on a GPU
+                "compute_slowdown_copy", "copy_slowdown_compute", "compute_slowdown_host",
+                "host_slowdown_compute")
+MACHINE_VERSION = 2  # what measure_local measures; 2: the contention fractions
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,7 @@ def _machine_key(device: str) -> dict:
     import torch
 
     return {
+        "version": MACHINE_VERSION,
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),

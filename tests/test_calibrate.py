@@ -95,6 +95,13 @@ def test_plan_for_cpu_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     hw, builtin = dict(first.schedule.hardware), load_hardware("cpu")
     assert hw["name"] == "cpu" and hw["device_mem_bytes"] == builtin.device_mem_bytes
     assert hw["mem_bytes_per_s"] != builtin.mem_bytes_per_s
+    # and so does how its streams slow each other (measured on the CPU: never negative)
+    measured = {f: float(hw.get(f, 0.0)) for f in ("compute_slowdown_copy",
+                                                   "copy_slowdown_compute",
+                                                   "compute_slowdown_host",
+                                                   "host_slowdown_compute")}
+    assert measured != {f: getattr(builtin, f) for f in measured}
+    assert all(0.0 <= v < 1.0 for v in measured.values())
 
 
 def test_no_measure_and_other_hardware_use_the_roofline(own_cache, tmp_path):
