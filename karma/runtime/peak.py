@@ -13,7 +13,8 @@ A sampling thread inside the process costs the training loop about 10% of its st
 each of its thousand wake-ups a second takes the GIL from the compute thread. The sampler
 is therefore a small child process (`python -I -S`, no torch): every millisecond it reads
 this process's `/proc/PID/statm` (resident minus shared pages: RssAnon) and keeps the
-maximum; the training process talks to it over a pipe only twice a step (reset, read). It
+maximum; the training process talks to it over a pipe twice a step, and waits only for the
+second (reset, then read the peak). It
 holds no GIL of ours and is not counted in our private memory. It runs under SCHED_IDLE, on
 a core that has nothing else to do: a sampler of normal priority waking a thousand times a
 second preempts one of PyTorch's OpenMP threads, and every parallel kernel then waits at
@@ -65,8 +66,9 @@ while True:
     cmd = os.read(cmd_in, 1)
     if not cmd:
         break
-    if cmd in (b"r", b"R"):  # a new step; R: and record its samples
+    if cmd in (b"r", b"R"):  # a new step; R: and record its samples (no reply)
         peak, samples, recording = current, [], cmd == b"R"
+        continue
     if cmd == b"d":  # the recorded samples, then stop recording
         recording = False
         os.write(out, b"\n".join([b"%d" % len(samples), *samples]) + b"\n")
@@ -100,7 +102,7 @@ class PrivatePeak:
         """Start a new step (stop() returns that step's peak); with `record`, keep every
         sample of it for `samples()`."""
         self.step_peak = 0
-        self._ask(b"R" if record else b"r")
+        self._tell(b"R" if record else b"r")
 
     def samples(self) -> list[tuple[float, int]]:
         """The recorded step's samples: (time.perf_counter() seconds, bytes above the
@@ -135,6 +137,16 @@ class PrivatePeak:
                 child.kill()
                 child.wait()
             child.stdout.close()
+
+    def _tell(self, cmd: bytes) -> None:
+        """Send a command that has no reply: the step goes on without waiting for the
+        sampler, which may be waiting for an idle core."""
+        child = self._child
+        if child is not None:
+            try:
+                child.stdin.write(cmd)
+            except OSError:
+                self._child = None
 
     def _ask(self, cmd: bytes) -> int:
         """Send a command to the sampler; its peak since the last reset (0 without one)."""
