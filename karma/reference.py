@@ -53,7 +53,7 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     state (every rank starts from the same one, as ranks seeded alike do), the N gradients
     are summed in rank order and divided by N, and the optimizer steps once. Only parameters
     are comparable then: buffers (BatchNorm statistics) see every rank's batch here.
-    `on_step` runs after each backward and each optimizer step (memory sampling). On another
+    `on_step` runs after each optimizer step (step times). On another
     `device` the model is built on the CPU and then moved, as karma-run does. With
     `eval_every` N, every N steps the mean loss over the model file's eval_batches is taken
     in evaluation mode under torch.no_grad(), as karma-run --eval-every does.
@@ -87,8 +87,6 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
                     loss = mf.loss_fn(x.map(to_device).call(model), map_targets(y, to_device))
                     scaled = loss / accumulate
                 scaled.backward()
-                if on_step is not None:
-                    on_step()
                 micro.append(loss.item())
             losses[r].append(sum(micro) / len(micro))
             if world_size == 1:
