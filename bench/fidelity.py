@@ -3,10 +3,13 @@
     .venv/bin/python bench/fidelity.py [--size small] [--seq 64] [--batch-size 2] [--steps 6]
         [--cases swap_all:1.1,offload_all:1.1]
 
-Plans GPT-2 with this machine's measured profile (karma-profile), then in one process runs
-the plain PyTorch loop and karma-run's engine for each strategy, alternating, and prints a
-markdown table: median step time (measured and predicted), peak private memory above the
-baseline (measured and predicted), and keep_all's overhead against the plain loop. The
+Plans GPT-2 as `karma-plan --hardware cpu` does by default (this machine's rates and block
+times, measured once and cached: karma/calibrate.py; --no-measure: the roofline), then in one
+process runs the plain PyTorch loop and karma-run's engine for each strategy, alternating,
+and prints a markdown table: median step time (measured and predicted), peak private memory
+above the baseline (measured and predicted). The process runs as karma-run does (huge pages,
+freed memory returned promptly), the plain loop in it too: its column is a reference for the
+machine's drift, not the plain loop as users run it (bench/overhead.py measures that). The
 "independent" columns time the same plan as if the streams did not share cores (the profile's
 contention fractions set to 0: the prediction before they existed).
 """
@@ -26,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as karma-run (cli/common.py), before torch
 
 
 def main() -> None:
@@ -34,8 +38,9 @@ def main() -> None:
     p.add_argument("--seq", default="64")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--profile-blocks", action="store_true",
-                   help="time the blocks on this machine instead of the roofline estimate")
+    p.add_argument("--no-measure", action="store_true",
+                   help="plan with the roofline estimate instead of this machine's measured "
+                        "rates and block times (karma-plan's default, cached)")
     p.add_argument("--cases", default="keep_all:1.1,recompute_all:1.1,swap_all:1.1,"
                    "offload_all:1.1,ilp:0.7,ilp:0.5",
                    help="strategy:budget pairs, the budget a fraction of keep_all's peak")
@@ -44,11 +49,11 @@ def main() -> None:
 
     import torch
 
+    from karma.calibrate import calibrate
     from karma.ir import build_block_graph
     from karma.modelfile import load_model_file, optimizer_profile
     from karma.planner.baselines import BASELINES
-    from karma.planner.hardware import dump_hardware
-    from karma.planner.measure_hw import measure_local
+    from karma.planner.hardware import dump_hardware, load_hardware
     from karma.planner.pipeline import PlanRequest, make_schedule
     from karma.planner.plan import evaluate
     from karma.planner.problem import build_problem
@@ -58,16 +63,15 @@ def main() -> None:
     from karma.units import format_bytes
 
     return_freed_memory_promptly()
-    hw = measure_local()
-    Path(tempfile.gettempdir(), "karma-fidelity-cpu.yaml").write_text(dump_hardware(hw))
     mf = load_model_file(ROOT / "examples" / "gpt.py")
     graph = build_block_graph(mf, args.batch_size, model_name="examples/gpt.py")
     opt_profile = optimizer_profile(mf)
-    measured_s = None
-    if args.profile_blocks:
-        from karma.ir.timing import profile_blocks
-
-        measured_s = profile_blocks(mf, args.batch_size)
+    # what karma-plan --hardware cpu does by default: this machine's rates and block times
+    # (measured once, cached: karma/calibrate.py); --no-measure: the roofline
+    cal = calibrate(mf, graph, "cpu", load_hardware("cpu"), False if args.no_measure else None,
+                    log=print)
+    hw, measured_s = cal.hardware, cal.measured_s
+    Path(tempfile.gettempdir(), "karma-fidelity-cpu.yaml").write_text(dump_hardware(hw))
     problem = build_problem(graph, hw, optimizer=opt_profile, measured_s=measured_s)
     keep_peak = evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
     model = ModelRef("examples/gpt.py", mf.sha256,
@@ -98,7 +102,7 @@ def main() -> None:
           f"{hw.compute_slowdown_host:g} beside host steps; copies {hw.copy_slowdown_compute:g}"
           f", host steps {hw.host_slowdown_compute:g} beside compute")
     print(f"GPT-2 {args.size}, sequence {args.seq}, batch {args.batch_size}; block times "
-          f"{'measured (--profile-blocks)' if measured_s else 'estimated (roofline)'}; medians over "
+          f"{cal.summary}; medians over "
           f"steps 2..{args.steps}; keep_all stage peak {format_bytes(keep_peak)}\n")
     print("| strategy | budget | step s measured | step s predicted | measured/predicted | "
           "predicted, independent | measured/independent | "

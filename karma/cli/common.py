@@ -24,7 +24,8 @@ def huge_pages_for_large_tensors() -> None:
     CPU allocator can align tensors of 2 MiB and more to 2 MiB and ask the kernel for
     transparent huge pages (`madvise(MADV_HUGEPAGE)`), one fault per 2 MiB: 126 thousand a
     step, with the same private memory. It reads the switch, the environment variable
-    THP_MEM_ALLOC_ENABLE, once, at its first allocation, so the commands that train set it
+    THP_MEM_ALLOC_ENABLE, once, at its first allocation, so karma-run and karma-plan (which
+    times blocks as karma-run runs them) set it
     before torch is imported (a user's own value wins); a program that imports torch first
     sets it itself. The kernel must allow huge pages (`madvise` or `always` in
     /sys/kernel/mm/transparent_hugepage/enabled); where it does not, nothing changes."""

@@ -17,10 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from karma.cli.common import positive_int, run_cli
+from karma.cli.common import huge_pages_for_large_tensors, positive_int, run_cli
 from karma.errors import KarmaError
-from karma.ir import build_block_graph
-from karma.modelfile import load_model_file
 from karma.units import format_bytes, format_seconds, parse_size
 
 
@@ -72,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace) -> int:
     from karma.api import plan_report
+    from karma.ir import build_block_graph
+    from karma.modelfile import load_model_file
     from karma.planner.hardware import load_hardware
     from karma.planner.plan import InfeasiblePlan
 
@@ -206,6 +206,7 @@ def _check_writable(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    huge_pages_for_large_tensors()  # blocks are timed as karma-run runs them (calibrate.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     # `--gpu-mem -1G` would read as an unknown option; glue it so it is checked as a size
     for k in range(len(argv) - 1):
