@@ -123,11 +123,12 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
         return Calibration(hw, None, f"roofline estimate from the {hw.name} profile "
                                      "(not this machine)")
     profile = hw  # its rates size the timing (see [Note: timing at a smaller batch])
-    if device is None:
+    local = device is not None
+    if not local:
         device = _device_for(hw)
     if device == "cpu":
         _allocate_as_the_runtime_does()
-    else:
+    if local:
         hw = _measured_machine(device, hw, say)
     start = time.perf_counter()
     try:
