@@ -118,9 +118,14 @@ def plot_timeline(schedule: Schedule, sim: SimResult, trace: StepTrace,
 
     t_unit, t_scale = _time_unit(planned_s)
     _memory_panel(ax_mem, schedule, sim, planned_s, t_scale, Line2D)
-    kinds = _lanes(ax_plan, planned_spans(schedule, sim), planned_s, t_scale,
-                   dict(schedule.predicted.busy_s), f"(b) streams as planned: "
-                   f"{format_seconds(planned_s)}")
+    planned = planned_spans(schedule, sim)
+    # busy as the measured lanes count it: the replay drawn, ops as long as simulated
+    # (stretched where streams share cores), as karma-inspect --trace prints it
+    planned_busy: dict[str, float] = {}
+    for s in planned:
+        planned_busy[s.stream] = planned_busy.get(s.stream, 0.0) + (s.end_s - s.start_s)
+    kinds = _lanes(ax_plan, planned, planned_s, t_scale, planned_busy,
+                   f"(b) streams as planned: {format_seconds(planned_s)}")
     ax_plan.set_xlim(0, planned_s / t_scale * 1.01)
     ax_plan.set_xlabel(_iteration_label(schedule.config.accumulate, t_unit), fontsize=9)
     _update_stage(ax_mem, ax_plan, schedule, sim, t_scale)
