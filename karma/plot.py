@@ -98,7 +98,7 @@ def plot_timeline(schedule: Schedule, sim: SimResult, trace: StepTrace,
                   path: str | os.PathLike) -> None:
     """The plan (memory, streams) above the traced step's measured streams, each on its
     own time axis; the compute thread's waits are hatched on the measured compute lane."""
-    from karma.timeline import planned_spans
+    from karma.timeline import busy_s_by_stream, planned_spans
 
     Figure, Line2D, Patch = _matplotlib()
     path = Path(path)
@@ -119,11 +119,9 @@ def plot_timeline(schedule: Schedule, sim: SimResult, trace: StepTrace,
     t_unit, t_scale = _time_unit(planned_s)
     _memory_panel(ax_mem, schedule, sim, planned_s, t_scale, Line2D)
     planned = planned_spans(schedule, sim)
-    # busy as the measured lanes count it: the replay drawn, ops as long as simulated
-    # (stretched where streams share cores), as karma-inspect --trace prints it
-    planned_busy: dict[str, float] = {}
-    for s in planned:
-        planned_busy[s.stream] = planned_busy.get(s.stream, 0.0) + (s.end_s - s.start_s)
+    # busy as the measured lanes count it (the replay drawn, ops as long as simulated), as
+    # karma-inspect --trace prints it
+    planned_busy = busy_s_by_stream(planned)
     kinds = _lanes(ax_plan, planned, planned_s, t_scale, planned_busy,
                    f"(b) streams as planned: {format_seconds(planned_s)}")
     ax_plan.set_xlim(0, planned_s / t_scale * 1.01)
@@ -131,10 +129,7 @@ def plot_timeline(schedule: Schedule, sim: SimResult, trace: StepTrace,
     _update_stage(ax_mem, ax_plan, schedule, sim, t_scale)
 
     m_unit, m_scale = _time_unit(measured_s)
-    busy: dict[str, float] = {}
-    for s in trace.ops:
-        busy[s.stream] = busy.get(s.stream, 0.0) + (s.end_s - s.start_s)
-    kinds |= _lanes(ax_run, list(trace.ops), measured_s, m_scale, busy,
+    kinds |= _lanes(ax_run, list(trace.ops), measured_s, m_scale, busy_s_by_stream(trace.ops),
                     f"({'d' if trace.memory else 'c'}) streams as measured in step {trace.step} on the {trace.backend} "
                     f"backend: {format_seconds(trace.step_s)}")
     if trace.memory:

@@ -140,6 +140,14 @@ def planned_waits(schedule: Schedule, sim: SimResult) -> list[ComputeWait]:
     return waits
 
 
+def busy_s_by_stream(spans) -> dict[str, float]:
+    """Seconds each stream spent running these ops (every stream that ran one)."""
+    total: dict[str, float] = {}
+    for s in spans:
+        total[s.stream] = total.get(s.stream, 0.0) + (s.end_s - s.start_s)
+    return total
+
+
 def wait_s_by_stream(waits) -> dict[str, float]:
     """Seconds of compute waits per stream blamed (every stream that had one)."""
     total: dict[str, float] = {}
@@ -150,13 +158,14 @@ def wait_s_by_stream(waits) -> dict[str, float]:
 
 def compare(schedule: Schedule, sim: SimResult, trace: StepTrace) -> dict:
     """Per stream, busy time and the compute waits blamed on it: measured and planned."""
-    planned = planned_spans(schedule, sim)
+    measured_busy = busy_s_by_stream(trace.ops)
+    planned_busy = busy_s_by_stream(planned_spans(schedule, sim))
     measured_wait, planned_wait = wait_s_by_stream(trace.waits), wait_s_by_stream(
         planned_waits(schedule, sim))
     streams = {}
     for stream in STREAMS:
-        busy = sum(s.end_s - s.start_s for s in trace.ops if s.stream == stream)
-        plan = sum(s.end_s - s.start_s for s in planned if s.stream == stream)
+        busy = measured_busy.get(stream, 0.0)
+        plan = planned_busy.get(stream, 0.0)
         ops = sum(op.stream == stream for op in schedule.ops)
         if ops:
             streams[stream] = {"ops": ops, "busy_s": busy, "planned_busy_s": plan,

@@ -108,12 +108,6 @@ def time_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
     return BlockTimes(tuple(times), batch_size, len(first_of), tuple(s.name for s in specs))
 
 
-def profile_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
-                   device: str = "cpu", repeats: int = 3) -> list[tuple[float, float]]:
-    """(forward seconds, backward seconds) of every block at `batch_size`, in block order."""
-    return list(time_blocks(mf, batch_size, blocks_regex, device, repeats=repeats).fwd_bwd_s)
-
-
 def _flat_real(inputs, traced) -> tuple[torch.Tensor, ...]:
     """Real inputs in the order of the graph's placeholders (as Traced.flat_inputs)."""
     from karma.ir.trace import _flat_inputs
