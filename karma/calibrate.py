@@ -15,7 +15,8 @@ local device of the profile's kind, keeping the profile's other numbers.
 What is measured, once, then cached as JSON under $XDG_CACHE_HOME/karma (default
 ~/.cache/karma), each file named by a hash of everything its numbers depend on:
 - the machine's rates (`measure_local(quick=True)`: matmul, memory and copy bandwidth, host
-  optimizer), keyed by the CPU model, core and thread counts, OMP_WAIT_POLICY, the GPU's name
+  optimizer, and on the CPU how its streams slow each other), measured under the runtime's
+  allocator settings ([Note: timing under the runtime's allocator]), keyed by the CPU model, core and thread counts, OMP_WAIT_POLICY, the GPU's name
   and the torch version. The profile's sizes (memory, disk, network) stay the built-in ones:
   the budget is --gpu-mem, and the network is not measured.
 - every distinct block's forward and backward (karma.ir.timing), keyed by the machine, the
