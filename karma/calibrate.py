@@ -40,6 +40,7 @@ embedding's dense weight gradient) is scaled up too, which errs slow. GPT-2 smal
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -51,7 +52,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from karma.errors import KarmaError
-from karma.fileio import write_text_atomic
+from karma.fileio import cache_dir, write_text_atomic
 from karma.ir.graph import BlockGraph
 from karma.modelfile import ModelFile
 from karma.planner.hardware import (
@@ -71,8 +72,9 @@ _RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_
                 # streams]): measured on the CPU, 0 on a GPU
                 "compute_slowdown_copy", "copy_slowdown_compute", "compute_slowdown_host",
                 "host_slowdown_compute")
-# what is measured and how; 2: the contention fractions; 3: under the runtime's allocator
-MACHINE_VERSION = 3
+# what is measured and how; 2: the contention fractions; 3: under the runtime's allocator;
+# 4: with its CPU cache (runtime/cpu_cache.py)
+MACHINE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -82,12 +84,6 @@ class Calibration:
     hardware: Hardware  # the profile given, with this machine's rates when it was measured
     measured_s: tuple[tuple[float, float], ...] | None  # per block; None: roofline estimate
     summary: str  # e.g. "measured on this machine (cached in ~/.cache/karma/blocks-....json)"
-
-
-def cache_dir() -> Path:
-    """$XDG_CACHE_HOME/karma, or ~/.cache/karma."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "karma"
 
 
 def local_device(hardware: str | Hardware) -> str | None:
@@ -127,35 +123,48 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
     local = device is not None
     if not local:
         device = _device_for(hw)
-    if device == "cpu":
-        _allocate_as_the_runtime_does()
-    if local:
-        hw = _measured_machine(device, hw, say)
-    start = time.perf_counter()
-    try:
-        times, path, fresh = _block_times(mf, graph, profile, device, blocks_regex, say)
-    except KarmaError as e:
-        if measure:  # asked for: the error is the answer
-            raise
-        say(f"could not time the blocks ({e}); planning with the roofline estimate "
-            "(--no-measure skips trying)")
-        return Calibration(hw, None, "roofline estimate (timing the blocks failed)")
+    with _allocating_as_the_runtime_does(device):
+        if local:
+            hw = _measured_machine(device, hw, say)
+        start = time.perf_counter()
+        try:
+            times, path, fresh = _block_times(mf, graph, profile, device, blocks_regex, say)
+        except KarmaError as e:
+            if measure:  # asked for: the error is the answer
+                raise
+            say(f"could not time the blocks ({e}); planning with the roofline estimate "
+                "(--no-measure skips trying)")
+            return Calibration(hw, None, "roofline estimate (timing the blocks failed)")
     how = (f"measured now in {time.perf_counter() - start:.0f} s" if fresh
            else "measured on this machine")
     return Calibration(hw, times, f"{how} (cached in {path})")
 
 
-def _allocate_as_the_runtime_does() -> None:
+@contextlib.contextmanager
+def _allocating_as_the_runtime_does(device: str):
     """[Note: timing under the runtime's allocator] On the CPU backend the runtime returns
-    freed memory to the system promptly (runtime/host.py, [Note: glibc keeps freed memory]),
-    which makes each large tensor fresh pages to fault in: on GPT-2 small (sequence 64,
-    batch 2) a keep_all step took 2.44 s under it against 1.65 s predicted from blocks timed
-    under glibc's defaults. So the machine and the blocks are measured under the same
-    setting. It is process-wide, and the setting a karma.Runtime in this process would make
-    anyway."""
+    freed memory to the system promptly (runtime/host.py, [Note: glibc keeps freed memory])
+    and keeps the tensors a step frees for the next step in its own cache ([Note: a caching
+    allocator for the CPU backend], runtime/cpu_cache.py). Timed under glibc's defaults, the
+    blocks of GPT-2 small (sequence 64, batch 2) predicted 1.65 s for a keep_all step that
+    took 2.44 s under the prompt return alone. So the machine and the blocks are measured as
+    the runtime allocates: the glibc setting is process-wide and the one a karma.Runtime in
+    this process would make anyway; the cache runs (unbounded) while measuring only."""
+    if device != "cpu":
+        yield
+        return
+    from karma.runtime import cpu_cache
     from karma.runtime.host import return_freed_memory_promptly
 
     return_freed_memory_promptly()
+    cache = cpu_cache.load()
+    if cache is not None:
+        cache.start(1 << 62)
+    try:
+        yield
+    finally:
+        if cache is not None:
+            cache.stop()
 
 
 def _device_for(hw: Hardware) -> str:

@@ -10,6 +10,12 @@ from pathlib import Path
 from karma.errors import KarmaError
 
 
+def cache_dir() -> Path:
+    """$XDG_CACHE_HOME/karma, or ~/.cache/karma: measurements and built extensions."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "karma"
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write `text` to a temporary file beside `path`, then rename it over `path`: a crash
     leaves the old file or the new one, never a part."""

@@ -39,7 +39,7 @@ from karma.modelfile import (
     map_targets,
     output_tensors,
 )
-from karma.runtime import distributed
+from karma.runtime import cpu_cache, distributed
 from karma.runtime.backend import make_backend
 from karma.runtime.checkpoint import load_runtime_state, runtime_state
 from karma.runtime.distributed import GradientExchange, Ranks
@@ -167,6 +167,9 @@ class Runtime:
     def _build(self, cap_device_memory: bool) -> None:
         schedule, mf, backend = self.schedule, self.model_file, self.backend
         return_freed_memory_promptly()
+        self.cpu_cache = cpu_cache.load(self.log) if backend.name == "cpu" else None
+        if self.cpu_cache is not None:  # [Note: a caching allocator for the CPU backend]
+            self.cpu_cache.start(schedule.predicted.peak_device_bytes)
         # The first optimizer a process makes imports torch._dynamo (about 70 MiB): a one-time
         # cost of PyTorch, not of the schedule, so it happens before the baseline is taken.
         mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
@@ -208,6 +211,7 @@ class Runtime:
         self.lr_schedule = None if mf.make_scheduler is None else LRSchedule(
             mf.make_optimizer, mf.make_scheduler, list(self.model.parameters()),
             self.optimizer.optimizers, mf.path)
+        self._bound_cpu_cache()
         # every rank has built its model (ranks that build slower than the timeout get longer)
         distributed.barrier(self.ranks, "before the first step",
                             self.timeout_s + time.perf_counter() - built)
@@ -250,6 +254,7 @@ class Runtime:
         if acc.first:
             self._micro = []
             self._step_lr = self.lr
+            self._bound_cpu_cache()
         recorder = None
         if self._trace_next and acc.last:
             recorder = TraceRecorder(self.schedule, self.backend)
@@ -331,6 +336,18 @@ class Runtime:
             self.last_eval_peak_bytes = self.meter.stop()
         return loss
 
+    def _bound_cpu_cache(self) -> None:
+        """What the CPU cache keeps, with what the process holds outside it (small tensors,
+        the data, Python objects: measured now), stays within the planned peak, so that
+        keeping freed tensors never takes the measured peak above the prediction ([Note: a
+        caching allocator for the CPU backend])."""
+        if self.cpu_cache is None:
+            return
+        held = self.cpu_cache.stats()
+        outside = (private_bytes() - self.baseline_private_bytes - held.live_bytes
+                   - held.idle_bytes)
+        self.cpu_cache.limit(self.schedule.predicted.peak_device_bytes - max(outside, 0))
+
     def _check_between_steps(self, what: str) -> None:
         if not self.accumulation.first:
             raise KarmaError(
@@ -402,6 +419,9 @@ class Runtime:
                 self.meter.close()
             self.pool_peak_bytes = self.pool.peak_bytes
             self.pool.close()
+            if getattr(self, "cpu_cache", None) is not None:
+                self.log(self.cpu_cache.stats().text())
+                self.cpu_cache.stop()
         finally:  # also after a failure: a process group left to the interpreter's exit aborts
             distributed.leave(self.ranks)
 

@@ -1,0 +1,121 @@
+"""A caching allocator for the CPU backend's tensors, bounded by the schedule's planned peak.
+
+[Note: a caching allocator for the CPU backend]
+A memory cap only holds what the schedule planned if freed tensors go back to the system,
+so the runtime pins glibc's mmap threshold ([Note: glibc keeps freed memory] in host.py).
+Then every tensor of 64 KiB or more is a fresh mapping, faulted in page by page, every step:
+measured on GPT-2 small, a keep_all schedule ran 1.32x the plain loop's step, all of it in
+the allocator. A step allocates the same sizes in the same order as the one before, which is
+what CUDA's caching allocator exploits; this is the same idea for the CPU: freed tensors of
+64 KiB or more are kept by size (rounded to pages) and handed to the next request of that
+size, while the bytes held, live and kept, stay within a limit. The runtime sets the limit
+to the schedule's predicted peak, so what is kept never takes the process past the memory
+the plan predicts: when a request would, kept blocks go back to the system, largest first.
+PyTorch has no Python hook for its CPU allocator (`c10::SetCPUAllocator` is C++ only), so
+cpu_cache.cpp is built once per PyTorch version with torch.utils.cpp_extension (about 3 s)
+into karma's cache folder and driven through ctypes. Where it cannot be built (no C++
+compiler), or with KARMA_CPU_CACHE=0, the runtime says so and runs on glibc alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from karma.fileio import cache_dir, write_text_atomic
+from karma.units import format_bytes
+
+_SOURCE = Path(__file__).with_name("cpu_cache.cpp")
+_NAME = "karma_cpu_cache"
+_STATS = 7
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    live_bytes: int  # tensors the cache gave out and PyTorch still holds
+    idle_bytes: int  # freed tensors kept for reuse
+    peak_bytes: int  # of live + idle since the last start
+    limit_bytes: int
+    hits: int  # requests served from kept tensors
+    misses: int  # requests that took fresh memory
+    released: int  # kept tensors given back to the system
+
+    def text(self) -> str:
+        asked = self.hits + self.misses
+        share = f"{self.hits / asked:.0%}" if asked else "none"
+        return (f"CPU cache: {share} of {asked} tensors of 64 KiB or more reused; "
+                f"{self.released} given back to stay within {format_bytes(self.limit_bytes)}")
+
+
+class CPUCache:
+    """The loaded allocator: start(limit) turns caching on, stop() gives back what is kept."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+        lib.karma_cache_install.argtypes = [ctypes.c_uint64]
+        lib.karma_cache_limit.argtypes = [ctypes.c_uint64]
+        lib.karma_cache_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+
+    def start(self, limit_bytes: int) -> None:
+        """Caching on, within `limit_bytes` (live and kept); the counts start from zero."""
+        self._lib.karma_cache_install(max(int(limit_bytes), 0))
+
+    def limit(self, limit_bytes: int) -> None:
+        """A new limit; what it no longer allows goes back to the system now."""
+        self._lib.karma_cache_limit(max(int(limit_bytes), 0))
+
+    def stop(self) -> None:
+        self._lib.karma_cache_stop()
+
+    def stats(self) -> CacheStats:
+        out = (ctypes.c_uint64 * _STATS)()
+        self._lib.karma_cache_stats(out)
+        return CacheStats(*(int(v) for v in out))
+
+
+_loaded: list[CPUCache | str] = []  # one load per process: the cache, or why there is none
+
+
+def load(log: Callable[[str], None] = lambda _: None) -> CPUCache | None:
+    """The CPU cache, built on first use; None (and a logged reason) where it cannot be."""
+    if os.environ.get("KARMA_CPU_CACHE", "1") == "0":
+        return None
+    if not _loaded:
+        _loaded.append(_build(log))
+    if isinstance(_loaded[0], str):
+        return None
+    return _loaded[0]
+
+
+def _build(log: Callable[[str], None]) -> CPUCache | str:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+    folder = cache_dir() / "ext" / f"cpu_cache-{key}"
+    library, built = folder / f"{_NAME}.so", folder / "built"
+    try:
+        if not built.exists():  # else importing cpp_extension (0.2 s) is all load() would do
+            log(f"building karma's CPU caching allocator into {folder} (once per PyTorch "
+                "version)")
+            folder.mkdir(parents=True, exist_ok=True)
+            from torch.utils import cpp_extension
+
+            # it holds a lock while it builds (torchrun's ranks start together)
+            cpp_extension.load(_NAME, [str(_SOURCE)], build_directory=str(folder),
+                               extra_cflags=["-O2"], is_python_module=False, verbose=False)
+            write_text_atomic(built, f"{library.name}\n")
+        return CPUCache(ctypes.CDLL(str(library)))
+    except Exception as e:  # noqa: BLE001 - any build failure means: run without it
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        log(f"karma's CPU caching allocator could not be built ({reason}); tensors come "
+            "from glibc, fresh each step (slower, same numbers). Install a C++ compiler "
+            "(g++) and ninja to build it, or set KARMA_CPU_CACHE=0 to silence this.")
+        return reason
+
+
+__all__ = ["CPUCache", "CacheStats", "load"]

@@ -1,0 +1,131 @@
+"""The CPU backend's caching allocator (karma/runtime/cpu_cache.py): reuse, its limit, forks."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from karma.runtime import cpu_cache
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler to build the allocator with")
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def cache():
+    c = cpu_cache.load()
+    assert c is not None, "a compiler is here, so the allocator must build"
+    yield c
+    c.stop()
+
+
+def test_a_freed_tensor_is_handed_to_the_next_request_of_its_size(cache):
+    cache.start(1 << 40)
+    before = cache.stats()
+    a = torch.empty(MIB // 4)  # 1 MiB of fp32
+    address = a.data_ptr()
+    del a
+    kept = cache.stats()
+    assert kept.idle_bytes - before.idle_bytes == MIB
+    b = torch.empty(MIB // 4)
+    after = cache.stats()
+    assert b.data_ptr() == address
+    assert after.hits == kept.hits + 1 and after.misses == kept.misses
+    assert after.live_bytes - kept.live_bytes == MIB
+
+
+def test_small_tensors_are_left_to_glibc(cache):
+    cache.start(1 << 40)
+    before = cache.stats()
+    small = [torch.empty(1000) for _ in range(10)]  # 4000 bytes each
+    del small
+    after = cache.stats()
+    assert (after.hits, after.misses, after.idle_bytes) == (before.hits, before.misses,
+                                                             before.idle_bytes)
+
+
+def test_what_is_kept_stays_within_the_limit(cache):
+    cache.start(3 * MIB)
+    held = [torch.empty(MIB // 4) for _ in range(5)]  # 5 MiB live: more than the limit
+    del held
+    s = cache.stats()
+    assert s.live_bytes + s.idle_bytes <= 3 * MIB
+    assert s.idle_bytes > 0
+    released = s.released
+    cache.start(MIB)  # a lower limit gives back at once what it no longer allows
+    s = cache.stats()
+    assert s.idle_bytes <= MIB and s.released > released
+
+
+def test_stop_gives_everything_back_and_live_tensors_stay_valid(cache):
+    cache.start(1 << 40)
+    live = torch.full((MIB // 4,), 7.0)
+    kept = torch.empty(MIB // 4)
+    del kept
+    cache.stop()
+    s = cache.stats()
+    assert s.idle_bytes == 0
+    assert torch.equal(live, torch.full((MIB // 4,), 7.0))
+    del live  # freed after stop: straight back to the system
+    assert cache.stats().idle_bytes == 0
+
+
+def test_numbers_are_the_same_under_the_cache(cache):
+    torch.manual_seed(0)
+    x = torch.randn(256, 512)
+    w = torch.randn(512, 512, requires_grad=True)
+    cache.stop()
+    plain = torch.tanh(x @ w).sum()
+    plain.backward()
+    plain_grad = w.grad.clone()
+    w.grad = None
+    cache.start(1 << 40)
+    for _ in range(3):  # later rounds run on reused memory
+        cached = torch.tanh(x @ w).sum()
+        cached.backward()
+        assert torch.equal(cached, plain) and torch.equal(w.grad, plain_grad)
+        w.grad = None
+
+
+def test_a_forked_child_can_allocate(cache):
+    cache.start(1 << 40)
+    kept = torch.empty(MIB // 4)
+    del kept
+    pid = os.fork()
+    if pid == 0:  # the child: the lock must not be held, the kept block is its own copy
+        try:
+            torch.set_num_threads(1)  # GNU OpenMP's pool does not survive a fork
+            t = torch.empty(MIB // 4)
+            t[-1] = 3.0
+            os._exit(0 if t[-1].item() == 3.0 else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+
+
+def test_karma_cpu_cache_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("KARMA_CPU_CACHE", "0")
+    assert cpu_cache.load() is None
+
+
+def test_the_runtime_reuses_memory_step_after_step_within_its_plan():
+    from tests.runtime_helpers import EXAMPLES, load_with_env, plan, run
+
+    # wide enough that its activations and weights are tensors of 64 KiB or more
+    mf = load_with_env(EXAMPLES / "mlp.py", {"KARMA_MLP_WIDTH": "512", "KARMA_MLP_DEPTH": "4",
+                                             "KARMA_MLP_IN": "256"})
+    schedule = plan(mf, "keep_all", 1.1)
+    lines: list[str] = []
+    report = run(schedule, mf, 3, log=lines.append)
+    said = [line for line in lines if line.startswith("CPU cache:")]
+    assert len(said) == 1, lines
+    reused = int(re.match(r"CPU cache: (\d+)% of (\d+) tensors", said[0]).group(1))
+    assert reused >= 30, said[0]  # steps 2 and 3 allocate what step 1 freed
+    assert report.peak_device_bytes <= report.capacity_bytes
