@@ -374,11 +374,32 @@ def buffer_spans(problem: Problem, f: Fragment) -> list[tuple[int, int, int]]:
 def host_temp_bytes(f: Fragment) -> int:
     """[Note: host step temporaries] On the CPU backend a host optimizer step makes a
     temporary the size of its largest weight in private memory. Host steps run one at a time
-    but not in a fixed stage, so the stage model counts the largest of them in every stage
-    from the first host step on, rather than each in its own stage. With clipping the host
-    steps run on into the next iteration's forward (the runtime overlaps them: engine.py,
-    [Note: updates overlapped with the next forward]), so it counts in every stage."""
+    but not in a fixed stage: block i's starts after the stage that brings its gradients to
+    the host (to_host(i)) and may run on through any later stage. So the stage model counts,
+    in each stage from to_host(i) on, the largest temporary among the blocks whose host step
+    may have started (host_temp_by_stage), rather than each in its own stage. With
+    clipping the host steps run on into the next iteration's forward (the runtime overlaps
+    them: engine.py, [Note: updates overlapped with the next forward]), so the largest of
+    them counts in every stage."""
     return max((b.bytes for b in f.buffers if b.name.startswith(HOST_TEMP)), default=0)
+
+
+def host_temp_first_stage(problem: Problem, i: int, training: Training = PLAIN) -> int:
+    """The first stage in which block i's host step temporaries count (see host_temp_bytes):
+    the stage of its gradients' copy to the host, or every stage with clipping."""
+    return 0 if training.clip else Stages(len(problem.blocks), problem.world_size).to_host(i)
+
+
+def host_temp_by_stage(problem: Problem, frags: list[Fragment],
+                       training: Training = PLAIN) -> list[int]:
+    """Host step temporaries counted in each stage; frags[i] is block i's fragment."""
+    count = Stages(len(problem.blocks), problem.world_size).count
+    out = [0] * count
+    for i, f in enumerate(frags):
+        if (nbytes := host_temp_bytes(f)) > 0:
+            for k in range(host_temp_first_stage(problem, i, training), count):
+                out[k] = max(out[k], nbytes)
+    return out
 
 
 def stage_memory(problem: Problem, choices: list[Choice],
@@ -386,17 +407,16 @@ def stage_memory(problem: Problem, choices: list[Choice],
     """Device bytes live in each stage (the ILP's memory model) for these choices."""
     st = Stages(len(problem.blocks), problem.world_size)
     delta = [0] * (st.count + 1)
-    frags = [common_fragment(problem)] + [fragment(problem, i, c, training)
-                                          for i, c in enumerate(choices)]
-    for f in frags:
+    frags = [fragment(problem, i, c, training) for i, c in enumerate(choices)]
+    for f in [common_fragment(problem)] + frags:
         for first, last, nbytes in buffer_spans(problem, f):
             delta[first] += nbytes
             delta[last + 1] -= nbytes
-    host_temp = max(host_temp_bytes(f) for f in frags)
+    host_temp = host_temp_by_stage(problem, frags, training)
     live, out = 0, []
     for k in range(st.count):
         live += delta[k]
-        out.append(live + (host_temp if training.clip or k >= st.to_host(st.n - 1) else 0))
+        out.append(live + host_temp[k])
     return out
 
 
