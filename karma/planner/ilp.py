@@ -35,6 +35,7 @@ from karma.planner.lowering import (
     common_fragment,
     fragment,
     host_temp_bytes,
+    host_temp_first_stage,
     stage_memory,
     valid_choices,
 )
@@ -153,6 +154,15 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     u = {i: lp.add_variable(f"u_{i}", lowBound=0) for i in range(n)}
     # m[k]: device memory live in stage k                                            (GiB)
     m = [lp.add_variable(f"m_{k}", lowBound=0) for k in range(st.count)]
+    # host_temp[k]: host step temporaries counted in stage k (host_temp_by_stage)       (GiB)
+    temps = any(host_temp_bytes(f) > 0 for f in frags.values())
+    if temps:
+        host_temp = [lp.add_variable(f"host_temp_{k}", lowBound=0) for k in range(st.count)]
+    else:  # none (a GPU): the one column the ILP has always had, at 0, where it always was;
+        # CBC's search, which decides the golden schedules, depends on the columns
+        none = lp.add_variable("host_temp", lowBound=0)
+        host_temp = [none if training.clip or k >= st.to_host(n - 1) else 0
+                     for k in range(st.count)]
     # iteration: the replay that steps; with accumulate > 1 the objective adds the others (s)
     iteration = lp.add_variable("iteration_s", lowBound=0)
     # cap: device memory budget, a variable only when minimising it                   (GiB)
@@ -245,18 +255,18 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
         for first, last, nbytes in buffer_spans(problem, f):
             delta[first].append((nbytes / GIB, key))
             delta[last + 1].append((-nbytes / GIB, key))
-    # (host step temporaries: the largest of them, in every stage from the first host step,
-    # or in every stage with clipping)
-    host_temp = lp.add_variable("host_temp", lowBound=0)
+    # (host step temporaries, as host_temp_by_stage counts them: in each stage the largest
+    # of those whose host step may have started by then, so they never shrink)
+    for k in range(1, st.count if temps else 0):
+        lp += host_temp[k] >= host_temp[k - 1], f"host_temp_grows_{k}"
     for (i, c), f in frags.items():
         if (nbytes := host_temp_bytes(f)) > 0:
-            lp += host_temp >= nbytes / GIB * x[i, c], f"host_temp_{i}_{_tag(c)}"
+            first = host_temp_first_stage(problem, i, training)
+            lp += host_temp[first] >= nbytes / GIB * x[i, c], f"host_temp_{i}_{_tag(c)}"
     for k in range(st.count):
         change = pulp.lpSum(v if key is None else v * x[key] for v, key in delta[k])
         lp += m[k] == (m[k - 1] if k else 0) + change, f"memory_{k}"
-        # with clipping, the host steps run on into the next forward (host_temp_bytes)
-        extra = host_temp if training.clip or k >= st.to_host(n - 1) else 0
-        lp += m[k] + extra <= cap, f"capacity_{k}"
+        lp += m[k] + host_temp[k] <= cap, f"capacity_{k}"
 
     # [Constraint] host memory and pinned host memory
     lp += chosen(lambda f: f.host_bytes / GIB) <= limits.host_bytes / GIB, "host_memory"

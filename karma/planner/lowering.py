@@ -94,6 +94,23 @@ PLAIN = Training()  # one micro-batch per step, no clipping: the default everywh
 # host-stepped block's gradients are all-reduced once, on the host: its all-reduce follows
 # its grads_to_host (one stage later), and its host step follows the all-reduce.
 
+# [Note: a shared weight's gradients meet in autograd's input buffer] A weight that later
+# blocks also use (a tied embedding) gets one gradient per use, and autograd sums them before
+# .grad sees any. The first to arrive, in the backward of the last block using it, waits in
+# the input buffer of the weight's AccumulateGrad; each later one (the backward of every
+# other user, the owner's last) is added to it out of place, because the waiting gradient
+# is a view (the transpose of a matmul's result) that autograd does not add into
+# (can_accumulate_inplace in torch/csrc/autograd/input_buffer.cpp). So for a moment the
+# waiting sum, the new gradient and their sum are all alive: three copies of the shared
+# bytes, two beyond the waiting one, which grad.{i} already counts. (GPT-2 small's tied
+# 147 MiB embedding, plain PyTorch 2.13 on the CPU: 294 MiB above the waiting gradient
+# during the embedding's backward.) The sum reaches .grad after the owner's backward: taken
+# as it is when .grad is empty, added in place when .grad holds earlier micro-batches'
+# (a device step with accumulate > 1), where the waiting sum is then a copy of its own.
+# The problem knows each user's shared bytes, not which tensors they are: the owner's sum
+# covers their union, bounded here by their total (exact for one user, a tied embedding).
+
+
 # [Note: clipping] The global norm needs every gradient before any update, so with clipping
 # every device and host step runs in the update stage, after every backward, all-reduce and
 # grads_to_host; host steps (and their uploads) go from block 0 up, the order in which the
@@ -242,8 +259,12 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
     users = users_of(problem, i)
     first_bwd_user = max([i] + [j for j, _ in users])
     grad = f"grad.{i}"
-    # a weight that later blocks share gets its last gradient here, made beside the sum
-    f.buffer(f"gradacc.{i}", i, sum(nbytes for _, nbytes in users), bwd, bwd)
+    # the gradient of a weight later blocks share, added up as it arrives from each (see
+    # [Note: a shared weight's gradients meet in autograd's input buffer])
+    for j, nbytes in [(j, nbytes) for j, nbytes in users if j != first_bwd_user]:
+        f.buffer(f"gradacc.{i}.{j}", i, 2 * nbytes, ("backward", j), ("backward", j))
+    shared_bytes = min(b.param_bytes, sum(nbytes for _, nbytes in users))
+    f.buffer(f"gradacc.{i}", i, 2 * shared_bytes, bwd, bwd)
     # gradients accumulated on the host are all-reduced there (see [Note: accumulation])
     reduce_on_host = problem.world_size > 1 and c.optim == "host" and training.accumulate > 1
     if problem.world_size > 1 and not reduce_on_host:
@@ -262,10 +283,10 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
         if training.accumulate > 1:  # summed over the micro-batches of a step
             f.buffer(grad, i, b.param_bytes, None, None)
             # once .grad exists, autograd makes each new gradient beside it and adds it in:
-            # a second copy during the backward of the block and of each block sharing it
-            f.buffer(f"gradnew.{i}", i, b.param_bytes, bwd, bwd)
-            for j, nbytes in users:
-                f.buffer(f"gradnew.{i}.{j}", i, nbytes, ("backward", j), ("backward", j))
+            # a second copy of the weights no later block shares, during the block's
+            # backward; the shared ones' sum waits beside .grad from their first gradient on
+            f.buffer(f"gradnew.{i}", i, b.param_bytes - shared_bytes, bwd, bwd)
+            f.buffer(f"gradwait.{i}", i, shared_bytes, ("backward", first_bwd_user), bwd)
         else:
             f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), step)
     else:
@@ -353,11 +374,32 @@ def buffer_spans(problem: Problem, f: Fragment) -> list[tuple[int, int, int]]:
 def host_temp_bytes(f: Fragment) -> int:
     """[Note: host step temporaries] On the CPU backend a host optimizer step makes a
     temporary the size of its largest weight in private memory. Host steps run one at a time
-    but not in a fixed stage, so the stage model counts the largest of them in every stage
-    from the first host step on, rather than each in its own stage. With clipping the host
-    steps run on into the next iteration's forward (the runtime overlaps them: engine.py,
-    [Note: updates overlapped with the next forward]), so it counts in every stage."""
+    but not in a fixed stage: block i's starts after the stage that brings its gradients to
+    the host (to_host(i)) and may run on through any later stage. So the stage model counts,
+    in each stage from to_host(i) on, the largest temporary among the blocks whose host step
+    may have started (host_temp_by_stage), rather than each in its own stage. With
+    clipping the host steps run on into the next iteration's forward (the runtime overlaps
+    them: engine.py, [Note: updates overlapped with the next forward]), so the largest of
+    them counts in every stage."""
     return max((b.bytes for b in f.buffers if b.name.startswith(HOST_TEMP)), default=0)
+
+
+def host_temp_first_stage(problem: Problem, i: int, training: Training = PLAIN) -> int:
+    """The first stage in which block i's host step temporaries count (see host_temp_bytes):
+    the stage of its gradients' copy to the host, or every stage with clipping."""
+    return 0 if training.clip else Stages(len(problem.blocks), problem.world_size).to_host(i)
+
+
+def host_temp_by_stage(problem: Problem, frags: list[Fragment],
+                       training: Training = PLAIN) -> list[int]:
+    """Host step temporaries counted in each stage; frags[i] is block i's fragment."""
+    count = Stages(len(problem.blocks), problem.world_size).count
+    out = [0] * count
+    for i, f in enumerate(frags):
+        if (nbytes := host_temp_bytes(f)) > 0:
+            for k in range(host_temp_first_stage(problem, i, training), count):
+                out[k] = max(out[k], nbytes)
+    return out
 
 
 def stage_memory(problem: Problem, choices: list[Choice],
@@ -365,17 +407,16 @@ def stage_memory(problem: Problem, choices: list[Choice],
     """Device bytes live in each stage (the ILP's memory model) for these choices."""
     st = Stages(len(problem.blocks), problem.world_size)
     delta = [0] * (st.count + 1)
-    frags = [common_fragment(problem)] + [fragment(problem, i, c, training)
-                                          for i, c in enumerate(choices)]
-    for f in frags:
+    frags = [fragment(problem, i, c, training) for i, c in enumerate(choices)]
+    for f in [common_fragment(problem)] + frags:
         for first, last, nbytes in buffer_spans(problem, f):
             delta[first] += nbytes
             delta[last + 1] -= nbytes
-    host_temp = max(host_temp_bytes(f) for f in frags)
+    host_temp = host_temp_by_stage(problem, frags, training)
     live, out = 0, []
     for k in range(st.count):
         live += delta[k]
-        out.append(live + (host_temp if training.clip or k >= st.to_host(st.n - 1) else 0))
+        out.append(live + host_temp[k])
     return out
 
 

@@ -18,7 +18,7 @@ from karma.planner.lowering import (
     Training,
     buffer_spans,
     fragment,
-    host_temp_bytes,
+    host_temp_by_stage,
     stage_memory,
     valid_choices,
 )
@@ -37,10 +37,8 @@ def refine_prefetch(problem: Problem, plan: Plan, capacity_bytes: int,
     load = [dict.fromkeys(BARRIER_STREAMS, 0.0) for _ in range(st.count)]
     for f in frags:
         _add_load(load, f, +1)
-    host_temp_from = st.to_host(n - 1)
-    host_temp = max(host_temp_bytes(f) for f in frags)  # the same whatever `ahead` is
-    memory = [m - (host_temp if k >= host_temp_from else 0)
-              for k, m in enumerate(stage_memory(problem, choices, training))]
+    host_temp = host_temp_by_stage(problem, frags, training)  # the same whatever `ahead` is
+    memory = [m - t for m, t in zip(stage_memory(problem, choices, training), host_temp)]
 
     changed = False
     for i in range(n):
@@ -57,8 +55,7 @@ def refine_prefetch(problem: Problem, plan: Plan, capacity_bytes: int,
         _add_load(load, new, +1)
         after = sum(max(load[k].values()) for k in touched)
         new_memory = _shift_memory(problem, memory, frags[i], new)
-        fits = all(m + (host_temp if k >= host_temp_from else 0) <= capacity_bytes
-                   for k, m in enumerate(new_memory))
+        fits = all(m + t <= capacity_bytes for m, t in zip(new_memory, host_temp))
         if after < before - 1e-12 and fits:
             choices[i], frags[i], memory, changed = candidate, new, new_memory, True
         else:  # undo
