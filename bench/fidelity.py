@@ -2,8 +2,10 @@
 
     .venv/bin/python bench/fidelity.py [--size small] [--seq 64] [--batch-size 2] [--steps 6]
         [--cases swap_all:1.1,offload_all:1.1]
+    .venv/bin/python bench/fidelity.py --model resnet --env KARMA_RESNET_IMAGE=64 --batch-size 8
+    .venv/bin/python bench/fidelity.py --model mlp --batch-size 64
 
-Plans GPT-2 as `karma-plan --hardware cpu` does by default (this machine's rates and block
+Plans an example (GPT-2 by default; --model resnet or mlp, --env KEY=VALUE for its size) as `karma-plan --hardware cpu` does by default (this machine's rates and block
 times, measured once and cached: karma/calibrate.py; --no-measure: the roofline), then in one
 process runs the plain PyTorch loop and karma-run's engine for each strategy, alternating,
 and prints a markdown table: median step time (measured and predicted), peak private memory
@@ -34,8 +36,11 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as karma-run (cli/common.p
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--size", default="small")
-    p.add_argument("--seq", default="64")
+    p.add_argument("--model", default="gpt", help="examples/MODEL.py")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="the example's size, e.g. KARMA_RESNET=50 (repeatable)")
+    p.add_argument("--size", default="small", help="KARMA_GPT, for --model gpt")
+    p.add_argument("--seq", default="64", help="KARMA_SEQ, for --model gpt")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--no-measure", action="store_true",
@@ -45,7 +50,10 @@ def main() -> None:
                    "offload_all:1.1,ilp:0.7,ilp:0.5",
                    help="strategy:budget pairs, the budget a fraction of keep_all's peak")
     args = p.parse_args()
-    os.environ.update({"KARMA_GPT": args.size, "KARMA_SEQ": args.seq})
+    if args.model == "gpt":
+        os.environ.update({"KARMA_GPT": args.size, "KARMA_SEQ": args.seq})
+    os.environ.update(dict(kv.split("=", 1) for kv in args.env))
+    example = f"examples/{args.model}.py"
 
     import torch
 
@@ -63,8 +71,8 @@ def main() -> None:
     from karma.units import format_bytes
 
     return_freed_memory_promptly()
-    mf = load_model_file(ROOT / "examples" / "gpt.py")
-    graph = build_block_graph(mf, args.batch_size, model_name="examples/gpt.py")
+    mf = load_model_file(ROOT / example)
+    graph = build_block_graph(mf, args.batch_size, model_name=example)
     opt_profile = optimizer_profile(mf)
     # what karma-plan --hardware cpu does by default: this machine's rates and block times
     # (measured once, cached: karma/calibrate.py); --no-measure: the roofline
@@ -74,7 +82,7 @@ def main() -> None:
     Path(tempfile.gettempdir(), "karma-fidelity-cpu.yaml").write_text(dump_hardware(hw))
     problem = build_problem(graph, hw, optimizer=opt_profile, measured_s=measured_s)
     keep_peak = evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
-    model = ModelRef("examples/gpt.py", mf.sha256,
+    model = ModelRef(example, mf.sha256,
                      hashlib.sha256(graph.to_json().encode()).hexdigest(),
                      tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_"))))
 
@@ -101,7 +109,8 @@ def main() -> None:
     print(f"contention: compute slowdown {hw.compute_slowdown_copy:g} beside copies, "
           f"{hw.compute_slowdown_host:g} beside host steps; copies {hw.copy_slowdown_compute:g}"
           f", host steps {hw.host_slowdown_compute:g} beside compute")
-    print(f"GPT-2 {args.size}, sequence {args.seq}, batch {args.batch_size}; block times "
+    sizes = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KARMA_"))
+    print(f"{example} ({sizes}), batch {args.batch_size}; block times "
           f"{cal.summary}; medians over "
           f"steps 2..{args.steps}; keep_all stage peak {format_bytes(keep_peak)}\n")
     print("| strategy | budget | step s measured | step s predicted | measured/predicted | "

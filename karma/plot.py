@@ -159,6 +159,12 @@ def _measured_memory_panel(ax, schedule: Schedule, trace: StepTrace, t_scale: fl
     ax.plot(ts, ys, color="#2ca02c", linewidth=1.2,
             label=f"measured ({'private memory' if trace.backend == 'cpu' else 'allocated'}"
                   f"), peak {format_bytes(measured)}")
+    if trace.kept:  # the CPU cache's kept tensors: what is in use lies below
+        in_use = trace.in_use()
+        ax.plot([t / t_scale for t, _ in in_use], [b / b_scale for _, b in in_use],
+                color="#1f77b4", linewidth=1.0,
+                label=f"in use (less the tensors the CPU cache keeps), peak "
+                      f"{format_bytes(max(b for _, b in in_use))}")
     ax.axhline(peak / b_scale, color="#ff7f0e", linestyle=":", linewidth=1.4,
                label=f"predicted peak {format_bytes(peak)}")
     if top >= capacity:

@@ -71,14 +71,31 @@ class StepTrace:
     # (seconds, bytes): the memory the peak is measured on, sampled every millisecond
     # (CPU backend: private memory above the baseline; empty where not sampled)
     memory: tuple[tuple[float, int], ...] = ()
+    # (seconds, bytes) at each compute op's end: the freed tensors the CPU backend's cache
+    # keeps for reuse ([Note: a caching allocator for the CPU backend]), which `memory`
+    # includes and the plan does not (as CUDA's reserved memory beside its allocated)
+    kept: tuple[tuple[float, int], ...] = ()
     version: int = TRACE_VERSION
+
+    def in_use(self) -> tuple[tuple[float, int], ...]:
+        """`memory` less what the cache kept at the time: the memory in use, the plan's
+        quantity, op by op (the peak the budget and the prediction are about is `memory`'s)."""
+        if not self.kept:
+            return self.memory
+        times = [t for t, _ in self.kept]
+        out = []
+        for t, nbytes in self.memory:
+            k = bisect.bisect_right(times, t) - 1
+            out.append((t, nbytes - (self.kept[k][1] if k >= 0 else 0)))
+        return tuple(out)
 
     def to_json(self) -> dict:
         return {"karma_trace": self.version, "schedule_sha256": self.schedule_sha256,
                 "model": self.model, "backend": self.backend, "step": self.step,
                 "step_s": self.step_s, "ops": [asdict(s) for s in self.ops],
                 "waits": [asdict(w) for w in self.waits],
-                "memory": [[round(t, 6), b] for t, b in self.memory]}
+                "memory": [[round(t, 6), b] for t, b in self.memory],
+                "kept": [[round(t, 6), b] for t, b in self.kept]}
 
 
 def write_trace(path: str | Path, trace: StepTrace) -> None:
@@ -96,7 +113,8 @@ def load_trace(path: str | Path) -> StepTrace:
                          int(data["step"]), float(data["step_s"]),
                          tuple(OpSpan(**row) for row in data["ops"]),
                          tuple(ComputeWait(**row) for row in data["waits"]),
-                         tuple((float(t), int(b)) for t, b in data.get("memory", ())))
+                         tuple((float(t), int(b)) for t, b in data.get("memory", ())),
+                         tuple((float(t), int(b)) for t, b in data.get("kept", ())))
     except FileNotFoundError:
         raise KarmaError(f"trace file {path} does not exist; write one with karma-run "
                          "SCHEDULE --trace FILE") from None
@@ -178,6 +196,7 @@ def compare(schedule: Schedule, sim: SimResult, trace: StepTrace) -> dict:
         rows = memory_by_op(sim, trace)
         info["memory"] = {
             "peak_bytes": max(b for _, b in trace.memory),
+            "in_use_peak_bytes": max(b for _, b in trace.in_use()),
             "planned_peak_bytes": schedule.predicted.peak_device_bytes,
             "samples": len(trace.memory),
             "most_above_plan": [r._asdict() for r in sorted(
@@ -200,7 +219,7 @@ def memory_by_op(sim: SimResult, trace: StepTrace) -> list[OpMemory]:
     """For each traced compute op with samples: the memory measured while it ran beside
     the memory planned while it runs in the plan (each on its own clock), so that a gap
     between the measured and the planned peak is pinned on the op where it opens."""
-    samples = sorted(trace.memory)
+    samples = sorted(trace.in_use())
     times = [t for t, _ in samples]
     plan = list(sim.timeline)
     plan_times = [t for t, _ in plan]
@@ -235,10 +254,13 @@ def render_comparison(info: dict, source: str) -> str:
                                       for k, (v, w) in enumerate(zip(r, widths))).rstrip())
     memory = info.get("memory")
     if memory:
+        kept = memory["peak_bytes"] != memory["in_use_peak_bytes"]
         lines.append(f"  memory: peak {format_bytes(memory['peak_bytes'])} measured "
                      f"({memory['samples']} samples) against "
-                     f"{format_bytes(memory['planned_peak_bytes'])} planned; most above the "
-                     "plan:")
+                     f"{format_bytes(memory['planned_peak_bytes'])} planned"
+                     + (f"; in use (less the freed tensors the CPU cache kept) peak "
+                        f"{format_bytes(memory['in_use_peak_bytes'])}" if kept else "")
+                     + f"; most above the plan{' (in use)' if kept else ''}:")
         for r in memory["most_above_plan"]:
             lines.append(f"    op {r['op']} ({r['kind']} of block {r['block']}): "
                          f"{format_bytes(r['measured_bytes'])} measured, "

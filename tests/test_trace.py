@@ -14,6 +14,7 @@ import pytest
 from karma.cli.inspect import main as inspect_main
 from karma.cli.run import main as run_main
 from karma.planner.simulate import simulate
+from karma.runtime import cpu_cache
 from karma.runtime.streams import wait_for
 from karma.schedule import STREAMS, dump_schedule, load_schedule, schedule_sha256
 from karma.timeline import (
@@ -23,6 +24,7 @@ from karma.timeline import (
     planned_spans,
     planned_waits,
     wait_s_by_stream,
+    write_trace,
 )
 from tests.runtime_helpers import load_small, plan, run
 from tests.schedule_fixtures import tiny_schedule
@@ -180,6 +182,30 @@ def test_the_trace_holds_the_measured_memory_beside_the_plan(traced, capsys):
     rows = memory["most_above_plan"]
     assert rows and all(load_schedule(schedule_path).ops[r["op"]].stream == "compute"
                         for r in rows)
+
+
+def test_memory_in_use_is_the_measured_less_what_the_cpu_cache_kept(tmp_path):
+    """The CPU cache keeps freed tensors, which private memory counts and the plan does not:
+    each sample less the bytes kept at the latest compute op's end before it."""
+    trace = StepTrace("sha", "m.py", "cpu", 2, 1.0, (), (),
+                      memory=((0.0, 100), (0.1, 300), (0.25, 500), (0.4, 450)),
+                      kept=((0.05, 50), (0.3, 200)))
+    assert trace.in_use() == ((0.0, 100), (0.1, 250), (0.25, 450), (0.4, 250))
+    path = tmp_path / "t.json"
+    write_trace(path, trace)
+    assert load_trace(path) == trace
+    assert StepTrace("sha", "m.py", "cpu", 2, 1.0, (), (), memory=((0.0, 7),)).in_use() == \
+        ((0.0, 7),)
+
+
+def test_a_cpu_trace_records_what_the_cache_kept(traced):
+    _, _, trace_path = traced
+    trace = load_trace(trace_path)
+    if cpu_cache.load() is None:
+        pytest.skip("no C++ compiler: no CPU cache")
+    assert trace.kept, "each compute op's end records the bytes the CPU cache keeps"
+    assert all(b >= 0 for _, b in trace.kept)
+    assert [t for t, _ in trace.kept] == sorted(t for t, _ in trace.kept)
 
 
 def assert_refused(code: int, err: str, prog: str, fragment: str) -> None:

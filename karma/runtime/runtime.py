@@ -257,7 +257,8 @@ class Runtime:
             self._bound_cpu_cache()
         recorder = None
         if self._trace_next and acc.last:
-            recorder = TraceRecorder(self.schedule, self.backend)
+            recorder = TraceRecorder(self.schedule, self.backend, None if self.cpu_cache is None
+                                     else lambda: self.cpu_cache.stats().idle_bytes)
             self.engine.trace(recorder)
         self.meter.start(record=recorder is not None)
         t0 = time.perf_counter()

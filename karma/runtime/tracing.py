@@ -23,6 +23,7 @@ costs the traced iteration the overlap with what the previous one left running, 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -34,8 +35,12 @@ class TraceRecorder:
     """Collects the stamps of one iteration's ops (by gid, the engine's id across
     iterations: engine.py, [Note: operation ids across iterations])."""
 
-    def __init__(self, schedule: Schedule, backend):
+    def __init__(self, schedule: Schedule, backend, kept: Callable[[], int] | None = None):
+        """`kept`: the bytes the CPU cache keeps now (cpu_cache.CPUCache), read at each compute
+        op's end, where there is one."""
         self._schedule = schedule
+        self._kept_now = kept
+        self._kept: list[tuple[float, int]] = []
         self._backend = backend.name
         # stream name -> its CUDA stream on the CUDA backend; on the CPU, none
         self._device_streams: dict = getattr(backend, "streams", {}) if backend.name == "cuda" \
@@ -62,6 +67,8 @@ class TraceRecorder:
     def ended(self, gid, stream: str) -> None:
         if self._traced(gid):
             self._ended[gid] = self._stamp(stream)
+            if self._kept_now is not None and stream == "compute":
+                self._kept.append((time.perf_counter(), self._kept_now()))
 
     def _traced(self, gid) -> bool:
         # other keys: the previous iteration's deferred updates, work queued behind them
@@ -98,5 +105,6 @@ class TraceRecorder:
         waits = tuple(ComputeWait(stream, start - self._origin_s, end - self._origin_s)
                       for (start, end), stream in zip(blocked, blocked_on))
         samples = tuple((t - self._origin_s, nbytes) for t, nbytes in memory)
+        kept = tuple((t - self._origin_s, nbytes) for t, nbytes in self._kept)
         return StepTrace(schedule_sha256(self._schedule), self._schedule.model.path,
-                         self._backend, step, step_s, tuple(spans), waits, samples)
+                         self._backend, step, step_s, tuple(spans), waits, samples, kept)
