@@ -110,6 +110,16 @@ def test_a_forked_child_can_allocate(cache):
     assert os.WEXITSTATUS(status) == 0
 
 
+def test_without_a_compiler_it_says_so_and_runs_without(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(cpu_cache, "_loaded", [])
+    said: list[str] = []
+    assert cpu_cache.load(said.append) is None
+    assert len(said) == 1 and "no C++ compiler (no-such-compiler)" in said[0], said
+    assert "KARMA_CPU_CACHE=0" in said[0]
+
+
 def test_karma_cpu_cache_0_turns_it_off(monkeypatch):
     monkeypatch.setenv("KARMA_CPU_CACHE", "0")
     assert cpu_cache.load() is None

@@ -19,9 +19,11 @@ compiler), or with KARMA_CPU_CACHE=0, the runtime says so and runs on glibc alon
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,14 +102,19 @@ def _build(log: Callable[[str], None]) -> CPUCache | str:
     library, built = folder / f"{_NAME}.so", folder / "built"
     try:
         if not built.exists():  # else importing cpp_extension (0.2 s) is all load() would do
+            compiler = os.environ.get("CXX", "c++")
+            if shutil.which(compiler) is None:  # before cpp_extension: it warns at length
+                raise RuntimeError(f"no C++ compiler ({compiler}) on PATH")
             log(f"building karma's CPU caching allocator into {folder} (once per PyTorch "
                 "version)")
             folder.mkdir(parents=True, exist_ok=True)
             from torch.utils import cpp_extension
 
             # it holds a lock while it builds (torchrun's ranks start together)
-            cpp_extension.load(_NAME, [str(_SOURCE)], build_directory=str(folder),
-                               extra_cflags=["-O2"], is_python_module=False, verbose=False)
+            with _ninja_on_path():
+                cpp_extension.load(_NAME, [str(_SOURCE)], build_directory=str(folder),
+                                   extra_cflags=["-O2"], is_python_module=False,
+                                   verbose=False)
             write_text_atomic(built, f"{library.name}\n")
         return CPUCache(ctypes.CDLL(str(library)))
     except Exception as e:  # noqa: BLE001 - any build failure means: run without it
@@ -116,6 +123,24 @@ def _build(log: Callable[[str], None]) -> CPUCache | str:
             "from glibc, fresh each step (slower, same numbers). Install a C++ compiler "
             "(g++) and ninja to build it, or set KARMA_CPU_CACHE=0 to silence this.")
         return reason
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """cpp_extension runs `ninja` from PATH; the ninja package's own binary (a dependency)
+    where none is there, as when the virtual environment is not activated."""
+    saved = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + saved
+        except ImportError:
+            pass  # cpp_extension then says what is missing
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
 
 
 __all__ = ["CPUCache", "CacheStats", "load"]
