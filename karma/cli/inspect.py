@@ -165,9 +165,7 @@ def render(info: dict) -> str:
         f"peak        {format_bytes(p['peak_device_bytes'])} of "
         f"{format_bytes(c['capacity_bytes'])} capacity "
         f"({100 * p['peak_fraction_of_capacity']:.1f}%); stage bound "
-        f"{format_bytes(p['stage_peak_bytes'])}"
-        + ("  OVER CAPACITY: this schedule will not fit" if p["peak_fraction_of_capacity"] > 1
-           else ""),
+        f"{format_bytes(p['stage_peak_bytes'])}",
         f"host        {format_bytes(p['host_bytes'])} host memory, "
         f"{format_bytes(p['pinned_bytes'])} of it pinned",
         f"busy        {busy}",
