@@ -223,20 +223,26 @@ class _Checker:
                               f"{want}, {_FIX}")
 
     def ops_match_decisions(self) -> None:
+        # ops a decision does not call for first, in list order: each names the op to drop
+        seen: dict[tuple[str, int], int] = defaultdict(int)
+        for op in self.s.ops:
+            if op.kind == "fetch":
+                continue
+            seen[op.kind, op.block] += 1
+            count, why = self._wanted(op.kind, self.s.blocks[op.block])
+            if seen[op.kind, op.block] > count:
+                raise _Broken(f"{self.op(op)} is one {op.kind} too many for "
+                              f"{self.block(op.block)} (rule: ops match decisions: {why}); "
+                              f"make the ops and the decision agree, {_FIX}")
         for b in self.s.blocks:
             for kind in OP_KINDS:
                 if kind == "fetch":
                     continue
                 count, why = self._wanted(kind, b)
-                found = self.ops_of.get((kind, b.index), [])
-                rule = f"(rule: ops match decisions: {why})"
-                if len(found) > count:
-                    raise _Broken(f"{self.op(found[count])} is one {kind} too many for "
-                                  f"{self.block(b.index)} {rule}; make the ops and the "
-                                  f"decision agree, {_FIX}")
-                if len(found) < count:
-                    raise _Broken(f"{self.block(b.index)} has no {kind} op {rule}; make the "
-                                  f"ops and the decision agree, {_FIX}")
+                if seen[kind, b.index] < count:
+                    raise _Broken(f"{self.block(b.index)} has no {kind} op (rule: ops match "
+                                  f"decisions: {why}); make the ops and the decision agree, "
+                                  f"{_FIX}")
             self._fetches(b)
 
     def _wanted(self, kind: str, b: BlockEntry) -> tuple[int, str]:

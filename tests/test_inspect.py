@@ -146,6 +146,39 @@ def test_bad_files_exit_2_without_traceback(capsys, tmp_path, content, says):
     assert_refused(*run(capsys, p), f"{p}", says)
 
 
+def test_check_validates_each_file(capsys, tmp_path, path, text):
+    code, out, err = run(capsys, "--check", path, path)
+    assert (code, err) == (0, "")
+    assert out == f"ok: {path}\nok: {path}\n"
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(text.replace("name: head, act: swap", "name: head, act: keep"))
+    code, out, err = run(capsys, "--check", path, edited, tmp_path / "none.yaml")
+    assert code == 2
+    assert out == f"ok: {path}\n"  # and no summary
+    lines = err.splitlines()
+    assert len(lines) == 2 and "Traceback" not in err
+    assert lines[0].startswith(f"karma-inspect: error: {edited}: op ")
+    assert "(rule: ops match decisions: blocks[0].act is keep" in lines[0]
+    assert lines[1].startswith("karma-inspect: error: schedule file ") and "does not exist" \
+        in lines[1]
+
+
+def test_check_skips_the_resimulation(capsys, tmp_path, text):
+    # predicted figures edited: the ops still run as planned, so --check lets it through
+    p = tmp_path / "edited.yaml"
+    p.write_text(re.sub(r"(\n  peak_device_bytes: )\d+", r"\g<1>400000", text))
+    assert run(capsys, "--check", p)[0] == 0
+    assert_refused(*run(capsys, p), "but predicted.peak_device_bytes is 400000")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--check", "P", "--plot", "x.png"], "--check only validates"),
+    (["P", "P"], "karma-inspect summarizes one schedule, got 2; give one, or add --check"),
+])
+def test_check_misuse(capsys, path, argv, says):
+    assert_refused(*run(capsys, *[path if a == "P" else a for a in argv]), says)
+
+
 def test_missing_file(capsys, tmp_path):
     assert_refused(*run(capsys, tmp_path / "nope.yaml"), "does not exist")
 
