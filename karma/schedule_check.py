@@ -353,8 +353,8 @@ class _Checker:
             on_host = ar is not None and to_host is not None and ar.id > to_host.id
             pairs = [
                 (fwd, out, "a block's activations are swapped out after its forward"),
-                (out, into, "they are swapped in after they were swapped out"),
-                (into, bwd, "and in before the block's backward"),
+                (out, into, "a block's activations are swapped in after they were swapped out"),
+                (into, bwd, "a block's activations are swapped in before its backward"),
                 (bwd, to_host, "a block's gradients go to the host after its backward"),
                 (bwd, ar, "a block's gradients are all-reduced after its backward"),
                 (bwd, dev, "a block is stepped after its backward"),
