@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from karma.schedule import (
@@ -99,6 +100,23 @@ def walk_peak_bytes(schedule: Schedule) -> tuple[int, int]:
         if live > peak:
             peak, at = live, stage
     return peak, at
+
+
+def check_model_names(schedule: Schedule, params: Collection[str], modules: Collection[str],
+                      source: str = "the schedule") -> None:
+    """Once the model is built (the one rule that needs it): every parameter and module a
+    block names exists in the model. `params`: the model's parameter names, tied ones under
+    each name (named_parameters(remove_duplicate=False)); `modules`: its module names."""
+    for b in schedule.blocks:
+        for key, names, known in (("params", b.params, params),
+                                  ("shared_params", b.shared_params, params),
+                                  ("modules", b.modules, modules)):
+            for name in names:
+                if name not in known:
+                    raise ScheduleFileError(
+                        f"{source}: blocks[{b.index}].{key}: {name!r} is not in the model "
+                        f"(rule: parameters named once: each parameter and module a block "
+                        f"names exists in the model); re-plan with karma-plan for this model")
 
 
 @dataclass(frozen=True)

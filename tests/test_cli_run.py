@@ -190,6 +190,18 @@ def test_a_keep_block_whose_ops_swap_it_is_refused_before_the_model_is_built(
     assert out == ""
 
 
+def test_a_parameter_the_model_lacks_is_refused(schedule_for, capsys):
+    s = schedule_for()
+    text = s.read_text()
+    name = plan(load_small("gpt"), "ilp", 0.6).blocks[1].params[0]  # as schedule_for writes
+    assert text.count(f"params: [{name},") == 1
+    s.write_text(text.replace(f"params: [{name},", f"params: [{name}_renamed,"))
+    code, out, err = run_main(capsys, s, "--steps", 1)
+    assert code == 2
+    assert_one_line_error(code, out, err, f"blocks[1].params: '{name}_renamed' is not in the "
+                                          "model (rule: parameters named once")
+
+
 def test_missing_schedule_file(tmp_path, capsys):
     assert_one_line_error(*run_main(capsys, tmp_path / "none.yaml"), "does not exist")
 
