@@ -407,7 +407,8 @@ _FIX = "re-plan with karma-plan to write a valid schedule"
 def load_schedule(text_or_path: str | Path, source: str | None = None) -> Schedule:
     """Read and validate a schedule from a file (a Path, or a str ending in .yaml or .yml
     without a newline) or from YAML text. `source` names it in errors (default: the path,
-    or "schedule"). Raises ScheduleFileError naming the key and the fix.
+    or "schedule"). Raises ScheduleFileError naming the key and the fix, or the op or block
+    and the rule it breaks (karma/schedule_check.py: every invariant the runtime relies on).
     """
     if isinstance(text_or_path, Path) or (
             isinstance(text_or_path, str) and "\n" not in text_or_path
@@ -426,6 +427,9 @@ def load_schedule(text_or_path: str | Path, source: str | None = None) -> Schedu
         _check_references(schedule)
     except _Invalid as e:
         raise ScheduleFileError(f"{source}: {e}") from None
+    from karma.schedule_check import validate  # it imports this module
+
+    validate(schedule, source)
     return schedule
 
 

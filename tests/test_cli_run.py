@@ -27,6 +27,7 @@ from tests.runtime_helpers import (
     plan,
     reference_train,
 )
+from tests.schedule_fixtures import tiny_schedule
 
 BIN = Path(sys.executable).parent
 REPORT_KEYS = {"steps", "losses", "lrs", "step_s_median", "predicted_step_s",
@@ -166,6 +167,39 @@ def test_unknown_schedule_version_from_the_console_script(schedule_for):
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert "karma_schedule: 99 is not supported" in done.stderr
+
+
+def test_a_keep_block_whose_ops_swap_it_is_refused_before_the_model_is_built(
+        tmp_path, capsys, monkeypatch):
+    """Issue 12's original failure: block 3's act said keep while its ops still swapped it
+    out, and karma-run ended in "internal error: KeyError: 3"."""
+    import karma.runtime.train
+
+    def built(*args):
+        raise AssertionError("the model file was opened")
+
+    monkeypatch.setattr(karma.runtime.train, "open_model_file", built)
+    text = dump_schedule(tiny_schedule())
+    assert text.count("name: head, act: swap") == 1
+    s = tmp_path / "S.yaml"
+    s.write_text(text.replace("name: head, act: swap", "name: head, act: keep"))
+    code, out, err = run_main(capsys, s, "--steps", 1)
+    assert code == 2
+    assert_one_line_error(code, out, err, "is one swap_out too many for block 0 (head) (rule: "
+                                          "ops match decisions: blocks[0].act is keep")
+    assert out == ""
+
+
+def test_a_parameter_the_model_lacks_is_refused(schedule_for, capsys):
+    s = schedule_for()
+    text = s.read_text()
+    name = plan(load_small("gpt"), "ilp", 0.6).blocks[1].params[0]  # as schedule_for writes
+    assert text.count(f"params: [{name},") == 1
+    s.write_text(text.replace(f"params: [{name},", f"params: [{name}_renamed,"))
+    code, out, err = run_main(capsys, s, "--steps", 1)
+    assert code == 2
+    assert_one_line_error(code, out, err, f"blocks[1].params: '{name}_renamed' is not in the "
+                                          "model (rule: parameters named once")
 
 
 def test_missing_schedule_file(tmp_path, capsys):

@@ -57,7 +57,6 @@ def test_summary_of_a_valid_schedule(capsys, path):
     assert peak <= s.config.capacity_bytes
     assert re.search(rf"peak\s+{re.escape(format_bytes(peak))} of 480 KiB capacity "
                      rf"\({100 * peak / s.config.capacity_bytes:.1f}%\)", out)
-    assert "OVER CAPACITY" not in out
     assert re.search(r"busy\s+compute \S+ us, h2d \S+ us, d2h \S+ us, net 0 s, host \S+ us", out)
     table = out[out.index("#  block"):].splitlines()
     assert table[0].split() == ["#", "block", "act", "weights", "optim", "param", "MiB", "act",
@@ -66,12 +65,18 @@ def test_summary_of_a_valid_schedule(capsys, path):
         [str(b.index), b.name, b.act, b.weights, b.optim] for b in s.blocks]
 
 
-def test_over_capacity_is_flagged(capsys, tmp_path):
+def test_over_capacity_is_refused(capsys, tmp_path):
     p = tmp_path / "swap.yaml"
     p.write_text(dump_schedule(tiny_schedule("swap_all", world_size=2)))  # does not fit 480 KiB
+    assert_refused(*run(capsys, p), "over config.capacity_bytes 491520 (480 KiB)",
+                   "(rule: peak within capacity")
+
+
+def test_several_ranks(capsys, tmp_path):
+    p = tmp_path / "swap.yaml"
+    p.write_text(dump_schedule(tiny_schedule("swap_all", 1 << 30, world_size=2)))
     code, out, _ = run(capsys, p)
     assert code == 0
-    assert "OVER CAPACITY" in out
     assert "2 ranks" in out and "scaling" in out
 
 
@@ -108,9 +113,9 @@ def _edited(text: str, old: str, new: str) -> str:
      "predicted.busy_s.h2d is"),
     (lambda t: re.sub(r"(\n  peak_device_bytes: )\d+", r"\g<1>400000", t),
      "but predicted.peak_device_bytes is 400000 (391 KiB)"),
-    # a buffer made larger changes the simulated peak
-    (lambda t: re.sub(r"(name: act\.3, block: 3, bytes: )\d+", r"\g<1>999999", t),
-     "re-simulating its 23 ops gives"),
+    # a buffer made larger (still within capacity) changes the simulated peak
+    (lambda t: re.sub(r"(name: act\.3, block: 3, bytes: )\d+", r"\g<1>20000", t),
+     "re-simulating its 23 ops gives 470436 (459 KiB)"),
 ])
 def test_edited_schedule_is_refused(capsys, tmp_path, text, edit, says):
     p = tmp_path / "edited.yaml"
@@ -126,7 +131,8 @@ def test_schedule_that_cannot_run_is_refused(capsys, tmp_path, text):
     assert edited != text
     p = tmp_path / "broken.yaml"
     p.write_text(edited)
-    assert_refused(*run(capsys, p), "before buffer act.3 is filled", "edited or is corrupt")
+    assert_refused(*run(capsys, p), "buffer act.3 (buffers[13]) is freed by op 8 (backward of "
+                   "block 3 (tail)), which may end before op 19", "(rule: buffer lifetime")
 
 
 @pytest.mark.parametrize("content, says", [
@@ -138,6 +144,39 @@ def test_bad_files_exit_2_without_traceback(capsys, tmp_path, content, says):
     p = tmp_path / "bad.yaml"
     p.write_text(content)
     assert_refused(*run(capsys, p), f"{p}", says)
+
+
+def test_check_validates_each_file(capsys, tmp_path, path, text):
+    code, out, err = run(capsys, "--check", path, path)
+    assert (code, err) == (0, "")
+    assert out == f"ok: {path}\nok: {path}\n"
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(text.replace("name: head, act: swap", "name: head, act: keep"))
+    code, out, err = run(capsys, "--check", path, edited, tmp_path / "none.yaml")
+    assert code == 2
+    assert out == f"ok: {path}\n"  # and no summary
+    lines = err.splitlines()
+    assert len(lines) == 2 and "Traceback" not in err
+    assert lines[0].startswith(f"karma-inspect: error: {edited}: op ")
+    assert "(rule: ops match decisions: blocks[0].act is keep" in lines[0]
+    assert lines[1].startswith("karma-inspect: error: schedule file ") and "does not exist" \
+        in lines[1]
+
+
+def test_check_skips_the_resimulation(capsys, tmp_path, text):
+    # predicted figures edited: the ops still run as planned, so --check lets it through
+    p = tmp_path / "edited.yaml"
+    p.write_text(re.sub(r"(\n  peak_device_bytes: )\d+", r"\g<1>400000", text))
+    assert run(capsys, "--check", p)[0] == 0
+    assert_refused(*run(capsys, p), "but predicted.peak_device_bytes is 400000")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--check", "P", "--plot", "x.png"], "--check only validates"),
+    (["P", "P"], "karma-inspect summarizes one schedule, got 2; give one, or add --check"),
+])
+def test_check_misuse(capsys, path, argv, says):
+    assert_refused(*run(capsys, *[path if a == "P" else a for a in argv]), says)
 
 
 def test_missing_file(capsys, tmp_path):

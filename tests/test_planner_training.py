@@ -246,15 +246,17 @@ def test_inspect_re_simulates_training_schedules(tmp_path, capsys, accumulate, c
     from karma.planner.pipeline import PlanRequest, schedule_from
     from karma.planner.problem import build_problem
     from karma.schedule import ModelRef, dump_schedule
-    from tests.schedule_fixtures import HARDWARE, MIXED, TINY_CAPACITY_BYTES, TINY_ENV, tiny_graph
+    from tests.schedule_fixtures import HARDWARE, MIXED, TINY_ENV, tiny_graph
 
     mf, graph = tiny_graph()
     training = Training(accumulate, clip is not None)
     problem = build_problem(graph, load_hardware(HARDWARE))
-    ev = evaluate(problem, Plan("ilp", MIXED, status="optimal"), TINY_CAPACITY_BYTES, training)
+    capacity = 1 << 20  # with these options MIXED needs more than TINY_CAPACITY_BYTES
+    ev = evaluate(problem, Plan("ilp", MIXED, status="optimal"), capacity, training)
+    assert ev.feasible  # else karma-inspect refuses it on load (rule: peak within capacity)
     model = ModelRef(path=graph.model, sha256=mf.sha256,
                      ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(), env=TINY_ENV)
-    request = PlanRequest(TINY_CAPACITY_BYTES, load_hardware(HARDWARE), graph.batch_size,
+    request = PlanRequest(capacity, load_hardware(HARDWARE), graph.batch_size,
                           accumulate=accumulate, clip_grad_norm=clip)
     path = tmp_path / "s.yaml"
     path.write_text(dump_schedule(schedule_from(graph, model, request, ev, ev.iteration_s)))

@@ -5,16 +5,19 @@
     karma-inspect schedule.yaml --json           # the summary as JSON
     karma-inspect schedule.yaml --trace t.json   # a step traced by karma-run --trace, beside
     karma-inspect schedule.yaml --trace t.json --plot t.png --chrome t.chrome.json
+    karma-inspect --check schedules/*.yaml       # for CI: validation only, "ok: PATH" each
 
-The schedule is validated (load_schedule) and its ops re-simulated; a file whose predicted
-iteration time, peak or stream busy times do not match its ops was edited or is corrupt,
-and is rejected (exit 2).
+The schedule is validated (load_schedule: every invariant the runtime relies on,
+karma/schedule_check.py) and its ops re-simulated; a file whose predicted iteration time,
+peak or stream busy times do not match its ops was edited or is corrupt, and is rejected
+(exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from karma.cli.common import run_cli
@@ -43,7 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="karma-inspect",
         description="Check a schedule written by karma-plan and summarize it.")
-    p.add_argument("schedule", help="a schedule YAML file")
+    p.add_argument("schedule", nargs="+", help="a schedule YAML file (with --check, several)")
+    p.add_argument("--check", action="store_true",
+                   help="only validate each schedule as karma-run would (no re-simulation, no "
+                        "summary): print 'ok: PATH' for each valid one, else its error; exit "
+                        "2 if any is invalid")
     p.add_argument("--plot", metavar="PNG", default=None,
                    help="also draw the memory timeline and streams to this PNG file "
                         "(needs matplotlib: pip install 'karma[plot]')")
@@ -165,9 +172,7 @@ def render(info: dict) -> str:
         f"peak        {format_bytes(p['peak_device_bytes'])} of "
         f"{format_bytes(c['capacity_bytes'])} capacity "
         f"({100 * p['peak_fraction_of_capacity']:.1f}%); stage bound "
-        f"{format_bytes(p['stage_peak_bytes'])}"
-        + ("  OVER CAPACITY: this schedule will not fit" if p["peak_fraction_of_capacity"] > 1
-           else ""),
+        f"{format_bytes(p['stage_peak_bytes'])}",
         f"host        {format_bytes(p['host_bytes'])} host memory, "
         f"{format_bytes(p['pinned_bytes'])} of it pinned",
         f"busy        {busy}",
@@ -211,8 +216,30 @@ def _block_table(blocks: list[dict]) -> list[str]:
     return [line(head), *map(line, rows)]
 
 
+def _check(sources: list[str]) -> int:
+    """--check: every file validated, each error printed; exit 2 if any was invalid."""
+    failed = 0
+    for source in sources:
+        try:
+            load_schedule(Path(source), source)
+        except ScheduleFileError as e:
+            print(f"karma-inspect: error: {e}", file=sys.stderr)
+            failed += 1
+        else:
+            print(f"ok: {source}")
+    return 2 if failed else 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    source = args.schedule
+    if args.check:
+        if args.plot or args.json or args.trace or args.chrome:
+            raise KarmaError("--check only validates; run --plot, --json, --trace or --chrome "
+                             "without it")
+        return _check(args.schedule)
+    if len(args.schedule) > 1:
+        raise KarmaError(f"karma-inspect summarizes one schedule, got {len(args.schedule)}; "
+                         "give one, or add --check to validate several")
+    source = args.schedule[0]
     if args.chrome and not args.trace:
         raise KarmaError("--chrome needs --trace FILE (a step traced by karma-run --trace)")
     schedule = load_schedule(Path(source), source)

@@ -37,6 +37,7 @@ from karma.runtime.swap import DivergedError, SwapStore
 from karma.runtime.training import GRAD_KINDS, GradClip, MixedPrecision, check_training_ops
 from karma.runtime.weights import BlockWeights, SharedStorage
 from karma.schedule import DEFERRED_KINDS, LAST_MICRO_BATCH_KINDS, Schedule
+from karma.schedule_check import check_model_names
 
 _WEIGHT_BUFFER = re.compile(r"w\.(\d+)@([fb])(\d*)$")
 
@@ -65,6 +66,7 @@ class Engine:
         self.precision = precision or MixedPrecision(self.backend.device.type, None)
         self.clip = clip
         named = dict(model.named_parameters(remove_duplicate=False))
+        check_model_names(schedule, named, {name for name, _ in model.named_modules()})
         self.shared = SharedStorage()
         self.weights = [
             BlockWeights(b.name, [(n, named[n]) for n in b.params], b.weights, b.optim,

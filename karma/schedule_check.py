@@ -1,0 +1,489 @@
+"""Semantic validation: a schedule is checked against every invariant the runtime relies on.
+
+Schedules are read, diffed and edited by hand, so the runtime must not trust them.
+`load_schedule` checks each field's type and that every id names something (an op's deps
+name earlier ops); `validate` then checks that the whole still describes one training
+iteration the runtime can replay, and that it computes what the plan computes. It runs at
+the end of every `load_schedule` (karma-run, karma-inspect, karma.Runtime), before any model
+is built; `karma-inspect --check` runs just this. A violation is one ScheduleFileError that
+names the op or block, the rule, and the fix. The rules, in the order they are checked:
+
+- parameters named once: each parameter is owned by one block; a block's shared_params are
+  owned by an earlier block.
+- decisions: streamed weights are stepped on the host.
+- streams: each op kind runs on its stream (schedule.py's module docstring).
+- ops match decisions: a block's ops are those of its act, weights and optim (a keep block
+  is never swapped, a streamed block has its fetches, a host-stepped one its grads_to_host
+  and host_step), on several ranks its all-reduce.
+- stages ordered: stages never decrease along the op list (the runtime issues side ops in
+  list order as compute reaches their stage).
+- compute order: the compute ops follow the model's own execution.
+- dependencies: an op that needs another's result waits for it (see [Note: happens-before]).
+- buffer lifetime: a buffer is allocated before every use, used before it is freed, and an
+  allocated buffer is freed once in the iteration.
+- peak within capacity: the buffers live in any stage add up to at most
+  config.capacity_bytes (see [Note: the peak walked over stages]).
+
+This module imports neither the planner nor the IR: the runtime imports it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from karma.schedule import (
+    LAST_MICRO_BATCH_KINDS,
+    OP_KINDS,
+    BlockEntry,
+    Op,
+    Schedule,
+    ScheduleFileError,
+)
+from karma.units import format_bytes
+
+# the stream each kind runs on (the engine sends compute kinds to the compute thread and the
+# others to their stream worker by op.stream)
+STREAM_OF_KIND = {
+    "forward": "compute", "loss": "compute", "recompute": "compute", "backward": "compute",
+    "device_step": "compute", "swap_in": "h2d", "fetch": "h2d", "upload": "h2d",
+    "swap_out": "d2h", "grads_to_host": "d2h", "allreduce": "net", "host_step": "host",
+}
+# kinds after which a block's gradients are final, and optimizer steps (runtime/training.py)
+_GRAD_KINDS = ("backward", "allreduce", "grads_to_host")
+_STEP_KINDS = ("device_step", "host_step")
+_WEIGHT_BUFFER = re.compile(r"w\.(\d+)@([fb])(\d*)$")  # w.OWNER@fUSER: fetched weights
+_REPLAN = "re-plan with karma-plan"
+_FIX = f"or {_REPLAN}"
+
+
+class _Broken(Exception):
+    """One rule broken: the message names the op or block, then the rule and the fix."""
+
+
+def validate(schedule: Schedule, source: str = "schedule") -> None:
+    """Raise ScheduleFileError("SOURCE: ...") naming the op or block and the rule broken, if
+    any rule of this module's docstring is; return None for a schedule the runtime can run."""
+    try:
+        _Checker(schedule).run()
+    except _Broken as e:
+        raise ScheduleFileError(f"{source}: {e}") from None
+
+
+def walk_peak_bytes(schedule: Schedule) -> tuple[int, int]:
+    """(peak bytes, the stage where it is reached) of the buffers live stage by stage: a
+    buffer counts in every stage from its `alloc` op's (the first, when null) through its
+    `free` op's (the last, when null).
+
+    [Note: the peak walked over stages] Within a stage the streams run side by side, so a
+    buffer freed by one op of a stage may still be live when another op of the same stage
+    allocates; across stages the barrier orders them (schedule.py: an op on a barrier stream
+    starts when every op of the earlier stages on those streams has finished). So each
+    buffer counts in its whole span of stages: the planner's own bound
+    (predicted.stage_peak_bytes, which it keeps within the budget), never below the timed
+    simulation's peak of those buffers. The one exception: a host step's temporaries
+    (hoststep.N, on the CPU backend) run on the host stream, outside the barrier; the planner
+    counts them in every stage their step may reach, this walk in their step's stage only,
+    so the walk stays within the planner's bound there too."""
+    last = max((op.stage for op in schedule.ops), default=0)
+    delta = [0] * (last + 2)
+    for b in schedule.buffers:
+        first = schedule.ops[b.alloc].stage if b.alloc is not None else 0
+        final = schedule.ops[b.free].stage if b.free is not None else last
+        delta[first] += b.bytes
+        delta[max(first, final) + 1] -= b.bytes
+    peak, at, live = 0, 0, 0
+    for stage in range(last + 1):
+        live += delta[stage]
+        if live > peak:
+            peak, at = live, stage
+    return peak, at
+
+
+def check_model_names(schedule: Schedule, params: Collection[str], modules: Collection[str],
+                      source: str = "the schedule") -> None:
+    """Once the model is built (the one rule that needs it): every parameter and module a
+    block names exists in the model. `params`: the model's parameter names, tied ones under
+    each name (named_parameters(remove_duplicate=False)); `modules`: its module names."""
+    for b in schedule.blocks:
+        for key, names, known in (("params", b.params, params),
+                                  ("shared_params", b.shared_params, params),
+                                  ("modules", b.modules, modules)):
+            for name in names:
+                if name not in known:
+                    raise ScheduleFileError(
+                        f"{source}: blocks[{b.index}].{key}: {name!r} is not in the model "
+                        f"(rule: parameters named once: each parameter and module a block "
+                        f"names exists in the model); re-plan with karma-plan for this model")
+
+
+@dataclass(frozen=True)
+class _Order:
+    """[Note: happens-before] Op a happens before op b when a has finished whenever b
+    starts, in every replay: a is among b's deps, or precedes it on its stream (each stream
+    runs its ops in list order, the compute thread too), or either through a chain of such
+    steps. With accumulation, a micro-batch that does not step skips the side ops of
+    LAST_MICRO_BATCH_KINDS: the engine marks them done at once, without waiting for their
+    deps, and they take no place on their stream. So an order that must hold in every
+    replay is checked in both: `full` (the replay that steps) and `micro` (one that does
+    not; the same as full without accumulation)."""
+
+    full: tuple[int, ...]  # op id -> bit set of the ops that happen before it
+    micro: tuple[int, ...]
+    skipped: frozenset[int]  # ops a micro-batch that does not step skips
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> _Order:
+        skipped = frozenset(op.id for op in schedule.ops if op.kind in LAST_MICRO_BATCH_KINDS
+                            and op.stream != "compute") \
+            if schedule.config.accumulate > 1 else frozenset()
+        full = _before(schedule.ops, frozenset())
+        return cls(full, _before(schedule.ops, skipped) if skipped else full, skipped)
+
+    def before(self, a: int, b: int) -> bool:
+        """Whether op a happens before op b in every replay that runs both."""
+        if not self.full[b] >> a & 1:
+            return False
+        return a in self.skipped or b in self.skipped or bool(self.micro[b] >> a & 1)
+
+
+def _before(ops: tuple[Op, ...], skipped: frozenset[int]) -> tuple[int, ...]:
+    sets: list[int] = []
+    last_on: dict[str, int] = {}
+    for op in ops:
+        preds = set() if op.id in skipped else set(op.deps)
+        if op.id not in skipped and op.stream in last_on:
+            preds.add(last_on[op.stream])
+        bits = 0
+        for p in preds:
+            bits |= sets[p] | (1 << p)
+        sets.append(bits)
+        if op.id not in skipped:
+            last_on[op.stream] = op.id
+    return tuple(sets)
+
+
+class _Checker:
+    """The rules, one method each; `run` checks them in the docstring's order."""
+
+    def __init__(self, s: Schedule):
+        self.s = s
+        self.n = len(s.blocks)
+        self.ops_of: dict[tuple[str, int], list[Op]] = defaultdict(list)  # (kind, block)
+        for op in s.ops:
+            self.ops_of[op.kind, op.block].append(op)
+        self.buffer = {b.name: b for b in s.buffers}
+        self.owner = {name: b.index for b in s.blocks for name in b.params}
+
+    def run(self) -> None:
+        self.parameters()
+        self.decisions()
+        self.streams()
+        self.ops_match_decisions()
+        self.stages()
+        self.compute_order()
+        self.order = _Order.of(self.s)
+        self.dependencies()
+        self.buffers()
+        self.peak()
+
+    # --- naming ------------------------------------------------------------------------
+
+    def block(self, i: int) -> str:
+        return f"block {i} ({self.s.blocks[i].name})"
+
+    def op(self, op: Op | int) -> str:
+        op = self.s.ops[op] if isinstance(op, int) else op
+        return f"op {op.id} ({op.kind} of {self.block(op.block)})"
+
+    def one(self, kind: str, i: int) -> Op | None:
+        found = self.ops_of.get((kind, i))
+        return found[0] if found else None
+
+    # --- the rules -----------------------------------------------------------------------
+
+    def parameters(self) -> None:
+        rule = "(rule: parameters named once: each parameter is owned by one block, and a " \
+               "block's shared_params are owned by an earlier block)"
+        owner: dict[str, int] = {}
+        for b in self.s.blocks:
+            for name in b.params:
+                if name in owner:
+                    raise _Broken(f"blocks[{b.index}].params: {name!r} is also a parameter of "
+                                  f"{self.block(owner[name])} {rule}; list it once, {_FIX}")
+                owner[name] = b.index
+        for b in self.s.blocks:
+            for k, name in enumerate(b.shared_params):
+                where = f"blocks[{b.index}].shared_params: {name!r}"
+                if name in b.shared_params[:k]:
+                    raise _Broken(f"{where} is listed twice {rule}; list it once, {_FIX}")
+                if owner.get(name, self.n) >= b.index:
+                    who = ("is owned by no block" if name not in owner else
+                           f"is owned by {self.block(owner[name])}, not an earlier block")
+                    raise _Broken(f"{where} {who} {rule}; remove it, {_FIX}")
+
+    def decisions(self) -> None:
+        for b in self.s.blocks:
+            if b.weights == "streamed" and b.optim != "host":
+                raise _Broken(f"{self.block(b.index)} has weights: streamed and optim: "
+                              f"{b.optim} (rule: decisions: streamed weights are stepped on "
+                              f"the host, where they live); set blocks[{b.index}].optim to "
+                              f"host, {_FIX}")
+
+    def streams(self) -> None:
+        for op in self.s.ops:
+            want = STREAM_OF_KIND[op.kind]
+            if op.stream != want:
+                raise _Broken(f"{self.op(op)} is on stream {op.stream} (rule: streams: a "
+                              f"{op.kind} runs on {want}); set ops[{op.id}].stream to "
+                              f"{want}, {_FIX}")
+
+    def ops_match_decisions(self) -> None:
+        # ops a decision does not call for first, in list order: each names the op to drop
+        seen: dict[tuple[str, int], int] = defaultdict(int)
+        for op in self.s.ops:
+            if op.kind == "fetch":
+                continue
+            seen[op.kind, op.block] += 1
+            count, why = self._wanted(op.kind, self.s.blocks[op.block])
+            if seen[op.kind, op.block] > count:
+                raise _Broken(f"{self.op(op)} is one {op.kind} too many for "
+                              f"{self.block(op.block)} (rule: ops match decisions: {why}); "
+                              f"make the ops and the decision agree, {_FIX}")
+        for b in self.s.blocks:
+            for kind in OP_KINDS:
+                if kind == "fetch":
+                    continue
+                count, why = self._wanted(kind, b)
+                if seen[kind, b.index] < count:
+                    raise _Broken(f"{self.block(b.index)} has no {kind} op (rule: ops match "
+                                  f"decisions: {why}); make the ops and the decision agree, "
+                                  f"{_FIX}")
+            self._fetches(b)
+
+    def _wanted(self, kind: str, b: BlockEntry) -> tuple[int, str]:
+        """How many ops of `kind` block b has, and why, naming the decision it follows."""
+        i, key = b.index, f"blocks[{b.index}]"
+        if kind in ("forward", "backward"):
+            return 1, f"every block has one {kind}"
+        if kind == "loss":
+            return int(i == self.n - 1), "one loss, after the last block's forward"
+        if kind == "recompute":
+            return int(b.act == "recompute"), (
+                f"{key}.act is {b.act}, and a block recomputes once if its act is recompute, "
+                "never otherwise")
+        if kind in ("swap_out", "swap_in"):
+            return int(b.act == "swap"), (
+                f"{key}.act is {b.act}, and a block is swapped out and in once if its act is "
+                "swap, never otherwise")
+        if kind == "device_step":
+            return int(b.optim == "device"), (
+                f"{key}.optim is {b.optim}, and a block is stepped on the device once if its "
+                "optim is device, never otherwise")
+        if kind in ("grads_to_host", "host_step"):
+            return int(b.optim == "host"), (
+                f"{key}.optim is {b.optim}, and a block's gradients go to the host and are "
+                "stepped there once if its optim is host, never otherwise")
+        if kind == "upload":
+            return int(b.optim == "host" and b.weights == "resident"), (
+                f"{key} has weights: {b.weights} and optim: {b.optim}, and a host-stepped "
+                "block's weights are uploaded once if they are resident; streamed ones are "
+                "fetched instead, device-stepped ones never leave")
+        world = self.s.config.world_size
+        return int(world > 1), (f"config.world_size is {world}, and each block's gradients "
+                                "are all-reduced once on several ranks, never on one")
+
+    def _fetches(self, b: BlockEntry) -> None:
+        """The fetches of block b (as their user): one per streamed owner of the weights it
+        reads, for its forward and again for its backward (the last block's forward copy
+        lasts through its backward)."""
+        u = b.index
+        owners = [u] + sorted({self.owner[n] for n in b.shared_params})
+        wanted = {}
+        for o in owners:
+            suffix = "" if o == u else str(u)
+            phases = ("f",) if u == self.n - 1 else ("f", "b")
+            for phase in phases:
+                wanted[f"w.{o}@{phase}{suffix}"] = o
+        seen: set[str] = set()
+        for op in self.ops_of.get(("fetch", u), []):
+            m = _WEIGHT_BUFFER.match(op.uses[0]) if op.uses else None
+            name = op.uses[0] if op.uses else None
+            if m is None or name not in wanted:
+                raise _Broken(f"{self.op(op)} fills {name or 'nothing'} (rule: ops match "
+                              f"decisions: a fetch names in uses[0] the weights it fills, "
+                              f"w.OWNER@fUSER or w.OWNER@bUSER, of a block {self.block(u)} "
+                              f"reads: {', '.join(wanted)}); {_REPLAN}")
+            o = wanted[name]
+            if self.s.blocks[o].weights != "streamed":
+                raise _Broken(f"{self.op(op)} fetches the weights of {self.block(o)}, but "
+                              f"blocks[{o}].weights is resident (rule: ops match decisions: "
+                              f"only streamed weights are fetched); set blocks[{o}].weights "
+                              f"to streamed or remove the op, {_FIX}")
+            if name in seen:
+                raise _Broken(f"{self.op(op)} fetches {name} a second time (rule: ops match "
+                              f"decisions: streamed weights are fetched once for each use); "
+                              f"remove one, {_FIX}")
+            seen.add(name)
+        for name, o in wanted.items():
+            if self.s.blocks[o].weights == "streamed" and name not in seen:
+                raise _Broken(f"{self.block(u)} has no fetch of {name} (rule: ops match "
+                              f"decisions: blocks[{o}].weights is streamed, so its weights "
+                              f"are fetched before each forward and backward that reads "
+                              f"them); {_REPLAN}")
+
+    def stages(self) -> None:
+        for prev, op in zip(self.s.ops, self.s.ops[1:]):
+            if op.stage < prev.stage:
+                raise _Broken(f"{self.op(op)} is in stage {op.stage}, after op {prev.id} in "
+                              f"stage {prev.stage} (rule: stages ordered: the op list is in "
+                              f"issue order, so stages never decrease along it); restore "
+                              f"its stage, {_FIX}")
+
+    def compute_order(self) -> None:
+        """Forwards from block 0 up, the loss, backwards from the last block down, each
+        recompute just before its block's backward; device steps anywhere after their
+        block's backward (checked with the dependencies)."""
+        want = [("forward", i) for i in range(self.n)] + [("loss", self.n - 1)]
+        for i in reversed(range(self.n)):
+            if self.s.blocks[i].act == "recompute":
+                want.append(("recompute", i))
+            want.append(("backward", i))
+        ran = [op for op in self.s.ops if op.stream == "compute" and op.kind != "device_step"]
+        for op, (kind, i) in zip(ran, want):  # as many as wanted: the counts are checked
+            if (op.kind, op.block) != (kind, i):
+                raise _Broken(f"{self.op(op)} runs where the model runs the {kind} of "
+                              f"{self.block(i)} (rule: compute order: forwards from block 0 "
+                              "up, the loss, then backwards from the last block down, each "
+                              "recompute just before its block's backward); put the compute "
+                              f"ops in that order, {_FIX}")
+
+    def dependencies(self) -> None:
+        world, cfg = self.s.config.world_size, self.s.config
+        for b in self.s.blocks:
+            i = b.index
+            fwd, bwd = self.one("forward", i), self.one("backward", i)
+            out, into = self.one("swap_out", i), self.one("swap_in", i)
+            to_host, step = self.one("grads_to_host", i), self.one("host_step", i)
+            ar, dev = self.one("allreduce", i), self.one("device_step", i)
+            on_host = ar is not None and to_host is not None and ar.id > to_host.id
+            pairs = [
+                (fwd, out, "a block's activations are swapped out after its forward"),
+                (out, into, "a block's activations are swapped in after they were swapped out"),
+                (into, bwd, "a block's activations are swapped in before its backward"),
+                (bwd, to_host, "a block's gradients go to the host after its backward"),
+                (bwd, ar, "a block's gradients are all-reduced after its backward"),
+                (bwd, dev, "a block is stepped after its backward"),
+                (ar, dev, "a block is stepped after its all-reduce"),
+                (to_host, step, "a block is stepped on the host after its gradients arrive"),
+                (step, self.one("upload", i), "weights are uploaded after the host step"),
+            ]
+            if on_host:  # accumulated gradients are all-reduced on the host
+                pairs += [(to_host, ar, "host gradients are all-reduced after they arrive"),
+                          (ar, step, "a block is stepped after its all-reduce")]
+            elif ar is not None:
+                pairs.append((ar, to_host, "all-reduced gradients go to the host after the "
+                                           "all-reduce"))
+            pairs += self._fetch_pairs(i)
+            for first, then, why in pairs:
+                if first is not None and then is not None \
+                        and not self.order.before(first.id, then.id):
+                    raise _Broken(f"{self.op(then)} may start before {self.op(first)} ends: "
+                                  f"no chain of deps orders them (rule: dependencies: {why}); "
+                                  f"add {first.id} to ops[{then.id}].deps, {_FIX}")
+            if cfg.accumulate > 1 and world > 1 and b.optim == "host" and ar is not None \
+                    and to_host is not None and not on_host:
+                raise _Broken(f"{self.op(ar)} comes before {self.op(to_host)} (rule: "
+                              "dependencies: with accumulation on several ranks a host-stepped "
+                              "block's gradients add up on the host and are all-reduced there, "
+                              "after its grads_to_host); " + _REPLAN)
+        if cfg.clip_grad_norm is not None:
+            last = max((op for op in self.s.ops if op.kind in _GRAD_KINDS), key=lambda o: o.id)
+            early = [op for op in self.s.ops if op.kind in _STEP_KINDS and op.id < last.id]
+            if early:
+                raise _Broken(f"{self.op(early[0])} comes before {self.op(last)}, which makes "
+                              "a gradient final (rule: dependencies: with config."
+                              "clip_grad_norm every optimizer step follows every gradient); "
+                              + _REPLAN)
+
+    def _fetch_pairs(self, u: int) -> list[tuple[Op | None, Op | None, str]]:
+        """(fetch, reader) for the weights block u reads: each fetch before its readers."""
+        pairs = []
+        readers = {"f": [self.one("forward", u)],
+                   "b": [self.one("recompute", u), self.one("backward", u)]}
+        if u == self.n - 1:
+            readers["f"] += readers["b"]
+        for op in self.ops_of.get(("fetch", u), []):
+            phase = _WEIGHT_BUFFER.match(op.uses[0])[2]
+            pairs += [(op, r, "streamed weights arrive before an op that reads them")
+                      for r in readers[phase]]
+        return pairs
+
+    def buffers(self) -> None:
+        rule = "(rule: buffer lifetime: a buffer is allocated before every use and freed " \
+               "once, after its last use)"
+        for k, b in enumerate(self.s.buffers):
+            where = f"buffer {b.name} (buffers[{k}])"
+            if b.alloc is not None and b.free is None:
+                raise _Broken(f"{where} is allocated by {self.op(b.alloc)} and never freed: "
+                              f"every replay would hold another copy {rule}; set its free, "
+                              + _FIX)
+            if b.alloc is not None and b.free is not None and b.alloc != b.free \
+                    and not self.order.before(b.alloc, b.free):
+                raise _Broken(f"{where} is freed by {self.op(b.free)}, which may end before "
+                              f"{self.op(b.alloc)} allocates it {rule}; restore its alloc "
+                              f"and free, {_FIX}")
+        for op in self.s.ops:
+            for name in op.uses:
+                b = self.buffer.get(name)
+                if b is None:
+                    continue  # a zero-byte buffer is not listed
+                if b.alloc is not None and b.alloc != op.id \
+                        and not self.order.before(b.alloc, op.id):
+                    raise _Broken(f"{self.op(op)} uses buffer {name}, which {self.op(b.alloc)} "
+                                  f"allocates, and may start before it {rule}; restore the "
+                                  f"buffer's alloc and the op's deps, {_FIX}")
+                if b.free is not None and b.free != op.id \
+                        and not self.order.before(op.id, b.free):
+                    raise _Broken(f"{self.op(op)} uses buffer {name}, which "
+                                  f"{self.op(b.free)} frees, and may run after it {rule}; "
+                                  f"restore the buffer's free, {_FIX}")
+        self._weight_buffers()
+
+    def _weight_buffers(self) -> None:
+        """Fetched weights: the runtime releases them when the buffer's free op ends, so
+        that op must come after every op that reads them, whatever their `uses` say."""
+        rule = "(rule: buffer lifetime: fetched weights are released after the last op " \
+               "that reads them)"
+        for u in range(self.n):
+            for fetch, reader, _ in self._fetch_pairs(u):
+                name = fetch.uses[0]
+                b = self.buffer.get(name)
+                if b is None:
+                    owner = int(_WEIGHT_BUFFER.match(name)[1])
+                    if self.s.blocks[owner].param_bytes > 0:
+                        raise _Broken(f"{self.op(fetch)} fills buffer {name}, which is not "
+                                      f"listed in buffers {rule}; " + _REPLAN)
+                    continue
+                if b.alloc != fetch.id:
+                    raise _Broken(f"buffer {name} is allocated by "
+                                  f"{'no op' if b.alloc is None else self.op(b.alloc)}, not "
+                                  f"by {self.op(fetch)}, which fills it {rule}; set its "
+                                  f"alloc to {fetch.id}, {_FIX}")
+                if reader is not None and b.free != reader.id \
+                        and not self.order.before(reader.id, b.free):
+                    raise _Broken(f"buffer {name} is freed by {self.op(b.free)}, but "
+                                  f"{self.op(reader)} reads it and may run after {rule}; "
+                                  f"set its free to {reader.id}, {_FIX}")
+
+    def peak(self) -> None:
+        capacity = self.s.config.capacity_bytes
+        peak, stage = walk_peak_bytes(self.s)
+        if peak > capacity:
+            raise _Broken(f"the buffers live in stage {stage} add up to {peak} bytes "
+                          f"({format_bytes(peak)}), over config.capacity_bytes {capacity} "
+                          f"({format_bytes(capacity)}) (rule: peak within capacity: each "
+                          "buffer counted from its alloc op's stage through its free op's); "
+                          "re-plan with karma-plan for this budget")
