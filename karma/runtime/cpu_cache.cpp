@@ -175,10 +175,6 @@ void karma_cache_stop() {
   release_all(s);
 }
 
-int karma_cache_is_current() {
-  return installed != nullptr && c10::GetCPUAllocator() == installed;
-}
-
 // live, idle, peak (of live + idle), limit bytes; hits, misses, released blocks.
 void karma_cache_stats(uint64_t* out) {
   State& s = state();

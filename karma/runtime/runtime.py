@@ -161,6 +161,8 @@ class Runtime:
                 self.pool.close()
             if hasattr(self, "meter"):
                 self.meter.close()
+            if getattr(self, "cpu_cache", None) is not None:
+                self.cpu_cache.stop()
             distributed.leave(self.ranks)
             raise
 
