@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -200,6 +201,29 @@ def test_a_parameter_the_model_lacks_is_refused(schedule_for, capsys):
     assert code == 2
     assert_one_line_error(code, out, err, f"blocks[1].params: '{name}_renamed' is not in the "
                                           "model (rule: parameters named once")
+
+
+def test_a_host_tier_larger_than_the_machine_is_refused_at_start(tmp_path, capsys,
+                                                                 monkeypatch):
+    """Issue 12, item 5: the numbers, before the model is built, instead of a kill mid-step."""
+    import karma.runtime.runtime
+
+    def built(*args, **kwargs):
+        raise AssertionError("the host tier was allocated")
+
+    monkeypatch.setattr(karma.runtime.runtime, "HostPool", built)
+    # the tier's directory, named in the message (tempfile caches TMPDIR's value)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    schedule = plan(load_small("gpt"), "ilp", 0.6)
+    huge = replace(schedule, predicted=replace(schedule.predicted, host_bytes=10 << 40))
+    s = tmp_path / "S.yaml"
+    s.write_text(dump_schedule(huge))
+    code, out, err = run_main(capsys, s, "--steps", 1)
+    assert code == 2
+    assert_one_line_error(code, out, err, "the schedule's host tier needs 10.0 TiB of disk, but "
+                                          f"{tmp_path}, where the CPU backend keeps it as a "
+                                          "file, has ")
+    assert out == ""
 
 
 def test_missing_schedule_file(tmp_path, capsys):

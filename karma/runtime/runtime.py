@@ -51,6 +51,7 @@ from karma.runtime.host import (
     private_bytes,
     return_freed_memory_promptly,
 )
+from karma.runtime.hostmem import host_memory_problem, measure_host_memory
 from karma.runtime.lr import LRSchedule
 from karma.runtime.peak import DevicePeak, PrivatePeak
 from karma.runtime.streams import OpFailed
@@ -168,6 +169,10 @@ class Runtime:
 
     def _build(self, cap_device_memory: bool) -> None:
         schedule, mf, backend = self.schedule, self.model_file, self.backend
+        # before anything is allocated: [Note: where the host tier's bytes live]
+        problem = host_memory_problem(measure_host_memory(schedule, backend.name))
+        if problem is not None:
+            raise KarmaError(problem)
         return_freed_memory_promptly()
         self.cpu_cache = cpu_cache.load(self.log) if backend.name == "cpu" else None
         if self.cpu_cache is not None:  # [Note: a caching allocator for the CPU backend]
