@@ -32,7 +32,7 @@ from karma.modelfile import output_tensors
 from karma.runtime.backend import CpuBackend
 from karma.runtime.distributed import GradientExchange
 from karma.runtime.host import BuildInTier, HostPool
-from karma.runtime.streams import StreamWorker, wait_for
+from karma.runtime.streams import StreamWorker, raise_stream_failure, wait_for
 from karma.runtime.swap import DivergedError, SwapStore
 from karma.runtime.training import GRAD_KINDS, GradClip, MixedPrecision, check_training_ops
 from karma.runtime.weights import BlockWeights, SharedStorage
@@ -452,6 +452,11 @@ class Engine:
         when another stream was late too (a late swap-in behind a later fetch shows as h2d
         alone); karma-inspect --trace blames the planned waits the same way (timeline.py).
         """
+        # [Note: a failed stream is seen at the next wait] A stream that fails sets the events
+        # of the op that failed and of every op it then skips, so the early return below must
+        # not hide the failure: without this check a run went on with its streams stopped
+        # (no swap-outs, no host optimizer steps) and ended as if nothing had happened.
+        raise_stream_failure(self._errors)
         if all(self._events[d].is_set() for d in deps):
             return
         start = time.perf_counter()

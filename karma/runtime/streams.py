@@ -90,7 +90,12 @@ def wait_for(events: dict[int, threading.Event], deps, errors: list) -> Hashable
         while not events[d].wait(timeout=1.0):
             if errors:
                 break
-        if errors:
-            name, op_id, e = errors[0]
-            raise OpFailed(f"operation {op_id} on stream {name} failed: {e}", name) from e
+        raise_stream_failure(errors)
     return last
+
+
+def raise_stream_failure(errors: list) -> None:
+    """Raise the first stream's failure on the compute thread, if a stream has failed."""
+    if errors:
+        name, op_id, e = errors[0]
+        raise OpFailed(f"operation {op_id} on stream {name} failed: {e}", name) from e
