@@ -76,6 +76,12 @@ def _run(args: argparse.Namespace) -> int:
         raise KarmaError(f"--trace-step {args.trace_step} is after the last step "
                          f"(--steps {args.steps}); choose a step from 1 to {args.steps}")
     signal.signal(signal.SIGTERM, _stopped)
+    # [Note: a file past ulimit -f is an error, not a kill] Writing past RLIMIT_FSIZE sends
+    # SIGXFSZ, whose default action ends the process with a core dump and no word of which
+    # file; ignored, the write fails with EFBIG instead, and the checkpoint or host tier that
+    # wrote it stops the run with the path and the limit (fileio.write_failure). karma-run
+    # owns its process; the Runtime library leaves signals to its caller.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     for path in filter(None, (args.checkpoint_dir, args.report and args.report.parent)):
         _check_writable(Path(path))
     if args.trace is not None:

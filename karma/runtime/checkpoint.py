@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from karma.errors import KarmaError
+from karma.fileio import NO_ROOM, write_failure
 
 FORMAT = "karma-checkpoint-1"
 FILES = ("model.pt", "optimizer.pt", "meta.json")
@@ -56,8 +57,8 @@ def _standalone(t: torch.Tensor, scratch: Path, snapshot: bool = False) -> torch
             and t.is_contiguous():
         return t
     fd, name = tempfile.mkstemp(dir=scratch, suffix=".bin")
-    with os.fdopen(fd, "wb") as f:
-        f.truncate(max(nbytes, 1))
+    with os.fdopen(fd, "wb") as f:  # see [Note: the tier's disk is taken when it grows]
+        os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
     out = torch.from_file(name, shared=True, size=t.numel(), dtype=t.dtype).view(t.shape)
     os.unlink(name)  # the mapping stays until the copy is dropped
     out.copy_(t)
@@ -161,9 +162,26 @@ def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: i
         _fsync_dir(directory)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise KarmaError(f"cannot write checkpoint {final}: {e.strerror or e}; choose a "
-                         "writable --checkpoint-dir with free space") from e
+        need = 2 * _state_bytes(model, engine) if e.errno in NO_ROOM else None
+        raise KarmaError(write_failure(
+            "checkpoint", final, e, need,
+            "choose another --checkpoint-dir (--resume continues from the newest complete "
+            "checkpoint)")) from e
+    except BaseException:  # nothing half-written stays, even hidden
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
+
+
+def _state_bytes(model, engine) -> int:
+    """About what a checkpoint's tensors take: the model's state and every optimizer's.
+    (Writing one takes up to twice that: see [Note: saving views of the host tier].)"""
+    tensors = list(model.state_dict().values())
+    for w in engine.weights:
+        if w.optimizer is not None:
+            tensors += [v for st in w.optimizer.state.values() for v in st.values()
+                        if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def latest_checkpoint(directory: Path | None) -> Path | None:
@@ -210,10 +228,36 @@ def _detached_state(optimizer, scratch: Path, snapshot: bool = False) -> dict | 
 def _save(path: Path, obj) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        out = _KeepsWriteErrors(f)
+        try:
+            torch.save(obj, out)
+        except RuntimeError:
+            if out.error is not None:  # the disk's answer, not the zip writer's
+                raise out.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class _KeepsWriteErrors:
+    """A file for torch.save that keeps the OSError of a failed write: torch.save's zip
+    writer turns it into a RuntimeError without the errno ("unexpected pos 704 vs 598"),
+    and the errno says what to free (ENOSPC) or raise (EFBIG)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -11,6 +11,7 @@ arenas sized from the schedule, so that nothing is allocated per tensor.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import os
 import tempfile
@@ -18,6 +19,9 @@ import threading
 from pathlib import Path
 
 import torch
+
+from karma.errors import KarmaError
+from karma.fileio import write_failure
 
 ALIGN = 64  # bytes
 
@@ -113,8 +117,15 @@ class HostPool:
         nbytes = _aligned(nbytes)
         if self.kind == "file":
             path = Path(self._dir.name) / f"arena{len(self._arenas)}.bin"
-            with open(path, "wb") as f:  # a sparse file: disk is used only where written
-                f.truncate(nbytes)
+            try:
+                with open(path, "wb") as f:  # [Note: the tier's disk is taken when it grows]
+                    os.posix_fallocate(f.fileno(), 0, nbytes)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise KarmaError(write_failure(
+                    "the host tier's file", path, e, nbytes,
+                    "set TMPDIR to a directory on a filesystem with more room")) from e
             arena = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
             os.unlink(path)  # the mapping stays; the name goes, so nothing is left behind
         elif self.kind == "pinned":
@@ -127,6 +138,15 @@ class HostPool:
         self._arenas.append(arena)
         self._free.append([(0, nbytes)])
 
+
+# [Note: the tier's disk is taken when it grows] A shared mapping of a sparse file takes a
+# block of disk only when a page is first written, and a write fault that finds the disk full
+# (or the file past `ulimit -f`) kills the process with SIGBUS, in the middle of a step, on
+# whichever thread touched the page. posix_fallocate takes the arena's blocks when it is made
+# (on ext4 and xfs without writing them: unwritten extents), so a full disk is an ENOSPC (or
+# EDQUOT, EFBIG) here, which stops the run with the path and what to free. The tier then
+# holds its whole size on disk, not only the pages written: the pool's size is the schedule's
+# host_bytes plus 10%, which the planner meant to use anyway.
 
 PINNED_ARENA_BYTES = 1 << 30
 

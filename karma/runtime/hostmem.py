@@ -14,10 +14,11 @@ this machine differs:
   cudaHostAlloc pins through the NVIDIA driver, which does not charge it, and containers
   commonly run with a 64 KiB or 8 MiB limit while pinning gigabytes, so checking it would
   refuse working setups.
-- CPU: the tier is a shared mapping of a sparse file in the temporary directory (host.py).
-  Its written pages are page cache that the kernel writes back and evicts, so they need room
-  on that filesystem (statvfs), not memory; unless the directory is a tmpfs or ramfs, whose
-  pages are memory (shmem, not counted in MemAvailable once written). The schedule's device
+- CPU: the tier is a shared mapping of a file in the temporary directory, whose blocks are
+  taken as it grows (host.py, [Note: the tier's disk is taken when it grows]). Its pages are
+  page cache that the kernel writes back and evicts, so they need room on that filesystem
+  (statvfs), not memory; unless the directory is a tmpfs or ramfs, whose pages are memory
+  (shmem, not counted in MemAvailable once taken). The schedule's device
   memory is this machine's RAM on the CPU backend: private memory, checked against
   MemAvailable, together with the tier when the tier is in memory.
 The numbers are the schedule's own (the pool's 10% slack is left out): the check refuses
@@ -32,6 +33,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
+from karma.fileio import free_bytes
 from karma.schedule import Schedule
 from karma.units import format_bytes
 
@@ -111,15 +113,6 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def free_bytes(path: str) -> int | None:
-    """Bytes an unprivileged process may still write on `path`'s filesystem, or None."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 def filesystem_type(path: str, mounts: str = "/proc/self/mounts") -> str | None:

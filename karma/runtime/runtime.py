@@ -291,6 +291,10 @@ class Runtime:
                 raise distributed.lost(  # not, say, out of memory
                     self.ranks, f"in iteration {self.iterations + 1}'s gradient exchange",
                     e.__cause__.__cause__) from e
+            if isinstance(e, OpFailed) and isinstance(e.__cause__, KarmaError):
+                # a stream's failure the user can fix (a full disk under the host tier): its
+                # own message, whichever stream met it
+                raise KarmaError(str(e.__cause__)) from e
             raise
         elapsed = time.perf_counter() - t0
         self._micro.append((loss.item(), elapsed, self.meter.stop()))
