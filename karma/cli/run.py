@@ -97,6 +97,11 @@ def _run(args: argparse.Namespace) -> int:
             eval_every=args.eval_every, trace_path=args.trace, trace_step=args.trace_step,
             log=lambda line: print(line, flush=True)))
     except (MemoryError, RuntimeError) as e:
+        from karma.runtime.streams import OpFailed
+
+        if isinstance(e, OpFailed) and isinstance(e.__cause__, KarmaError):
+            # a stream met it outside a step (a checkpoint waits for the last updates)
+            raise KarmaError(str(e.__cause__)) from e
         if not _out_of_memory(e):
             raise
         raise KarmaError(
