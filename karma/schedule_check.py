@@ -86,19 +86,33 @@ def walk_peak_bytes(schedule: Schedule) -> tuple[int, int]:
     simulation's peak of those buffers. The one exception: a host step's temporaries
     (hoststep.N, on the CPU backend) run on the host stream, outside the barrier; the planner
     counts them in every stage their step may reach, this walk in their step's stage only,
-    so the walk stays within the planner's bound there too."""
+    so the walk stays within the planner's bound there too. An op's own temporaries (a
+    buffer that op allocates and frees: steptmp.N, hoststep.N) never meet those of another
+    op of its stream, which runs one op at a time: per stage and stream only the largest
+    counts (the planner takes the same maximum for the device steps' temporaries; summing
+    them refused a valid plan of tests/models/mlp_schedule.py for 2 ranks)."""
     last = max((op.stage for op in schedule.ops), default=0)
     delta = [0] * (last + 2)
+    # an op's own temporaries (allocated and freed by that op): one op of a stream runs at
+    # a time, so per stage and stream only the largest of them is live at once
+    transient: dict[tuple[int, str], int] = defaultdict(int)
     for b in schedule.buffers:
+        if b.alloc is not None and b.alloc == b.free:
+            op = schedule.ops[b.alloc]
+            transient[op.stage, op.stream] = max(transient[op.stage, op.stream], b.bytes)
+            continue
         first = schedule.ops[b.alloc].stage if b.alloc is not None else 0
         final = schedule.ops[b.free].stage if b.free is not None else last
         delta[first] += b.bytes
         delta[max(first, final) + 1] -= b.bytes
+    on_top = defaultdict(int)
+    for (stage, _), nbytes in transient.items():
+        on_top[stage] += nbytes
     peak, at, live = 0, 0, 0
     for stage in range(last + 1):
         live += delta[stage]
-        if live > peak:
-            peak, at = live, stage
+        if live + on_top[stage] > peak:
+            peak, at = live + on_top[stage], stage
     return peak, at
 
 
