@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from karma.errors import KarmaError
 from karma.modelfile import output_tensors
 from karma.runtime.backend import CpuBackend
+from karma.runtime.chaos import Chaos, pause
 from karma.runtime.distributed import GradientExchange
 from karma.runtime.host import BuildInTier, HostPool
 from karma.runtime.streams import StreamWorker, raise_stream_failure, wait_for
@@ -97,7 +98,9 @@ class Engine:
         self._gen = -1
         self._base = 0  # gid of this generation's op 0
         self._errors: list = []
-        self.streams = {name: StreamWorker(name, self._events, self._errors, self.backend)
+        self.chaos = Chaos.from_env()  # [Note: chaos timing]: None unless KARMA_CHAOS is set
+        self.streams = {name: StreamWorker(name, self._events, self._errors, self.backend,
+                                           self.chaos)
                         for name in ("h2d", "d2h", "net", "host")}
         # (start, end) of each time the compute thread waited for another stream, this step,
         # and the stream each wait is blamed on ([Note: which stream a wait is blamed on])
@@ -457,10 +460,12 @@ class Engine:
         # not hide the failure: without this check a run went on with its streams stopped
         # (no swap-outs, no host optimizer steps) and ended as if nothing had happened.
         raise_stream_failure(self._errors)
+        pause(self.chaos)
         if all(self._events[d].is_set() for d in deps):
             return
         start = time.perf_counter()
         last = wait_for(self._events, deps, self._errors)
+        pause(self.chaos)
         self.blocked.append((start, time.perf_counter()))
         self.blocked_on.append(self._stream_of(deps[-1] if last is None else last))
 
@@ -477,6 +482,7 @@ class Engine:
             self.recorder.ended(self._base + done, "compute")
         for params in self.releases.get(done, ()):
             self.shared.release(params)
+        pause(self.chaos)
         self.backend.issued(self._base + done, "compute")
         self._events[self._base + done].set()
 
@@ -502,6 +508,7 @@ class Engine:
             if op.kind == "fetch" and self._carried:  # the host step that updates the masters
                 owner = int(_WEIGHT_BUFFER.match(op.uses[0])[1])
                 deps += self._take_carried([self._host_step_of.get(owner, -1)])
+            pause(self.chaos)
             self.streams[op.stream].submit(gid, run, tuple(deps), label=op.id)
 
     def _skip(self, op) -> None:

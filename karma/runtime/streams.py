@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
+from karma.runtime.chaos import Chaos, pause
+
 
 class OpFailed(RuntimeError):
     """An operation on a stream failed; the original error is its __cause__."""
@@ -38,8 +40,9 @@ class StreamWorker:
     """One stream: runs its operations one after another on its own thread."""
 
     def __init__(self, name: str, events: dict[Hashable, threading.Event], errors: list,
-                 backend):
+                 backend, chaos: Chaos | None = None):
         self.name = name
+        self._chaos = chaos  # [Note: chaos timing]
         self._events = events  # op id -> issued event, shared by all streams
         self._backend = backend
         self._errors = errors  # shared: the first failure stops everything
@@ -59,9 +62,11 @@ class StreamWorker:
     def _loop(self) -> None:
         with self._backend.stream(self.name):
             while (item := self._queue.get()) is not None:
+                pause(self._chaos)
                 for d in item.deps:
                     while not (self._errors or self._events[d].wait(timeout=1.0)):
                         pass  # a failure elsewhere ends the wait (and skips the op)
+                pause(self._chaos)
                 if not self._errors:
                     try:
                         self._backend.order_after(item.deps, self.name, item.op_id)
@@ -71,6 +76,7 @@ class StreamWorker:
                         release = item.run()
                         if recorder is not None:
                             recorder.ended(item.op_id, self.name)
+                        pause(self._chaos)
                         self._backend.issued(item.op_id, self.name)
                         if release is not None:
                             self._backend.release_after(item.op_id, release)
