@@ -185,8 +185,8 @@ def test_a_clipped_schedule_whose_steps_come_early_is_refused(tmp_path, capsys, 
     capsys.readouterr()
     code = run_main([str(path), "--steps", "1"])
     out, err = capsys.readouterr()
-    assert code == 2 and "every optimizer step must follow every gradient" in err, err
-    assert "--clip-grad-norm" in err and "step 1/" not in out
+    assert code == 2 and "every optimizer step follows every gradient" in err, err
+    assert "clip_grad_norm" in err and "step 1/" not in out
 
 
 def test_progress_line_and_report_show_the_options_and_the_norm(tmp_path, capsys, small_mlp):

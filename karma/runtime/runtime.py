@@ -176,12 +176,16 @@ class Runtime:
         return_freed_memory_promptly()
         self.cpu_cache = cpu_cache.load(self.log) if backend.name == "cpu" else None
         if self.cpu_cache is not None:  # [Note: a caching allocator for the CPU backend]
-            self.cpu_cache.start(schedule.predicted.peak_device_bytes)
+            self.cpu_cache.start(1 << 62)  # bounded below, once the baseline is known
         # The first optimizer a process makes imports torch._dynamo (about 70 MiB): a one-time
         # cost of PyTorch, not of the schedule, so it happens before the baseline is taken.
         mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
         gc.collect()  # what an earlier model in this process left is not this run's baseline
         self.baseline_private_bytes = private_bytes()
+        # tensors of this process older than the run (others' models, say) that the CPU
+        # cache gave out: in the baseline, so not in what the cache may keep for this run
+        self._cache_baseline_bytes = (self.cpu_cache.stats().live_bytes
+                                      if self.cpu_cache is not None else 0)
         self.baseline_data_bytes = data_bytes()
         self.log(f"training: {schedule.config.training_text()}")
         self.log(f"baseline before the model: {format_bytes(self.baseline_private_bytes)} "
@@ -356,9 +360,11 @@ class Runtime:
         if self.cpu_cache is None:
             return
         held = self.cpu_cache.stats()
-        outside = (private_bytes() - self.baseline_private_bytes - held.live_bytes
-                   - held.idle_bytes)
-        self.cpu_cache.limit(self.schedule.predicted.peak_device_bytes - max(outside, 0))
+        base = self._cache_baseline_bytes
+        outside = (private_bytes() - self.baseline_private_bytes
+                   - (held.live_bytes - base) - held.idle_bytes)
+        self.cpu_cache.limit(base + self.schedule.predicted.peak_device_bytes
+                             - max(outside, 0))
 
     def _check_between_steps(self, what: str) -> None:
         if not self.accumulation.first:
