@@ -37,8 +37,9 @@ def trained(mf, schedule, tmp_path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+# the strategies with work on other streams (recompute_all has none: nothing to reorder)
 @pytest.mark.parametrize("strategy,fraction", [("swap_all", 1.0), ("offload_all", 1.0),
-                                               ("recompute_all", 1.0), ("ilp", 0.6)])
+                                               ("ilp", 0.6)])
 def test_training_is_bitwise_the_plain_loops_under_chaos(strategy, fraction, seed,
                                                          gpt_reference, tmp_path, monkeypatch):
     mf, (ref_sd, ref_losses) = gpt_reference
