@@ -59,6 +59,8 @@ class TraceRecorder:
             self._origin_event = self._stamp("compute")
         self._origin_s = time.perf_counter()
         self._base = base
+        if self._kept_now is not None:  # what the previous step left kept, before op 0
+            self._kept.append((self._origin_s, self._kept_now()))
 
     def began(self, gid, stream: str) -> None:
         if self._traced(gid):
