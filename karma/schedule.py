@@ -63,6 +63,8 @@ OP_KINDS = (
 # before that block's weights are next used.
 LAST_MICRO_BATCH_KINDS = ("allreduce", "device_step", "host_step", "upload")
 DEFERRED_KINDS = ("host_step", "upload")
+GRAD_KINDS = ("backward", "allreduce", "grads_to_host")  # after which a block's gradients are final
+OPTIMIZER_STEP_KINDS = ("device_step", "host_step")
 
 ACT_CHOICES = ("keep", "swap", "recompute")
 WEIGHT_CHOICES = ("resident", "streamed")

@@ -35,8 +35,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from karma.schedule import (
+    GRAD_KINDS,
     LAST_MICRO_BATCH_KINDS,
     OP_KINDS,
+    OPTIMIZER_STEP_KINDS,
     BlockEntry,
     Op,
     Schedule,
@@ -51,9 +53,6 @@ STREAM_OF_KIND = {
     "device_step": "compute", "swap_in": "h2d", "fetch": "h2d", "upload": "h2d",
     "swap_out": "d2h", "grads_to_host": "d2h", "allreduce": "net", "host_step": "host",
 }
-# kinds after which a block's gradients are final, and optimizer steps (runtime/training.py)
-_GRAD_KINDS = ("backward", "allreduce", "grads_to_host")
-_STEP_KINDS = ("device_step", "host_step")
 _WEIGHT_BUFFER = re.compile(r"w\.(\d+)@([fb])(\d*)$")  # w.OWNER@fUSER: fetched weights
 _REPLAN = "re-plan with karma-plan"
 _FIX = f"or {_REPLAN}"
@@ -414,8 +413,9 @@ class _Checker:
                               "block's gradients add up on the host and are all-reduced there, "
                               "after its grads_to_host); " + _REPLAN)
         if cfg.clip_grad_norm is not None:
-            last = max((op for op in self.s.ops if op.kind in _GRAD_KINDS), key=lambda o: o.id)
-            early = [op for op in self.s.ops if op.kind in _STEP_KINDS and op.id < last.id]
+            last = max((op for op in self.s.ops if op.kind in GRAD_KINDS), key=lambda o: o.id)
+            early = [op for op in self.s.ops
+                     if op.kind in OPTIMIZER_STEP_KINDS and op.id < last.id]
             if early:
                 raise _Broken(f"{self.op(early[0])} comes before {self.op(last)}, which makes "
                               "a gradient final (rule: dependencies: with config."

@@ -27,11 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from karma.errors import KarmaError
-from karma.schedule import Schedule
-
-# the kinds after which a block's gradient is final (clipping waits for all of them)
-GRAD_KINDS = ("backward", "allreduce", "grads_to_host")
-OPTIMIZER_STEP_KINDS = ("device_step", "host_step")
+from karma.schedule import GRAD_KINDS, OPTIMIZER_STEP_KINDS, Schedule
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
