@@ -78,9 +78,10 @@ def main() -> None:
     # (measured once, cached: karma/calibrate.py); --no-measure: the roofline
     cal = calibrate(mf, graph, "cpu", load_hardware("cpu"), False if args.no_measure else None,
                     log=print)
-    hw, measured_s = cal.hardware, cal.measured_s
+    hw, measured_s, steps_s = cal.hardware, cal.measured_s, cal.measured_step_s
     Path(tempfile.gettempdir(), "karma-fidelity-cpu.yaml").write_text(dump_hardware(hw))
-    problem = build_problem(graph, hw, optimizer=opt_profile, measured_s=measured_s)
+    problem = build_problem(graph, hw, optimizer=opt_profile, measured_s=measured_s,
+                            measured_step_s=steps_s)
     keep_peak = evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
     model = ModelRef(example, mf.sha256,
                      hashlib.sha256(graph.to_json().encode()).hexdigest(),
@@ -105,7 +106,8 @@ def main() -> None:
     cases = [(case.split(":")[0], float(case.split(":")[1])) for case in args.cases.split(",")]
     independent = build_problem(graph, dataclasses.replace(
         hw, compute_slowdown_copy=0.0, copy_slowdown_compute=0.0, compute_slowdown_host=0.0,
-        host_slowdown_compute=0.0), optimizer=opt_profile, measured_s=measured_s)
+        host_slowdown_compute=0.0), optimizer=opt_profile, measured_s=measured_s,
+                            measured_step_s=steps_s)
     print(f"contention: compute slowdown {hw.compute_slowdown_copy:g} beside copies, "
           f"{hw.compute_slowdown_host:g} beside host steps; copies {hw.copy_slowdown_compute:g}"
           f", host steps {hw.host_slowdown_compute:g} beside compute")
@@ -122,7 +124,7 @@ def main() -> None:
         try:
             report = make_schedule(graph, model, PlanRequest(
                 cap, hw, args.batch_size, strategy=strategy, optimizer=opt_profile,
-                measured_s=measured_s))
+                measured_s=measured_s, measured_step_s=steps_s))
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"| {strategy} | {format_bytes(cap)} | {type(e).__name__}: {e} |")
             continue

@@ -3,6 +3,7 @@
     cal = calibrate(mf, graph, "cpu", load_hardware("cpu"), measure=None)
     cal.hardware        # the profile to plan with: built-in sizes, this machine's rates
     cal.measured_s      # (fwd s, bwd s) per block, or None for the roofline estimate
+    cal.measured_step_s # (device s, host s) of each block's optimizer step, or None
     cal.summary         # one line for karma-plan: where the block times came from
 
 Which hardware is "this machine": the built-in `cpu` profile (the CPU backend always runs on
@@ -19,7 +20,8 @@ What is measured, once, then cached as JSON under $XDG_CACHE_HOME/karma (default
   allocator settings ([Note: timing under the runtime's allocator]), keyed by the CPU model, core and thread counts, OMP_WAIT_POLICY, the GPU's name
   and the torch version. The profile's sizes (memory, disk, network) stay the built-in ones:
   the budget is --gpu-mem, and the network is not measured.
-- every distinct block's forward and backward (karma.ir.timing), keyed by the machine, the
+- every distinct block's forward and backward, and the model file's optimizer stepping its
+  weights (karma.ir.timing, [Note: timing the optimizer step]), keyed by the machine, the
   model file's sha256 and the KARMA_* environment, the block graph's hash, the batch size,
   the dtype and --blocks.
 A cache file that cannot be read or does not check out is measured again, never an error.
@@ -64,7 +66,7 @@ from karma.planner.hardware import (
 )
 from karma.planner.problem import build_problem
 
-CACHE_VERSION = 1  # bump when what a cache file holds changes meaning
+CACHE_VERSION = 2  # bump when what a cache file holds changes meaning (2: optimizer steps)
 _TIMING_BUDGET_S = 15.0  # see [Note: timing at a smaller batch]
 _RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
                 "host_optim_bytes_per_s",
@@ -84,6 +86,8 @@ class Calibration:
     hardware: Hardware  # the profile given, with this machine's rates when it was measured
     measured_s: tuple[tuple[float, float], ...] | None  # per block; None: roofline estimate
     summary: str  # e.g. "measured on this machine (cached in ~/.cache/karma/blocks-....json)"
+    # (device s, host s) of each block's optimizer step; None: from the profile's rates
+    measured_step_s: tuple[tuple[float, float], ...] | None = None
 
 
 def local_device(hardware: str | Hardware) -> str | None:
@@ -128,7 +132,7 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
             hw = _measured_machine(device, hw, say)
         start = time.perf_counter()
         try:
-            times, path, fresh = _block_times(mf, graph, profile, device, blocks_regex, say)
+            (times, steps), path, fresh = _block_times(mf, graph, profile, device, blocks_regex, say)
         except KarmaError as e:
             if measure:  # asked for: the error is the answer
                 raise
@@ -137,7 +141,7 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
             return Calibration(hw, None, "roofline estimate (timing the blocks failed)")
     how = (f"measured now in {time.perf_counter() - start:.0f} s" if fresh
            else "measured on this machine")
-    return Calibration(hw, times, f"{how} (cached in {path})")
+    return Calibration(hw, times, f"{how} (cached in {path})", steps)
 
 
 @contextlib.contextmanager
@@ -234,8 +238,10 @@ def _read_machine(path: Path) -> Hardware | None:
 
 def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
                  blocks_regex: str | None, say: Callable[[str], None]
-                 ) -> tuple[tuple[tuple[float, float], ...], Path, bool]:
-    """Every block's (fwd s, bwd s) at the graph's batch: from the cache, or timed now."""
+                 ) -> tuple[tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]],
+                            Path, bool]:
+    """Every block's (fwd s, bwd s) at the graph's batch and (device s, host s) of its
+    optimizer step: from the cache, or timed now."""
     key = {
         "machine": _machine_key(device),
         "model_sha256": mf.sha256,
@@ -261,9 +267,22 @@ def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
                          f"{', '.join(timed.names)}, not the plan's; plan with --no-measure")
     scale = graph.batch_size / batch
     times = tuple((fwd * scale, bwd * scale) for fwd, bwd in timed.fwd_bwd_s)
+    steps = tuple(_owned_share(b.param_bytes, stepped, step)
+                  for b, stepped, step in zip(graph.blocks, timed.stepped_bytes, timed.step_s))
     _write(path, {"key": key, "timed_batch_size": batch, "distinct_blocks": timed.distinct,
-                  "fwd_bwd_s": times}, say)
-    return times, path, True
+                  "fwd_bwd_s": times, "step_s": steps}, say)
+    return (times, steps), path, True
+
+
+def _owned_share(param_bytes: int, stepped_bytes: int, step_s: tuple[float, float]
+                 ) -> tuple[float, float]:
+    """A block's optimizer step for the weights it owns (`param_bytes`), from the step timed
+    over every weight it uses (`stepped_bytes`, a tied weight's owner's too). The step does
+    not grow with the batch: it is not scaled by it."""
+    if stepped_bytes <= 0 or param_bytes <= 0:
+        return 0.0, 0.0
+    share = min(param_bytes / stepped_bytes, 1.0)
+    return step_s[0] * share, step_s[1] * share
 
 
 def timing_batch(graph: BlockGraph, hw: Hardware) -> int:
@@ -279,14 +298,17 @@ def timing_batch(graph: BlockGraph, hw: Hardware) -> int:
     return max(1, math.floor(graph.batch_size * _TIMING_BUDGET_S / estimate_s))
 
 
-def _read_times(path: Path, n_blocks: int) -> tuple[tuple[float, float], ...] | None:
+def _read_times(path: Path, n_blocks: int
+                ) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]] | None:
     data = _read(path)
     try:
         times = tuple((float(f), float(b)) for f, b in data["fwd_bwd_s"])
+        steps = tuple((float(d), float(h)) for d, h in data["step_s"])
     except (KeyError, TypeError, ValueError):
         return None
-    ok = len(times) == n_blocks and all(math.isfinite(t) and t >= 0 for p in times for t in p)
-    return times if ok else None
+    ok = (len(times) == len(steps) == n_blocks
+          and all(math.isfinite(t) and t >= 0 for p in (*times, *steps) for t in p))
+    return (times, steps) if ok else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,11 +12,12 @@ import torch
 
 import karma
 from karma.api import plan_report
-from karma.calibrate import cache_dir, local_device, timing_batch
+from karma.calibrate import CACHE_VERSION, _owned_share, cache_dir, local_device, timing_batch
 from karma.cli.plan import main as plan_main
 from karma.errors import KarmaError
 from karma.ir import build_block_graph
 from karma.ir.timing import time_blocks
+from karma.modelfile import load_model_file
 from karma.planner.hardware import load_hardware
 from tests.conftest import EXAMPLES, environment
 
@@ -65,6 +66,57 @@ def test_same_shaped_blocks_are_timed_once(example):
     assert times.distinct == 3 and len(times.fwd_bwd_s) == 4
     assert times.fwd_bwd_s[1] == times.fwd_bwd_s[2]
     assert seen == ["timing block head", "timing block h.0 (and 1 alike)", "timing block tail"]
+
+
+def test_the_model_files_own_optimizer_is_timed_stepping_each_blocks_weights(example, tmp_path):
+    # [Note: timing the optimizer step]: an optimizer that takes 30 ms a step is seen as one
+    mf = example("mlp")
+    plain = time_blocks(mf, 2, repeats=1)
+    slow_file = tmp_path / "slow_optimizer.py"
+    slow_file.write_text(mf.path.read_text() + SLOW_OPTIMIZER)
+    slow = time_blocks(load_model_file(slow_file), 2, repeats=2)
+    graph = build_block_graph(mf, 2)
+    for b, stepped, (device_s, host_s), (plain_s, _) in zip(
+            graph.blocks, slow.stepped_bytes, slow.step_s, plain.step_s):
+        assert stepped == b.param_bytes  # no tied weight in the MLP
+        assert host_s == device_s  # on the CPU the host optimizer is the same step
+        if b.param_bytes:
+            assert device_s >= 0.03 > plain_s
+        else:
+            assert device_s == 0.0
+
+
+SLOW_OPTIMIZER = """
+
+import time as _time
+
+
+class _SlowAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        _time.sleep(0.03)
+        return super().step(closure)
+
+
+def make_optimizer(params):
+    return _SlowAdamW(params, lr=1e-3)
+"""
+
+
+def test_a_blocks_step_is_its_own_weights_share_and_not_scaled_by_the_batch():
+    # the tail of a tied LM steps the embedding weight when timed alone, which its owner steps
+    assert _owned_share(100, 400, (0.8, 0.4)) == (0.2, 0.1)
+    assert _owned_share(400, 400, (0.8, 0.4)) == (0.8, 0.4)
+    assert _owned_share(0, 400, (0.8, 0.4)) == (0.0, 0.0)
+
+
+def test_measured_steps_replace_the_estimate_in_the_plan(own_cache):
+    with environment(TINY):
+        report = plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
+        (blocks,) = own_cache.glob("blocks-*.json")
+    steps = json.loads(blocks.read_text())["step_s"]
+    assert [(b.device_step_s, b.host_step_s) for b in report.problem.blocks] == \
+        [tuple(s) for s in steps]
+    assert any(d > 0 for d, _ in steps)
 
 
 def test_bf16_blocks_are_timed_under_autocast(example):
@@ -125,7 +177,7 @@ def test_a_corrupt_cache_file_is_measured_again(own_cache):
         blocks.write_text("{not json")
         again = plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
     assert again.block_times.startswith("measured now in ")
-    assert json.loads(blocks.read_text())["version"] == 1
+    assert json.loads(blocks.read_text())["version"] == CACHE_VERSION
     for text in ("", "[]", json.dumps({"hardware": "version: 99"}), json.dumps({"x": 1})):
         blocks.write_text(text)
         assert _read_machine(blocks) is None

@@ -12,7 +12,15 @@ weights are materialised (random), its inputs come from the real example batch w
 the model's inputs, and are made up, with the recorded shapes, dtypes and strides, where they
 come from another block (see [Note: made-up block inputs]). The time is the median of a few
 timed runs after a warm-up (see [Note: how often a block runs]), forward and backward (from
-gradients of ones) separately.
+gradients of ones) separately, then the model file's optimizer stepping the block's weights
+(see [Note: timing the optimizer step]).
+
+[Note: timing the optimizer step] The optimizer step is timed per block, with the model file's
+own optimizer (`make_optimizer` over the block's weights, as the runtime makes one per block),
+once to create its state and then up to `repeats` timed steps. An estimate from memory
+bandwidth missed by 25x on the CPU: PyTorch's AdamW on CPU tensors runs its single-tensor loop,
+about ten full passes over each weight, and pays per tensor (ResNet-50's 161 small tensors).
+On a GPU the same weights are stepped again on the CPU, as the host optimizer would.
 
 [Note: how often a block runs] A block runs once to warm up (first-call costs: kernel
 selection, allocator growth), then up to `repeats` timed runs, fewer once the timed runs add
@@ -59,6 +67,9 @@ class BlockTimes:
     """Measured block times at one batch size."""
 
     fwd_bwd_s: tuple[tuple[float, float], ...]  # (forward s, backward s) per block, in order
+    step_s: tuple[tuple[float, float], ...]  # (device s, host s) of the optimizer step of the
+    # weights each block was timed with ([Note: timing the optimizer step])
+    stepped_bytes: tuple[int, ...]  # those weights' bytes (a tied weight in each of its blocks)
     batch_size: int  # the batch they were timed at
     distinct: int  # blocks actually run; the others share a same-shaped block's times
     names: tuple[str, ...]  # block names, in order (to check against the block graph)
@@ -87,7 +98,7 @@ def time_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
     submods = [getattr(split, f"submod_{i}") for i in range(len(specs))]
     sigs = [_signature(submod, *probe.args[i]) for i, submod in enumerate(submods)]
     first_of: dict[str, int] = {}  # signature -> the first block that has it
-    times: list[tuple[float, float]] = []
+    times: list[tuple[float, float, float, float, int]] = []
     for i, spec in enumerate(specs):
         if sigs[i] in first_of:
             times.append(times[first_of[sigs[i]]])
@@ -98,14 +109,16 @@ def time_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
             log(f"timing block {spec.name}" + (f" (and {alike} alike)" if alike else ""))
         try:
             times.append(_time_block(submods[i], probe.args[i][0], real_of, names, dev,
-                                     dtype, repeats))
+                                     dtype, repeats, mf.make_optimizer))
         except torch.OutOfMemoryError as e:
             raise IRError(f"timing block {spec.name} ran out of memory on {dev} at batch "
                           f"{batch_size}; plan with --no-measure or a smaller --batch-size") from e
         except Exception as e:  # noqa: BLE001 - user code; name the block
             raise IRError(f"timing block {spec.name} on {dev} failed: {type(e).__name__}: "
                           f"{str(e)[:300]}") from e
-    return BlockTimes(tuple(times), batch_size, len(first_of), tuple(s.name for s in specs))
+    return BlockTimes(tuple((f, b) for f, b, *_ in times), tuple((d, h) for _, _, d, h, _ in times),
+                      tuple(n for *_, n in times), batch_size, len(first_of),
+                      tuple(s.name for s in specs))
 
 
 def _flat_real(inputs, traced) -> tuple[torch.Tensor, ...]:
@@ -174,21 +187,26 @@ def _as_on_device(gm: torch.fx.GraphModule, dev: torch.device) -> None:
 
 
 def _real_args(args: list, real_of: dict[int, torch.Tensor], names: dict[int, str],
-               dev: torch.device) -> list:
+               dev: torch.device) -> tuple[list, list[torch.Tensor]]:
     """The block's arguments on `dev`: the model's inputs as the example batch has them,
     weights random, buffers as `_fill` sets them, the rest made up (see [Note: made-up block
-    inputs])."""
+    inputs]); and which of them are the weights."""
+    weights = []
+
     def real(t: torch.Tensor):
         if id(t) in real_of:
             return real_of[id(t)]
         if t.device.type != "meta":  # a constant the trace kept
             return t.to(dev)
         x = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)
+        weight = isinstance(t, torch.nn.Parameter)
         with torch.no_grad():
-            _fill(x, names.get(id(t), ""), weight=isinstance(t, torch.nn.Parameter))
+            _fill(x, names.get(id(t), ""), weight=weight)
+        if weight:
+            weights.append(x)
         return x.requires_grad_(t.requires_grad)
 
-    return [pytree.tree_map_only(torch.Tensor, real, a) for a in args]
+    return [pytree.tree_map_only(torch.Tensor, real, a) for a in args], weights
 
 
 def _fill(x: torch.Tensor, name: str, weight: bool) -> None:
@@ -206,9 +224,11 @@ def _fill(x: torch.Tensor, name: str, weight: bool) -> None:
 
 
 def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: dict,
-                dev: torch.device, dtype: str, repeats: int) -> tuple[float, float]:
+                dev: torch.device, dtype: str, repeats: int, make_optimizer: Callable
+                ) -> tuple[float, float, float, float, int]:
     """Median forward and backward seconds of `submod` over up to `repeats` runs after a
-    warm-up (see [Note: how often a block runs])."""
+    warm-up (see [Note: how often a block runs]), then its optimizer step's on the device and
+    on the host, and the bytes stepped ([Note: timing the optimizer step])."""
     retarget_device(submod, torch.device("meta"), dev)  # arange(T, device=x.device) in forward
     _as_on_device(submod, dev)
     if dtype in _AUTOCAST:
@@ -217,7 +237,7 @@ def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: 
     with torch.no_grad():
         for name, t in (*submod.named_parameters(), *submod.named_buffers()):
             _fill(t, name, weight=isinstance(t, torch.nn.Parameter))
-    real = _real_args(args, real_of, names, dev)
+    real, weights = _real_args(args, real_of, names, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     autocast = (torch.autocast(dev.type, dtype=_AUTOCAST[dtype]) if dtype in _AUTOCAST
                 else None)
@@ -247,4 +267,39 @@ def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: 
         fwd += [t1 - t0] * copies
         bwd += [t2 - t1] * copies
         del out, outs, fresh
-    return statistics.median(fwd[1:]), statistics.median(bwd[1:])
+    params = [torch.nn.Parameter(w.detach()) for w in weights if w.requires_grad]
+    params += [p for p in submod.parameters() if p.requires_grad]
+    device_step_s = _time_step(params, make_optimizer, sync, repeats)
+    if dev.type == "cpu":
+        host_step_s = device_step_s
+    else:
+        on_host = [torch.nn.Parameter(p.detach().cpu()) for p in params]
+        for p, h in zip(params, on_host):
+            h.grad = None if p.grad is None else p.grad.cpu()
+        host_step_s = _time_step(on_host, make_optimizer, lambda: None, repeats)
+    stepped = sum(p.numel() * p.element_size() for p in params)
+    return (statistics.median(fwd[1:]), statistics.median(bwd[1:]), device_step_s,
+            host_step_s, stepped)
+
+
+def _time_step(params: list[torch.nn.Parameter], make_optimizer: Callable,
+               sync: Callable[[], None], repeats: int) -> float:
+    """Median seconds of the model file's optimizer stepping `params`, after a first step
+    that makes its state ([Note: timing the optimizer step])."""
+    if not params:
+        return 0.0
+    for p in params:
+        if p.grad is None:  # a gradient's values do not change the step's time
+            p.grad = torch.full_like(p, 1e-3)
+    optimizer = make_optimizer(params)
+    optimizer.step()
+    seconds = []
+    for _ in range(max(repeats, 1)):
+        sync()
+        t0 = time.perf_counter()
+        optimizer.step()
+        sync()
+        seconds.append(time.perf_counter() - t0)
+        if sum(seconds) >= _BLOCK_BUDGET_S:
+            break
+    return statistics.median(seconds)

@@ -150,12 +150,14 @@ def ring_allreduce_s(nbytes: int, world_size: int, net_bytes_per_s: float,
 
 def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_size: int = 1,
                   optimizer: OptimizerProfile | None = None,
-                  measured_s: Sequence[tuple[float, float]] | None = None) -> Problem:
+                  measured_s: Sequence[tuple[float, float]] | None = None,
+                  measured_step_s: Sequence[tuple[float, float]] | None = None) -> Problem:
     """Per-block costs of `graph` on `hw`.
 
     optimizer: the optimizer's state and temporaries per parameter byte (default AdamW's:
     2 and 2). measured_s: (forward, backward) seconds per block, replacing the roofline
-    estimate.
+    estimate; measured_step_s: (device, host) seconds of each block's optimizer step, replacing
+    the estimate from the profile's rates.
     """
     optimizer = optimizer or OptimizerProfile(state_factor=2, temp_factor=2.0)
     if dtype not in DTYPES:
@@ -202,8 +204,10 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
             fwd_temp_bytes=b.fwd_temp_bytes,
             bwd_temp_bytes=b.bwd_temp_bytes,
             step_temp_bytes=int(optimizer.temp_factor * b.max_param_bytes),
-            host_step_s=b.param_bytes / hw.host_optim_bytes_per_s,
-            device_step_s=DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s,
+            host_step_s=(measured_step_s[i][1] if measured_step_s is not None
+                         else b.param_bytes / hw.host_optim_bytes_per_s),
+            device_step_s=(measured_step_s[i][0] if measured_step_s is not None
+                           else DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s),
             allreduce_s=ring_allreduce_s(param_bytes, world_size, hw.net_bytes_per_s,
                                          hw.net_latency_s),
             shared_saved_bytes=shared_saved[i],
