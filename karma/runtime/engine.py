@@ -35,10 +35,10 @@ from karma.runtime.distributed import GradientExchange
 from karma.runtime.host import BuildInTier, HostPool
 from karma.runtime.streams import StreamWorker, raise_stream_failure, wait_for
 from karma.runtime.swap import DivergedError, SwapStore
-from karma.runtime.training import GRAD_KINDS, GradClip, MixedPrecision, check_training_ops
+from karma.runtime.training import GradClip, MixedPrecision
 from karma.runtime.weights import BlockWeights, SharedStorage
-from karma.schedule import DEFERRED_KINDS, LAST_MICRO_BATCH_KINDS, Schedule
-from karma.schedule_check import check_model_names
+from karma.schedule import DEFERRED_KINDS, GRAD_KINDS, LAST_MICRO_BATCH_KINDS, Schedule
+from karma.schedule_check import check_model_names, validate
 
 _WEIGHT_BUFFER = re.compile(r"w\.(\d+)@([fb])(\d*)$")
 
@@ -63,7 +63,7 @@ class Engine:
         if schedule.config.world_size > 1 and exchange is None:
             raise KarmaError(f"this schedule was planned for {schedule.config.world_size} ranks; "
                              "run it on that many (karma-run under torchrun)")
-        check_training_ops(schedule)
+        validate(schedule)  # a Schedule made in memory was never loaded (and checked)
         self.precision = precision or MixedPrecision(self.backend.device.type, None)
         self.clip = clip
         named = dict(model.named_parameters(remove_duplicate=False))

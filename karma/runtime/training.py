@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from karma.errors import KarmaError
-from karma.schedule import GRAD_KINDS, OPTIMIZER_STEP_KINDS, Schedule
+from karma.schedule import Schedule
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -104,30 +104,3 @@ class Accumulation:
     def advance(self) -> None:
         self.done = 0 if self.last else self.done + 1
 
-
-def check_training_ops(schedule: Schedule) -> None:
-    """Refuse a schedule whose op order the training options cannot run: with clipping, a
-    step before a gradient is final; with accumulation on several ranks, a host-stepped
-    block whose all-reduce comes before its gradients reach the host."""
-    ops = schedule.ops
-    if schedule.config.clip_grad_norm is not None:
-        last_grad = max((op.id for op in ops if op.kind in GRAD_KINDS), default=-1)
-        early = [op for op in ops if op.kind in OPTIMIZER_STEP_KINDS and op.id < last_grad]
-        if early:
-            op = early[0]
-            raise KarmaError(
-                f"the schedule clips gradients (config.clip_grad_norm) but operation {op.id} "
-                f"({op.kind} of block {op.block}) comes before operation {last_grad}, which "
-                "makes a gradient final: every optimizer step must follow every gradient; "
-                "re-plan with karma-plan --clip-grad-norm")
-    if schedule.config.accumulate > 1 and schedule.config.world_size > 1:
-        for b in schedule.blocks:
-            if b.optim != "host":
-                continue
-            kinds = [op.kind for op in ops if op.block == b.index and op.kind in
-                     ("allreduce", "grads_to_host")]
-            if kinds == ["allreduce", "grads_to_host"]:
-                raise KarmaError(
-                    f"the schedule accumulates gradients over several ranks, but block "
-                    f"{b.index} ({b.name}) is all-reduced before its gradients go to the host, "
-                    "where they accumulate; re-plan with karma-plan --accumulate")
