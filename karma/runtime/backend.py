@@ -60,6 +60,9 @@ class WallClock:
     """Stamps on the CPU's clock: where work runs on the thread that stamps it (the CPU
     backend), a stamp before and one after the work bound it."""
 
+    def restart(self) -> None:
+        pass
+
     def stamp(self) -> float:
         return time.perf_counter()
 
@@ -70,10 +73,15 @@ class WallClock:
 class CudaClock:
     """Stamps on the device's clock: a timing event recorded on the calling thread's current
     stream, read as seconds since this clock's origin once the work has finished (the
-    all-reduces' times, and when compute waited for them: see CudaBackend.order_after)."""
+    all-reduces' times, and when compute waited for them: see CudaBackend.order_after). The
+    origin moves to the start of each step (`restart`): event times are single-precision
+    milliseconds, too coarse hours after one origin."""
 
     def __init__(self, device: torch.device):
         self._device = device
+        self._origin = self.stamp()
+
+    def restart(self) -> None:
         self._origin = self.stamp()
 
     def stamp(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
@@ -82,6 +90,7 @@ class CudaClock:
         return event
 
     def seconds(self, stamp: torch.cuda.Event) -> float:
+        self._origin.synchronize()
         stamp.synchronize()
         return self._origin.elapsed_time(stamp) / 1e3  # milliseconds
 

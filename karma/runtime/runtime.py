@@ -274,6 +274,7 @@ class Runtime:
             self._micro = []
             self._step_lr = self.lr
             self._bound_cpu_cache()
+            self.backend.clock.restart()  # the origin of this step's all-reduce times
         recorder = None
         if self._trace_next and acc.last:
             recorder = TraceRecorder(self.schedule, self.backend, None if self.cpu_cache is None
