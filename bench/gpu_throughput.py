@@ -52,11 +52,10 @@ def contender(mode: str, steps: int, batch_size: int, cap_bytes: int, device: st
 
     mf = load_model_file(ROOT / "examples" / "gpt.py")
     outside = 0
-    if device == "cuda":
-        torch.cuda.init()
-        free, total = torch.cuda.mem_get_info()
-        outside = total - free - torch.cuda.memory_reserved()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (cap_bytes - outside) / total))
+    if device == "cuda":  # the card emulated as karma-run --cap-device-memory does
+        from karma.runtime.backend import cap_device_memory
+
+        outside = cap_device_memory(cap_bytes).outside_bytes
     torch.manual_seed(0)
     model = mf.build_model().to(device)
     model.train()

@@ -1,7 +1,7 @@
 """The plain PyTorch training loop that karma must equal, as a command.
 
     python -m karma.reference examples/gpt.py --batch-size 2 --steps 5 [--seed 0]
-        [--world-size N] [--device cuda [--memory-fraction F]]
+        [--world-size N] [--device cuda [--cap-device-memory SIZE]]
 
 Prints one JSON line: the losses (rank 0's with --world-size N), and the peak private memory
 above the process's baseline before the model was built (on CUDA, also the peak device
@@ -224,11 +224,14 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--accumulate", type=int, default=1, metavar="N")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X")
-    p.add_argument("--memory-fraction", type=float, default=None,
-                   help="on CUDA: torch.cuda.set_per_process_memory_fraction (a smaller GPU)")
+    p.add_argument("--cap-device-memory", default=None, metavar="SIZE",
+                   help="on CUDA: emulate a GPU of SIZE, as karma-run --cap-device-memory does")
     args = p.parse_args()
-    if args.memory_fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
+    if args.cap_device_memory is not None:
+        from karma.runtime.backend import cap_device_memory
+        from karma.units import parse_size
+
+        cap_device_memory(parse_size(args.cap_device_memory, "--cap-device-memory"))
     mf = load_model_file(args.model)
     mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])  # import-time costs, as karma-run
     baseline, baseline_data = private_bytes(), data_bytes()

@@ -326,9 +326,7 @@ class CudaBackend:
         """Make the allocations CUDA libraries keep for the process (cuBLAS workspaces on the
         compute stream) before the baseline is taken."""
         with torch.cuda.stream(self.compute):
-            a = torch.ones(64, 64, device=self.device, requires_grad=True)
-            (a @ a).sum().backward()
-        torch.cuda.synchronize(self.device)
+            warm_up(self.device)
 
     def memory_baseline(self) -> int:
         return torch.cuda.memory_allocated(self.device)
@@ -343,29 +341,11 @@ class CudaBackend:
         return torch.cuda.max_memory_reserved(self.device)
 
     def outside_allocator_bytes(self) -> int:
-        """Device memory in use that PyTorch's caching allocator does not hold: the CUDA
-        context, library handles, NCCL's buffers (and other processes' memory)."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        return total - free - torch.cuda.memory_reserved(self.device)
+        return outside_allocator_bytes(self.device)
 
     def cap(self, nbytes: int) -> DeviceCap:
-        """Emulate a GPU of `nbytes`: the caching allocator may hold `nbytes` less what is
-        already in use outside it (the CUDA context, measured now), so that the whole card's
-        use stays within `nbytes` as on a GPU of that size."""
-        from karma.errors import KarmaError
-        from karma.units import format_bytes
-
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        outside = self.outside_allocator_bytes()
-        limit = nbytes - outside
-        if limit <= 0:
-            raise KarmaError(
-                f"--cap-device-memory {format_bytes(nbytes)} leaves nothing for PyTorch: "
-                f"{format_bytes(outside)} of the device is already in use outside its "
-                "allocator (the CUDA context); cap at a larger size")
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
-        return DeviceCap(total, outside, limit)
+        """Emulate a GPU of `nbytes` (cap_device_memory)."""
+        return cap_device_memory(nbytes, self.device)
 
 
 class DeviceCap(NamedTuple):
@@ -375,6 +355,44 @@ class DeviceCap(NamedTuple):
     total_bytes: int
     outside_bytes: int
     allocator_bytes: int
+
+
+def warm_up(device: torch.device) -> None:
+    """A matrix product forward and backward on the current stream: cuBLAS makes its handle
+    (outside the allocator) and its workspace (inside) now, not in the middle of a step."""
+    a = torch.ones(64, 64, device=device, requires_grad=True)
+    (a @ a).sum().backward()
+    torch.cuda.synchronize(device)
+
+
+def outside_allocator_bytes(device: torch.device) -> int:
+    """Device memory in use that PyTorch's caching allocator does not hold: the CUDA context,
+    library handles, NCCL's buffers (and other processes' memory)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
+def cap_device_memory(nbytes: int, device: torch.device | None = None) -> DeviceCap:
+    """Emulate a GPU of `nbytes`: PyTorch's caching allocator may hold `nbytes` less what is
+    already in use outside it (the CUDA context, measured now), so that the whole card's use
+    stays within `nbytes` as on a GPU of that size. karma-run --cap-device-memory, the
+    reference and every contender of bench/gpu_throughput.py emulate a card this one way."""
+    from karma.errors import KarmaError
+    from karma.units import format_bytes
+
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    warm_up(device)  # the context and cuBLAS's handle are then part of what is measured
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    outside = outside_allocator_bytes(device)
+    limit = nbytes - outside
+    if limit <= 0:
+        raise KarmaError(
+            f"a GPU of {format_bytes(nbytes)} leaves nothing for PyTorch: "
+            f"{format_bytes(outside)} of the device is already in use outside its allocator "
+            "(the CUDA context); emulate a larger GPU")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    return DeviceCap(total, outside, limit)
 
 
 def make_backend(device_kind: str):
