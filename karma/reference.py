@@ -1,7 +1,7 @@
 """The plain PyTorch training loop that karma must equal, as a command.
 
     python -m karma.reference examples/gpt.py --batch-size 2 --steps 5 [--seed 0]
-        [--world-size N] [--device cuda [--memory-fraction F]]
+        [--world-size N] [--device cuda [--cap-device-memory SIZE]]
 
 Prints one JSON line: the losses (rank 0's with --world-size N), and the peak private memory
 above the process's baseline before the model was built (on CUDA, also the peak device
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -41,7 +41,8 @@ class ReferenceRun:
 def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
                     world_size: int = 1, on_step: Callable[[], None] | None = None,
                     device: str = "cpu", eval_every: int = 0, dtype: str = "fp32",
-                    accumulate: int = 1, clip_grad_norm: float | None = None) -> ReferenceRun:
+                    accumulate: int = 1, clip_grad_norm: float | None = None,
+                    host_params: Collection[str] = ()) -> ReferenceRun:
     """Plain PyTorch training for `steps` steps: per step, `accumulate` (N) times forward
     and loss (under autocast with dtype bf16), backward of loss / N; then
     `clip_grad_norm_(model.parameters(), clip_grad_norm)` if given, `opt.step()`, the model
@@ -50,13 +51,18 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
 
     With world_size N it is what N data-parallel ranks compute, in one process: per step,
     each rank's batch `batches(B, r, N)` goes forward and backward from that rank's own RNG
-    state (every rank starts from the same one, as ranks seeded alike do), the N gradients
+    states, the CPU's and on CUDA the GPU's (every rank starts from the same ones, as ranks
+    seeded alike do), the N gradients
     are summed in rank order and divided by N, and the optimizer steps once. Only parameters
     are comparable then: buffers (BatchNorm statistics) see every rank's batch here.
     `on_step` runs after each optimizer step (step times). On another
     `device` the model is built on the CPU and then moved, as karma-run does. With
     `eval_every` N, every N steps the mean loss over the model file's eval_batches is taken
     in evaluation mode under torch.no_grad(), as karma-run --eval-every does.
+
+    `host_params`: the names of parameters stepped on the CPU, as a schedule's host-stepped
+    blocks are (see HostStepped): on a GPU the reference then computes what such a schedule
+    computes, to the bit.
     """
     autocast = partial(torch.autocast, torch.device(device).type, dtype=torch.bfloat16,
                        enabled=dtype == "bf16")
@@ -66,8 +72,9 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     model.train()
     opt = mf.make_optimizer(model.parameters())
     sched = mf.make_scheduler(opt) if mf.make_scheduler is not None else None
+    host = HostStepped(model, mf.make_optimizer, host_params) if host_params else None
     data = [mf.checked_batches(batch_size, r, world_size) for r in range(world_size)]
-    rng = [torch.get_rng_state()] * world_size
+    rng = [_rng_state(device)] * world_size
     params = list(model.parameters())
     losses: list[list[float]] = [[] for _ in range(world_size)]
     lrs: list[float] = []
@@ -79,7 +86,7 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
         summed: list[torch.Tensor | None] = [None] * len(params)
         for r in range(world_size):
             if world_size > 1:
-                torch.set_rng_state(rng[r])
+                _set_rng_state(rng[r], device)
             micro = []
             for _ in range(accumulate):
                 x, y = next(data[r])
@@ -91,7 +98,7 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
             losses[r].append(sum(micro) / len(micro))
             if world_size == 1:
                 break  # the plain loop: the gradients stay where backward left them
-            rng[r] = torch.get_rng_state()
+            rng[r] = _rng_state(device)
             summed = [g if s is None else s if g is None else s + g
                       for s, g in zip(summed, (p.grad for p in params))]
             opt.zero_grad()
@@ -99,10 +106,16 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
             for p, g in zip(params, summed):
                 p.grad = None if g is None else g / world_size
         lrs.append(float(opt.param_groups[0]["lr"]))
-        if clip_grad_norm is not None:
+        if host is not None:
+            host.take_grads(norms_on_device=clip_grad_norm is not None and accumulate == 1)
+        if clip_grad_norm is not None and host is None:
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
                                                                    clip_grad_norm)))
-        opt.step()
+        elif clip_grad_norm is not None:
+            grad_norms.append(host.clip(model, clip_grad_norm))
+        opt.step()  # the host-stepped parameters have no gradient here: it skips them
+        if host is not None:
+            host.step(opt)
         if sched is not None:
             sched.step()
         opt.zero_grad()
@@ -118,6 +131,87 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     return ReferenceRun(model, losses, lrs=lrs, grad_norms=grad_norms, evals=evals)
 
 
+def _rng_state(device: str) -> tuple:
+    """The RNG states a rank's forward draws from: the CPU's, and the GPU's on CUDA (dropout
+    there draws from the device's generator)."""
+    on_cuda = torch.device(device).type == "cuda"
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if on_cuda else None
+
+
+def _set_rng_state(state: tuple, device: str) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+class HostStepped:
+    """Parameters stepped on the CPU, as karma's host-stepped blocks are, inside the plain loop.
+
+    [Note: a reference with host-stepped parameters] A schedule that steps a block on the host
+    does the optimizer's arithmetic with the CPU's kernels, whose rounding differs from the
+    GPU's foreach kernels (CUDA's `_foreach_addcmul_` rounds v + s*(g*g), the CPU's addcmul_
+    v + (s*g)*g), and AdamW turns a last-bit difference in a gradient that is numerically
+    noise into a full step. So the GPU reference puts those parameters' arithmetic where the
+    schedule puts it: their gradients (accumulated and averaged on the device as the plain
+    loop does: an addition rounds alike everywhere) are copied to fp32 masters on the CPU, a
+    CPU optimizer made by the model file's make_optimizer steps the masters (per parameter,
+    as each block's optimizer does: the same bits whatever the grouping), and the device
+    weights are copied from them. With clipping, each gradient's norm is taken where karma
+    takes it (engine.py, _grads_to_host_with_norms): on the device before the copy, or on the
+    CPU for a gradient summed there over micro-batches; the total and the scaling are PyTorch's
+    get_total_norm and clip_grads_with_norm_ over the same list, as GradClip does. The
+    hyperparameters of the plain optimizer's param group k (an LR schedule's) are copied into
+    the CPU optimizer's before each step, as lr.py does for each block.
+    """
+
+    def __init__(self, model: torch.nn.Module, make_optimizer, names: Collection[str]):
+        named = dict(model.named_parameters())
+        unknown = sorted(set(names) - set(named))
+        if unknown:
+            raise KeyError(f"host_params names no parameter of the model: {unknown[:3]}")
+        chosen = {id(named[n]) for n in names}
+        self.params = [p for p in model.parameters() if id(p) in chosen]
+        self.masters = [torch.nn.Parameter(p.detach().to("cpu", copy=True))
+                        for p in self.params]
+        self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
+        self._device_norms: dict[int, torch.Tensor] = {}
+        self.optimizer = make_optimizer(self.masters)
+
+    def take_grads(self, norms_on_device: bool) -> None:
+        """Move the chosen parameters' gradients to their masters (the plain optimizer then
+        skips them); with `norms_on_device`, first take their norms there."""
+        self._device_norms = {}
+        for p, m in zip(self.params, self.masters):
+            if norms_on_device and p.grad is not None:
+                self._device_norms[id(p)] = torch.nn.utils.get_total_norm([p.grad])
+            m.grad = None if p.grad is None else p.grad.detach().to("cpu", copy=True)
+            p.grad = None
+
+    def clip(self, model: torch.nn.Module, max_norm: float) -> float:
+        """clip_grad_norm_ over every parameter's final gradient, each norm taken where karma
+        takes it; returns the total norm before clipping."""
+        holders, norms = [], []
+        for p in model.parameters():
+            holder = self._master_of.get(id(p), p)
+            holders.append(holder)
+            if holder.grad is not None:
+                norm = self._device_norms.get(id(p))
+                norms.append(torch.nn.utils.get_total_norm([holder.grad])
+                             if norm is None else norm)
+        total = torch.nn.utils.get_total_norm(norms)
+        torch.nn.utils.clip_grads_with_norm_(holders, max_norm, total)
+        return float(total)
+
+    @torch.no_grad()
+    def step(self, driver: torch.optim.Optimizer) -> None:
+        for group, source in zip(self.optimizer.param_groups, driver.param_groups):
+            group.update({k: v for k, v in source.items() if k != "params"})
+        self.optimizer.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+            m.grad = None
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -130,11 +224,14 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--accumulate", type=int, default=1, metavar="N")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X")
-    p.add_argument("--memory-fraction", type=float, default=None,
-                   help="on CUDA: torch.cuda.set_per_process_memory_fraction (a smaller GPU)")
+    p.add_argument("--cap-device-memory", default=None, metavar="SIZE",
+                   help="on CUDA: emulate a GPU of SIZE, as karma-run --cap-device-memory does")
     args = p.parse_args()
-    if args.memory_fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
+    if args.cap_device_memory is not None:
+        from karma.runtime.backend import cap_device_memory
+        from karma.units import parse_size
+
+        cap_device_memory(parse_size(args.cap_device_memory, "--cap-device-memory"))
     mf = load_model_file(args.model)
     mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])  # import-time costs, as karma-run
     baseline, baseline_data = private_bytes(), data_bytes()

@@ -1,76 +1,23 @@
 """The engine keeps the backend's protocol, which the CUDA backend relies on (checked on CPU).
 
-On CUDA an operation's device work is ordered by events: a stream that waits for an event
-that was never recorded does not wait at all, and memory released before its copy has
-finished is corrupted, both silently. `CheckingBackend` runs every schedule of the CPU tests
-and fails on the first call that would be wrong on CUDA:
-
-- `order_after(deps, ...)`: every dependency has been issued (its event recorded);
-- `release_after(op, ...)`: the op has been issued;
-- `allocated(op)`: called once, before the op's stream orders itself after it;
-- `issued(op)`: once per op per iteration, and every op by the end of the iteration, or of
-  the next one for the updates that the engine leaves running into it (engine.py, [Note:
-  updates overlapped with the next forward]); ops are known by the engine's ids, unique
-  across iterations.
+`CheckingBackend` (tests/protocol.py) runs every schedule of the CPU tests and fails on the
+first call that would be wrong on CUDA. The two-rank schedules of tests/test_distributed.py
+run under it too (tests/dist_worker.py), with their real collectives; here, a schedule whose
+all-reduce is misplaced, and an exchange that drops its buffer itself, are caught.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
-from karma.runtime.backend import CpuBackend, CudaBackend
-from tests.runtime_helpers import run
-from tests.test_runtime import MODELS, STRATEGIES, load_small, schedule_or_skip
-
-
-class CheckingBackend(CpuBackend):
-    def __init__(self):
-        super().__init__()
-        self._lock = threading.Lock()
-        self.violations: list[str] = []
-        self.calls = 0
-        self._issued: set = set()  # every op issued so far, of every iteration
-        self._allocated: set = set()
-        self._owed: set = set()  # ops of the previous iteration not yet issued at its end
-
-    def begin_iteration(self, op_ids) -> None:
-        self._ops = set(op_ids)
-
-    def issued(self, op_id: int, stream: str) -> None:
-        with self._lock:
-            self.calls += 1
-            if op_id in self._issued:
-                self.violations.append(f"op {op_id} issued twice")
-            self._issued.add(op_id)
-
-    def order_after(self, deps, stream: str, op_id: int | None = None) -> None:
-        with self._lock:
-            self.calls += 1
-            early = [d for d in deps if d not in self._issued]
-            if early:
-                self.violations.append(f"{stream} ordered after unissued ops {early}")
-
-    def allocated(self, op_id: int) -> None:
-        with self._lock:
-            if op_id in self._allocated or op_id in self._issued:
-                self.violations.append(f"op {op_id} allocated twice or after its issue")
-            self._allocated.add(op_id)
-
-    def release_after(self, op_id: int, release) -> None:
-        with self._lock:
-            if op_id not in self._issued:
-                self.violations.append(f"release of op {op_id} before its issue")
-        release()
-
-    def end_iteration(self) -> None:
-        with self._lock:
-            missing = sorted(self._owed - self._issued)
-            if missing:
-                self.violations.append(f"ops {missing[:5]} never issued by the end of the "
-                                       "iteration after theirs")
-            self._owed = self._ops - self._issued
+from karma.runtime.backend import CudaBackend
+from karma.runtime.distributed import Ranks
+from tests.protocol import CheckingBackend
+from tests.runtime_helpers import load_small, plan, run
+from tests.test_runtime import MODELS, STRATEGIES, schedule_or_skip
 
 
 @pytest.mark.parametrize("strategy,fraction", STRATEGIES,
@@ -78,7 +25,7 @@ class CheckingBackend(CpuBackend):
 @pytest.mark.parametrize("name", MODELS)
 def test_the_engine_keeps_the_backends_protocol(name, strategy, fraction, monkeypatch):
     schedule = schedule_or_skip(name, strategy, fraction)
-    backend = CheckingBackend()
+    backend = CheckingBackend(schedule)
     monkeypatch.setattr("karma.runtime.runtime.make_backend", lambda kind: backend)
     report = run(schedule, load_small(name), 2)
     assert report.steps == [1, 2]
@@ -86,14 +33,92 @@ def test_the_engine_keeps_the_backends_protocol(name, strategy, fraction, monkey
     assert backend.calls > 2 * len(schedule.ops)  # the checks ran
 
 
+# --- the net stream, in one process: two ranks' schedule, a collective that sums nothing ----
+
+def two_ranks_in_one_process(monkeypatch, schedule) -> CheckingBackend:
+    """Run `schedule` (planned for 2 ranks) here as rank 0 of 2, with no other rank: the
+    collective leaves its buffer as it is (protocol only, no numbers checked)."""
+    ranks = Ranks(rank=0, world_size=2, owns_group=False, net=None, dist_backend="gloo")
+    for name in ("barrier", "agree", "leave"):
+        monkeypatch.setattr(f"karma.runtime.distributed.{name}", lambda *a, **k: None)
+    monkeypatch.setattr("karma.runtime.distributed.join", lambda *a, **k: ranks)
+    backend = CheckingBackend(schedule, fake_collective=True)
+    monkeypatch.setattr("karma.runtime.runtime.make_backend", lambda kind: backend)
+    return backend
+
+
+def misplace_allreduce(schedule, block: int):
+    """The schedule with block `block`'s all-reduce ordered after what its backward waits
+    for instead of after the backward: as if planned into the backward's stage."""
+    ops = list(schedule.ops)
+    ar = next(op for op in ops if op.kind == "allreduce" and op.block == block)
+    bwd = next(op for op in ops if op.kind == "backward" and op.block == block)
+    ops[ar.id] = replace(ar, deps=bwd.deps)
+    return replace(schedule, ops=tuple(ops))
+
+
+@pytest.fixture(scope="module")
+def gpt_two_ranks():
+    return plan(load_small("gpt"), "ilp", 0.6, world_size=2)
+
+
+def test_the_net_stream_keeps_the_protocol_in_one_process(gpt_two_ranks, monkeypatch):
+    backend = two_ranks_in_one_process(monkeypatch, gpt_two_ranks)
+    run(gpt_two_ranks, load_small("gpt"), 2)
+    assert not backend.violations, backend.violations[:5]
+    assert backend.collectives == 2 * len(gpt_two_ranks.blocks)  # one per block and step
+
+
+def test_a_misplaced_collective_is_caught(gpt_two_ranks, monkeypatch):
+    block = len(gpt_two_ranks.blocks) // 2
+    backend = two_ranks_in_one_process(monkeypatch, gpt_two_ranks)
+    broken = misplace_allreduce(gpt_two_ranks, block)
+    run(broken, load_small("gpt"), 1)
+    caught = [v for v in backend.violations if "before its gradients' event" in v]
+    assert caught and f"all-reduce of block {block})" in caught[0], backend.violations[:5]
+
+
+def test_an_exchange_that_frees_its_own_buffer_is_caught(gpt_two_ranks, monkeypatch):
+    """A release that does not wait for the all-reduce's event: on CUDA the buffer could be
+    reused while the collective still reads it."""
+    from karma.runtime.exchange import GradientExchange
+
+    reduce = GradientExchange.reduce
+
+    def frees_at_once(self, flats):
+        reduce(self, flats)()  # drops the buffers before the op is even issued
+        return None
+
+    backend = two_ranks_in_one_process(monkeypatch, gpt_two_ranks)
+    monkeypatch.setattr(GradientExchange, "reduce", frees_at_once)
+    run(gpt_two_ranks, load_small("gpt"), 1)
+    assert any("handed no release of its buffer" in v for v in backend.violations), \
+        backend.violations[:5]
+
+
+def test_a_release_the_engine_forgets_to_force_is_caught(monkeypatch):
+    """The engine hands the backend the releases that are due where each compute op starts;
+    without that, on a GPU that is behind, they would come late (the checker holds them as
+    such a GPU would)."""
+    schedule = plan(load_small("gpt"), "swap_all", 1.0)
+    backend = CheckingBackend(schedule)
+    monkeypatch.setattr("karma.runtime.runtime.make_backend", lambda kind: backend)
+    monkeypatch.setattr(CheckingBackend, "release_due", lambda self, op_ids: None)
+    run(schedule, load_small("gpt"), 1)
+    assert any("still held" in v for v in backend.violations), backend.violations[:5]
+
+
 class FakeEvent:
-    """Stands in for a torch.cuda.Event: finished when the test says so."""
+    """Stands in for a torch.cuda.Event: finished when the test says so, or once waited for."""
 
     def __init__(self):
         self.finished = False
 
     def query(self) -> bool:
         return self.finished
+
+    def synchronize(self) -> None:
+        self.finished = True
 
 
 class FakeStream:
@@ -109,11 +134,7 @@ def test_cuda_releases_wait_for_their_copy():
     """CudaBackend's bookkeeping (no GPU needed): a release runs only once its op's event has
     finished, each exactly once, and all of them by the end of the iteration."""
     events = [FakeEvent(), FakeEvent(), FakeEvent()]
-    backend = object.__new__(CudaBackend)  # no CUDA here: the fields a test needs, by hand
-    backend._events = dict(enumerate(events))  # noqa: SLF001
-    backend._pending = []  # noqa: SLF001
-    backend._lock = threading.Lock()  # noqa: SLF001
-    backend.streams = {"d2h": FakeStream(events)}
+    backend = fake_cuda_backend(events)
     released: list[int] = []
     backend.release_after(0, lambda: released.append(0))
     backend.release_after(1, lambda: released.append(1))
@@ -125,3 +146,27 @@ def test_cuda_releases_wait_for_their_copy():
     assert sorted(released) == [0, 1, 2]
     backend.end_iteration()
     assert sorted(released) == [0, 1, 2]  # each once
+
+
+def fake_cuda_backend(events: list[FakeEvent]) -> CudaBackend:
+    backend = object.__new__(CudaBackend)  # no CUDA here: the fields a test needs, by hand
+    backend._events = dict(enumerate(events))  # noqa: SLF001
+    backend._pending = []  # noqa: SLF001
+    backend._lock = threading.Lock()  # noqa: SLF001
+    backend.streams = {"d2h": FakeStream(events)}
+    return backend
+
+
+def test_cuda_releases_what_is_due_there_waiting_for_its_copy():
+    """release_due waits for the copies of the ops named (event.synchronize) and releases
+    what they hold at once; the others stay pending."""
+    events = [FakeEvent(), FakeEvent()]
+    backend = fake_cuda_backend(events)
+    released: list[int] = []
+    backend.release_after(0, lambda: released.append(0))
+    backend.release_after(1, lambda: released.append(1))
+    backend.release_due([0])
+    assert released == [0] and events[0].finished  # waited for, then released
+    assert not events[1].finished
+    backend.release_due([0])  # nothing left of it
+    assert released == [0]

@@ -314,3 +314,14 @@ def test_a_cuda_schedule_without_a_gpu(tmp_path, capsys):
     path.write_text(dump_schedule(plan(load_small("gpt"), "keep_all", hardware="v100-16g")))
     assert_one_line_error(*run_main(capsys, path, "--steps", 1),
                           "planned for a CUDA GPU and none is available here")
+
+
+def test_nccl_on_a_cpu_schedule_is_refused(schedule_for, capsys):
+    assert_one_line_error(*run_main(capsys, schedule_for(), "--steps", 1, "--dist-backend",
+                                    "nccl"), "--dist-backend nccl all-reduces CUDA tensors")
+
+
+def test_a_device_cap_that_is_not_a_size_is_refused(schedule_for, capsys):
+    assert_one_line_error(*run_main(capsys, schedule_for(), "--steps", 1,
+                                    "--cap-device-memory", "16Q"),
+                          "--cap-device-memory '16Q' is not a size")

@@ -4,7 +4,8 @@ Every schedule (baselines and the ILP at several budgets) of three small models,
 two ranks, trains three steps on two rank processes (one launch for all of them); the final
 parameters must equal, to a relative 1e-6, those of karma.reference's data-parallel loop:
 per step, each rank's batch forward and backward from its own RNG state, the gradients
-averaged, one optimizer step.
+averaged, one optimizer step. Each run is also checked to keep the protocol the CUDA backend
+relies on, the net stream's included (tests/protocol.py's checking backend, on every rank).
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def test_two_ranks_equal_one_process_averaging_their_gradients(two_rank_runs, na
         report = json.loads((out / f"rank{rank}.json").read_text())
         assert report["rank"] == rank and report["world_size"] == RANKS
         assert report["losses"] == pytest.approx(ref_losses[rank], rel=1e-6)
+        assert report["dist_backend"] == "gloo"
+        assert not report["protocol"]["violations"], report["protocol"]["violations"][:5]
+        assert 0 < report["protocol"]["collectives"] <= STEPS * len(schedule.blocks)
         assert len(report["allreduce_s"]) == STEPS
         for total, hidden in zip(report["allreduce_s"], report["allreduce_hidden_s"]):
             assert 0 < total and 0 <= hidden <= total
@@ -257,13 +261,67 @@ def test_torchrun_launches_karma_run(gpt_two_ranks, tmp_path):
     assert "all-reduce:" in result.stdout and "hidden under backward" in result.stdout
     got = json.loads(report.read_text())
     assert got["world_size"] == RANKS and got["predicted_allreduce_s"] > 0
+    assert got["dist_backend"] == "gloo"  # the default on the CPU backend
 
 
 def test_hidden_time_is_the_all_reduce_outside_compute_waits():
-    from karma.runtime.distributed import hidden_s
+    from karma.runtime.exchange import hidden_s
 
     calls = [(0.0, 4.0), (10.0, 12.0)]
     assert hidden_s(calls, []) == 6.0  # compute never waited: all of it hidden
     assert hidden_s(calls, [(3.0, 5.0)]) == 5.0  # one second of the first call was waited on
     assert hidden_s(calls, [(9.0, 13.0)]) == 4.0  # the whole second call was waited on
     assert hidden_s(calls, [(-1.0, 0.5), (1.0, 2.0), (11.5, 20.0)]) == 4.0
+
+
+# --- the collective backend ----------------------------------------------------------------
+
+def test_the_collective_backend_defaults_to_nccl_on_cuda_and_gloo_on_the_cpu():
+    from karma.errors import KarmaError
+    from karma.runtime.distributed import choose_backend
+
+    assert choose_backend(None, "cuda") == "nccl" and choose_backend(None, "cpu") == "gloo"
+    assert choose_backend("gloo", "cuda") == "gloo"
+    with pytest.raises(KarmaError, match="use --dist-backend gloo"):
+        choose_backend("nccl", "cpu")
+
+
+def test_ranks_beyond_the_gpus_share_them_and_the_gpus_shared_are_found():
+    from karma.runtime.backend import local_device_index
+    from karma.runtime.distributed import shared_gpus
+
+    assert local_device_index({}, 4, current=2) == 2  # no torchrun: the current device
+    assert [local_device_index({"LOCAL_RANK": str(r)}, 1, 0) for r in range(2)] == [0, 0]
+    assert [local_device_index({"LOCAL_RANK": str(r)}, 2, 0) for r in range(3)] == [0, 1, 0]
+    assert shared_gpus(["GPU-a", "GPU-b", "GPU-a", None, None]) == {"GPU-a": [0, 2]}
+    assert shared_gpus(["GPU-a", "GPU-b"]) == {}
+
+
+CHECK_GPUS = """
+import os, sys, torch.distributed as dist
+from karma.errors import KarmaError
+from karma.runtime import distributed
+dist.init_process_group("gloo")
+ranks = distributed.Ranks(dist.get_rank(), 2, True, None)
+try:
+    distributed._check_own_gpus(ranks, sys.argv[1 + dist.get_rank()])
+    print("ok")
+except KarmaError as e:
+    print(e)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("gpus,refused", [(["GPU-1", "GPU-1"], True),
+                                          (["GPU-1", "GPU-2"], False)])
+def test_nccl_is_refused_on_every_rank_when_two_share_a_gpu(gpus, refused):
+    """The ranks compare their GPUs' UUIDs over the default group (gloo, as on a GPU
+    machine; the UUIDs are given here: this machine has no GPU)."""
+    procs = start_ranks(["-c", CHECK_GPUS, *gpus], RANKS)
+    for code, out, stderr in finish(procs, timeout_s=120):
+        assert code == 0, stderr[-2000:]
+        if refused:
+            assert "--dist-backend nccl needs a GPU of its own for each rank, but ranks 0, 1 " \
+                   "share GPU GPU-1: run several ranks on one GPU with --dist-backend gloo" in out
+        else:
+            assert out.strip() == "ok"

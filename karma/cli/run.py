@@ -4,6 +4,7 @@
     karma-run schedule.yaml --steps 100 --checkpoint-dir ckpt --resume
     karma-run schedule.yaml --steps 3 --trace trace.json    # step 2's ops on each stream
     torchrun --nproc-per-node 2 --no-python karma-run schedule.yaml   # planned --world-size 2
+    torchrun --nproc-per-node 2 --no-python karma-run s.yaml --dist-backend gloo  # 1 GPU, 2 ranks
     python -m karma.run schedule.yaml                                  # the same as karma-run
 
 Each step prints a progress line with the measured step time and peak memory beside the
@@ -47,9 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-step", type=positive_int, default=None, metavar="N",
                    help="the step --trace records (default: the second step this run "
                         "trains, or the only one)")
-    p.add_argument("--cap-device-memory", action="store_true",
-                   help="on CUDA: let PyTorch's allocator hold only the schedule's budget "
-                        "(plus 256 MiB), as on a GPU of that size")
+    p.add_argument("--cap-device-memory", nargs="?", const=True, default=False,
+                   metavar="SIZE",
+                   help="on CUDA: emulate a GPU of SIZE (default: the schedule's budget): "
+                        "PyTorch's allocator may hold SIZE less the memory already in use "
+                        "outside it (the CUDA context), measured at the start")
+    p.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
+                   help="on several ranks, what all-reduces the gradients (default: nccl on "
+                        "CUDA, gloo on the CPU); ranks that share one GPU need gloo")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                    help="on several ranks: how long to wait for the rendezvous, and for a "
                         "rank that stops answering, before stopping with an error (a rank "
@@ -60,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     from karma.runtime.train import RunOptions, open_model_file, train
     from karma.schedule import load_schedule
-    from karma.units import format_bytes, format_seconds
+    from karma.units import format_bytes, format_seconds, parse_size
 
     if args.resume and args.checkpoint_dir is None:
         raise KarmaError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
@@ -86,6 +92,9 @@ def _run(args: argparse.Namespace) -> int:
         _check_writable(Path(path))
     if args.trace is not None:
         _check_trace_path(args.trace)
+    cap = args.cap_device_memory
+    if isinstance(cap, str):
+        cap = parse_size(cap, "--cap-device-memory")
     schedule_path = Path(args.schedule)
     schedule = load_schedule(schedule_path)
     mf = open_model_file(schedule, schedule_path)
@@ -93,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
         report = train(schedule, mf, RunOptions(
             steps=args.steps, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every, resume=args.resume,
-            timeout_s=args.timeout, cap_device_memory=args.cap_device_memory,
+            timeout_s=args.timeout, cap_device_memory=cap, dist_backend=args.dist_backend,
             eval_every=args.eval_every, trace_path=args.trace, trace_step=args.trace_step,
             log=lambda line: print(line, flush=True)))
     except (MemoryError, RuntimeError) as e:

@@ -16,29 +16,83 @@ order their own work after those dependencies:
 (a swap-out's activations, a gradient on its way to the host) stays referenced until that
 copy's event has completed (`release_after`), and only then goes back to the caching
 allocator; a pinned host slot that a copy reads or writes is freed the same way. Device
-memory that a copy stream fills (a swap-in, a weight fetch) is allocated on the compute
-stream by the compute thread when it issues the copy (`allocating`, engine._prepare), and the
-copy stream waits for the compute stream up to that point (`allocated`): the allocator may
-hand out a block the compute stream freed moments ago. `record_stream` would
-tie each block to the copy stream until the allocator next polls it, which fragments memory
-(PYTORCH_NOTES).
+memory that a copy stream fills (a swap-in, a weight fetch, an all-reduce's flat buffer) is
+allocated on the compute stream by the compute thread when it issues the copy (`allocating`,
+engine._prepare), and the copy stream waits for the compute stream up to that point
+(`allocated`): the allocator may hand out a block the compute stream freed moments ago.
+`record_stream` would tie each block to the copy stream until the allocator next polls it,
+which fragments memory (PYTORCH_NOTES).
+
+[Note: released where the schedule frees] The compute thread only enqueues work, so on a GPU it
+runs ahead of the device; a release that waited for a later poll to find its copy done would
+come later than the schedule's buffer table says, and every allocation made meanwhile would
+add to the peak the planner bounded (GPT-2 medium swap_all at 16G: 9.39 GiB planned, 11.1 to
+17.8 GiB simulated with releases 4 to 16 compute ops late). The schedule frees a buffer at the
+end of its op, and its stage-by-stage bound (schedule_check) counts it through that op's stage
+only; so when compute starts an op of a later stage, the engine hands the backend the side ops
+of the stages before it (`release_due`), and the backend waits on the CPU for those copies'
+events and releases what they held, there, before compute allocates more. Polls may still
+release earlier.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.distributed
 
 
 class PendingRelease(NamedTuple):
     """What an in-flight copy still holds, and the event after which it may go."""
 
+    op_id: int  # the op whose work reads or fills what `release` drops
     done: torch.cuda.Event
     release: Callable[[], None]
+
+
+class WallClock:
+    """Stamps on the CPU's clock: where work runs on the thread that stamps it (the CPU
+    backend), a stamp before and one after the work bound it."""
+
+    def restart(self) -> None:
+        pass
+
+    def stamp(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, stamp: float) -> float:
+        return stamp
+
+
+class CudaClock:
+    """Stamps on the device's clock: a timing event recorded on the calling thread's current
+    stream, read as seconds since this clock's origin once the work has finished (the
+    all-reduces' times, and when compute waited for them: see CudaBackend.order_after). The
+    origin moves to the start of each step (`restart`): event times are single-precision
+    milliseconds, too coarse hours after one origin."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self._origin = self.stamp()
+
+    def restart(self) -> None:
+        self._origin = self.stamp()
+
+    def stamp(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream or torch.cuda.current_stream(self._device))
+        return event
+
+    def seconds(self, stamp: torch.cuda.Event) -> float:
+        self._origin.synchronize()
+        stamp.synchronize()
+        return self._origin.elapsed_time(stamp) / 1e3  # milliseconds
 
 
 class CpuBackend:
@@ -49,6 +103,7 @@ class CpuBackend:
 
     def __init__(self):
         self.device = torch.device("cpu")
+        self.clock = WallClock()  # the all-reduces run on the net worker: it times them
 
     def stream(self, name: str):
         return contextlib.nullcontext()
@@ -68,17 +123,33 @@ class CpuBackend:
     def allocated(self, op_id: int) -> None:
         pass
 
+    def allocate(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        return make()
+
+    def collective(self, tensor: torch.Tensor, group) -> None:
+        """Sum `tensor` over the ranks of `group`, in place (the exchange's all-reduce)."""
+        torch.distributed.all_reduce(tensor, group=group)
+
     def marker(self) -> Callable[[], None] | None:
         return None  # work on the CPU is done when it returns: nothing to wait for
 
     def release_after(self, op_id: int, release: Callable[[], None]) -> None:
         release()  # the op has finished: nothing reads what it used any more
 
+    def release_due(self, op_ids) -> None:
+        pass  # released when their ops finished
+
+    def take_net_waits(self) -> list[tuple[float, float]] | None:
+        return None  # the compute thread's own waits (engine.blocked) are compute's
+
     def end_iteration(self) -> None:
         pass
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def device_id(self) -> str | None:
+        return None  # no GPU: nothing for ranks to share
 
     # No device-memory counters: the peak is the process's private memory (peak.PrivatePeak).
 
@@ -89,7 +160,8 @@ class CpuBackend:
 
 
 class CudaBackend:
-    """Compute on the current CUDA device's current stream; h2d and d2h streams of their own."""
+    """Compute on the current CUDA device's current stream; h2d, d2h and net streams of their
+    own."""
 
     name = "cuda"
     pool_kind = "pinned"
@@ -105,22 +177,29 @@ class CudaBackend:
                         "h2d": torch.cuda.Stream(self.device),
                         # swap-outs, gradients to the host: wait for the compute that made them
                         "d2h": torch.cuda.Stream(self.device),
-                        # all-reduces (several ranks): wait for the block's backward
+                        # all-reduces (several ranks): wait for the event of the backward that
+                        # made the block's gradients final, and for compute up to where their
+                        # flat buffer was allocated; the device step, the gradients' copy to
+                        # the host and the host step wait for the all-reduce's event
                         "net": torch.cuda.Stream(self.device)}
         # op id -> recorded where the op's work ends on its stream (issued); streams wait on
         # it with wait_event, the host optimizer with synchronize
         self._events: dict[int, torch.cuda.Event] = {}
+        self._stream_of: dict[int, str] = {}  # op id -> the stream it was issued on
         # op id -> recorded on compute where a fetch's or swap-in's memory was allocated; its
         # copy stream waits on it before writing
         self._allocated: dict[int, torch.cuda.Event] = {}
-        self._pending: list[PendingRelease] = []  # released by _poll once their copy is done
+        self._pending: list[PendingRelease] = []  # released once their copy is done
         self._lock = threading.Lock()
+        self.clock = CudaClock(self.device)  # the all-reduces' times (exchange.py)
+        # (start, end) stamps of compute's waits for an all-reduce, this step
+        self._net_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def stream(self, name: str):
         """The worker thread of `name` enqueues its work on this CUDA stream."""
         if name in self.streams:
-            return torch.cuda.stream(self.streams[name])
-        return contextlib.nullcontext()  # host: CPU work
+            return torch.cuda.stream(self.streams[name])  # and its device, for the thread
+        return torch.cuda.device(self.device)  # host: CPU work, on a thread of this GPU
 
     def begin_iteration(self, op_ids) -> None:
         """Events for this iteration's ops (the engine's ids, unique across iterations);
@@ -129,12 +208,14 @@ class CudaBackend:
         op_ids = list(op_ids)
         floor = min(op_ids, default=0) - len(op_ids)
         self._events = {k: e for k, e in self._events.items() if k >= floor}
+        self._stream_of = {k: s for k, s in self._stream_of.items() if k >= floor}
         self._events.update({i: torch.cuda.Event() for i in op_ids})
 
     def issued(self, op_id: int, stream: str) -> None:
         """The op's work is enqueued on `stream`: mark the point it ends at."""
         if stream in self.streams:
             self._events[op_id].record(self.streams[stream])
+            self._stream_of[op_id] = stream
 
     def order_after(self, deps, stream: str, op_id: int | None = None) -> None:
         """Make `stream`'s next work wait for the device work of `deps` (already issued), and
@@ -144,11 +225,18 @@ class CudaBackend:
         events = [self._events[d] for d in deps]
         if op_id in self._allocated:
             events.append(self._allocated.pop(op_id))
-        for event in events:
-            if stream in self.streams:
-                self.streams[stream].wait_event(event)
-            else:
+        if stream not in self.streams:
+            for event in events:
                 event.synchronize()  # the host needs the bytes themselves
+            return
+        # compute waiting for an all-reduce is stamped before and after the wait: the part
+        # of the all-reduce that compute did not hide (allreduce_hidden_s)
+        on_net = stream == "compute" and any(self._stream_of.get(d) == "net" for d in deps)
+        before = self.clock.stamp(self.compute) if on_net else None
+        for event in events:
+            self.streams[stream].wait_event(event)
+        if on_net:
+            self._net_waits.append((before, self.clock.stamp(self.compute)))
 
     def allocating(self):
         """Allocate device memory that a copy stream will fill on the compute stream (see the
@@ -163,6 +251,22 @@ class CudaBackend:
         event.record(self.compute)
         self._allocated[op_id] = event
 
+    def allocate(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`make()` on the compute stream, from a side stream's worker, with the calling
+        stream ordered after that point: memory a side stream fills and compute then owns
+        (a gradient the all-reduce gives a parameter that had none on this rank)."""
+        with torch.cuda.stream(self.compute):
+            t = make()
+            event = torch.cuda.Event()
+            event.record(self.compute)
+        torch.cuda.current_stream(self.device).wait_event(event)
+        return t
+
+    def collective(self, tensor: torch.Tensor, group) -> None:
+        """Sum `tensor` over the ranks of `group`, in place, on the calling thread's current
+        stream (the net stream: exchange.py says how NCCL and gloo meet it)."""
+        torch.distributed.all_reduce(tensor, group=group)
+
     def marker(self) -> Callable[[], None]:
         """A point on the calling thread's stream; calling the result makes the then-current
         stream wait for it (an unpack waiting for its swap-in)."""
@@ -173,8 +277,19 @@ class CudaBackend:
     def release_after(self, op_id: int, release: Callable[[], None]) -> None:
         """Run `release` once op `op_id`'s device work has finished (call after issued())."""
         with self._lock:
-            self._pending.append(PendingRelease(self._events[op_id], release))
+            self._pending.append(PendingRelease(op_id, self._events[op_id], release))
         self._poll()
+
+    def release_due(self, op_ids) -> None:
+        """The schedule frees what ops `op_ids` hold by now: wait for their work and release
+        it ([Note: released where the schedule frees])."""
+        due = set(op_ids)
+        with self._lock:
+            ready = [p for p in self._pending if p.op_id in due]
+            self._pending = [p for p in self._pending if p.op_id not in due]
+        for p in ready:
+            p.done.synchronize()
+            p.release()
 
     def _poll(self) -> None:
         with self._lock:
@@ -183,6 +298,12 @@ class CudaBackend:
             self._pending = [p for p, f in zip(self._pending, finished) if not f]
         for p in ready:
             p.release()
+
+    def take_net_waits(self) -> list[tuple[float, float]]:
+        """When compute waited for an all-reduce since the last call, on the clock's axis
+        (call once the step's work has finished)."""
+        waits, self._net_waits = self._net_waits, []
+        return [(self.clock.seconds(a), self.clock.seconds(b)) for a, b in waits]
 
     def end_iteration(self) -> None:
         for s in self.streams.values():
@@ -195,13 +316,17 @@ class CudaBackend:
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
 
+    def device_id(self) -> str:
+        """This GPU's UUID: the same for every process that uses it, whatever the device
+        index each sees (distributed.py, [Note: choosing the collective backend])."""
+        props = torch.cuda.get_device_properties(self.device)
+        return str(getattr(props, "uuid", f"{os.uname().nodename}:cuda{self.device.index}"))
+
     def warm_up(self) -> None:
         """Make the allocations CUDA libraries keep for the process (cuBLAS workspaces on the
         compute stream) before the baseline is taken."""
         with torch.cuda.stream(self.compute):
-            a = torch.ones(64, 64, device=self.device, requires_grad=True)
-            (a @ a).sum().backward()
-        torch.cuda.synchronize(self.device)
+            warm_up(self.device)
 
     def memory_baseline(self) -> int:
         return torch.cuda.memory_allocated(self.device)
@@ -212,13 +337,62 @@ class CudaBackend:
     def peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
 
-    def cap(self, nbytes: int) -> int:
-        """Let the caching allocator hold at most `nbytes` (a smaller GPU, emulated);
-        returns the device's total memory."""
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), self.device)
-        return total
+    def peak_reserved_bytes(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def outside_allocator_bytes(self) -> int:
+        return outside_allocator_bytes(self.device)
+
+    def cap(self, nbytes: int) -> DeviceCap:
+        """Emulate a GPU of `nbytes` (cap_device_memory)."""
+        return cap_device_memory(nbytes, self.device)
+
+
+class DeviceCap(NamedTuple):
+    """What --cap-device-memory set: the card's size, the memory in use outside PyTorch's
+    allocator when it was set, and what the allocator may hold."""
+
+    total_bytes: int
+    outside_bytes: int
+    allocator_bytes: int
+
+
+def warm_up(device: torch.device) -> None:
+    """A matrix product forward and backward on the current stream: cuBLAS makes its handle
+    (outside the allocator) and its workspace (inside) now, not in the middle of a step."""
+    a = torch.ones(64, 64, device=device, requires_grad=True)
+    (a @ a).sum().backward()
+    torch.cuda.synchronize(device)
+
+
+def outside_allocator_bytes(device: torch.device) -> int:
+    """Device memory in use that PyTorch's caching allocator does not hold: the CUDA context,
+    library handles, NCCL's buffers (and other processes' memory)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
+def cap_device_memory(nbytes: int, device: torch.device | None = None) -> DeviceCap:
+    """Emulate a GPU of `nbytes`: PyTorch's caching allocator may hold `nbytes` less what is
+    already in use outside it (the CUDA context, measured now), so that the whole card's use
+    stays within `nbytes` as on a GPU of that size. karma-run --cap-device-memory, the
+    reference and every contender of bench/gpu_throughput.py emulate a card this one way."""
+    from karma.errors import KarmaError
+    from karma.units import format_bytes
+
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    warm_up(device)  # the context and cuBLAS's handle are then part of what is measured
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    outside = outside_allocator_bytes(device)
+    limit = nbytes - outside
+    if limit <= 0:
+        raise KarmaError(
+            f"a GPU of {format_bytes(nbytes)} leaves nothing for PyTorch: "
+            f"{format_bytes(outside)} of the device is already in use outside its allocator "
+            "(the CUDA context); emulate a larger GPU")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    return DeviceCap(total, outside, limit)
 
 
 def make_backend(device_kind: str):
@@ -227,5 +401,21 @@ def make_backend(device_kind: str):
             from karma.errors import KarmaError
             raise KarmaError("this schedule was planned for a CUDA GPU and none is available "
                              "here; re-plan with --hardware cpu to train on the CPU backend")
-        return CudaBackend()
+        device = torch.device("cuda", local_device_index(os.environ, torch.cuda.device_count(),
+                                                         torch.cuda.current_device()))
+        torch.cuda.set_device(device)  # before anything else touches the GPU (NCCL uses it)
+        return CudaBackend(device)
     return CpuBackend()
+
+
+def local_device_index(env, device_count: int, current: int) -> int:
+    """The GPU of this rank: LOCAL_RANK's (torchrun sets it; ranks beyond the GPUs share them
+    round-robin, which only gloo can all-reduce on), else the current device."""
+    if "LOCAL_RANK" not in env:
+        return current
+    try:
+        return int(env["LOCAL_RANK"]) % max(device_count, 1)
+    except ValueError:
+        from karma.errors import KarmaError
+        raise KarmaError(f"LOCAL_RANK={env['LOCAL_RANK']!r} is not a whole number; launch "
+                         "with torchrun, which sets it") from None

@@ -1,30 +1,26 @@
-"""Data parallelism: joining the ranks, checking they agree, and the phased gradient exchange.
+"""Data parallelism: joining the ranks and checking they agree (the exchange: exchange.py).
 
 karma-run joins a torch.distributed process group when the environment says it is one of
-several ranks (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; so can anyone).
-Two groups:
+several ranks (torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; so can
+anyone). Two groups:
 
-- the default group, for start-up checks and barriers (after a checkpoint, which rank 0
-  writes while the others wait as long as it takes);
-- the `net` group, with the run's --timeout, for the gradient all-reduces. They run on the
-  schedule's `net` stream, one block at a time as its backward completes, so they overlap with
-  the backward of the blocks before it.
+- the default group, always gloo, for start-up checks and barriers (after a checkpoint, which
+  rank 0 writes while the others wait as long as it takes);
+- the `net` group, with the run's --timeout and the backend --dist-backend chose (`nccl` or
+  `gloo`), for the gradient all-reduces. They run on the schedule's `net` stream, one block at
+  a time as its backward completes, so they overlap with the backward of the blocks before it.
 
-[Note: all-reduce on device gradients] A block's gradients are averaged where the backward
-left them, on the device, before any copy to the host: the host optimizer then receives the
-averaged gradient with one device-to-host copy instead of one per rank, NCCL reduces device
-memory over the fastest links, and the planner's model (the all-reduce's stage between the
-block's backward and its gradients' copy or device step) is what runs. Gradients are summed
-and divided by the number of ranks, as DDP does. A parameter with no gradient on a rank
-contributes zeros there, and a flag counts the ranks that had one: where none had, it keeps
-no gradient and the optimizer skips it, as plain PyTorch does. Every rank makes the same calls
-in the same order. A block's gradients travel as one flat buffer per dtype (the planner counts
-it): one collective per block instead of one per tensor cut a tiny GPT's exchange on gloo
-from 45 ms to 8 ms a step.
+[Note: choosing the collective backend] gloo all-reduces CPU and CUDA tensors; NCCL only
+CUDA ones, one rank per GPU. So the CPU backend takes gloo, and the CUDA backend NCCL unless
+told otherwise; ranks that share a GPU (the first GPU this project gets is a single one) are
+refused NCCL with a message that says to use gloo. Which ranks share a GPU is decided from
+every rank's GPU UUID, gathered over the default group: host names and CUDA_VISIBLE_DEVICES
+can hide it, a UUID cannot.
 
 A rank that dies closes its connections, and the others' next collective fails at once; a
 rank that hangs is noticed when a collective outlasts --timeout. Either way the survivors stop
-with an error that says so (RankLost), and torchrun stops the rest.
+with an error that says so (RankLost), and torchrun stops the rest. (With NCCL, a collective
+that outlasts --timeout is ended by NCCL's own watchdog, which stops the process.)
 """
 
 from __future__ import annotations
@@ -33,10 +29,8 @@ import datetime
 import os
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from karma.errors import KarmaError
@@ -57,6 +51,7 @@ class Ranks:
     world_size: int
     owns_group: bool  # this run created the process group (and destroys it at the end)
     net: object | None  # the all-reduce group (None on one rank)
+    dist_backend: str | None = None  # the all-reduce group's backend, nccl or gloo
 
     @property
     def main(self) -> bool:
@@ -65,6 +60,30 @@ class Ranks:
 
 SINGLE = Ranks(rank=0, world_size=1, owns_group=False, net=None)
 
+DIST_BACKENDS = ("nccl", "gloo")
+
+
+def choose_backend(requested: str | None, device_kind: str) -> str:
+    """The collective backend for --dist-backend `requested` (None: the default) on a
+    schedule for `device_kind` ([Note: choosing the collective backend])."""
+    if requested is None:
+        return "nccl" if device_kind == "cuda" else "gloo"
+    if requested not in DIST_BACKENDS:
+        raise KarmaError(f"--dist-backend {requested!r} is not one karma knows; use nccl or gloo")
+    if requested == "nccl" and device_kind != "cuda":
+        raise KarmaError("--dist-backend nccl all-reduces CUDA tensors, but this schedule runs "
+                         "on the CPU backend; use --dist-backend gloo (the default there)")
+    return requested
+
+
+def shared_gpus(device_ids: list[str | None]) -> dict[str, list[int]]:
+    """Of every rank's GPU id (in rank order), those held by more than one rank, with them."""
+    ranks: dict[str, list[int]] = {}
+    for r, device in enumerate(device_ids):
+        if device is not None:
+            ranks.setdefault(device, []).append(r)
+    return {device: rs for device, rs in ranks.items() if len(rs) > 1}
+
 
 def _launch_hint(world_size: int) -> str:
     return (f"torchrun --nproc-per-node {world_size} --no-python karma-run SCHEDULE.yaml "
@@ -72,11 +91,13 @@ def _launch_hint(world_size: int) -> str:
             "several machines)")
 
 
-def join(world_size: int, schedule_sha256: str, options: dict, timeout_s: float) -> Ranks:
+def join(world_size: int, schedule_sha256: str, options: dict, timeout_s: float,
+         dist_backend: str = "gloo", device_id: str | None = None) -> Ranks:
     """Join the run's ranks (from the environment torchrun sets) and check they agree.
 
     A schedule planned for `world_size` ranks runs only on that many; every rank must run
-    the same schedule (same hash) with the same `options` (seed, steps, resume, ...).
+    the same schedule (same hash) with the same `options` (seed, steps, resume, ...). The
+    all-reduces go through `dist_backend`; `device_id`: this rank's GPU (its UUID), or None.
     """
     joined = dist.is_available() and dist.is_initialized()
     size = dist.get_world_size() if joined else _env_int("WORLD_SIZE", 1)
@@ -88,17 +109,22 @@ def join(world_size: int, schedule_sha256: str, options: dict, timeout_s: float)
             f"re-plan for {size} with karma-plan ... --world-size {size}")
     if size == 1 and not joined:
         return SINGLE
+    if dist_backend == "nccl" and not dist.is_nccl_available():
+        raise KarmaError("--dist-backend nccl: this PyTorch was built without NCCL; use "
+                         "--dist-backend gloo")
     if not joined:
         _init(size, timeout_s)
     ranks = Ranks(dist.get_rank(), size, owns_group=not joined, net=None)
     try:
-        ranks = Ranks(ranks.rank, size, ranks.owns_group, dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
         _check_same(ranks, "schedule", schedule_sha256[:16],
                     "every rank must run the same schedule file: copy one schedule to all "
                     "machines")
         _check_same(ranks, "options", " ".join(f"{k}={v}" for k, v in sorted(options.items())),
                     "start every rank with the same karma-run arguments")
+        if dist_backend == "nccl":
+            _check_own_gpus(ranks, device_id)
+        ranks = Ranks(ranks.rank, size, ranks.owns_group, dist.new_group(
+            backend=dist_backend, timeout=datetime.timedelta(seconds=timeout_s)), dist_backend)
     except RuntimeError as e:  # a rank died during the start-up checks
         leave(ranks)
         raise lost(ranks, "at start-up", e) from e
@@ -164,6 +190,22 @@ def _check_same(ranks: Ranks, what: str, value: str, fix: str) -> None:
         raise KarmaError(f"the ranks disagree on the {what} ({listed}); {fix}")
 
 
+def _check_own_gpus(ranks: Ranks, device_id: str | None) -> None:
+    """NCCL needs a GPU per rank: refuse, on every rank alike, ranks that share one."""
+    ids: list = [None] * ranks.world_size
+    try:
+        dist.all_gather_object(ids, device_id)
+    except RuntimeError as e:
+        raise lost(ranks, "while comparing their GPUs", e) from e
+    shared = shared_gpus(ids)
+    if shared:
+        device, rs = next(iter(shared.items()))
+        raise KarmaError(
+            f"--dist-backend nccl needs a GPU of its own for each rank, but ranks "
+            f"{', '.join(map(str, rs))} share GPU {device}: run several ranks on one GPU "
+            "with --dist-backend gloo, or give each rank its own GPU")
+
+
 def agree(ranks: Ranks, what: str, value, fix: str) -> None:
     """All ranks hold the same `value` (one rank: nothing to check)."""
     if ranks.world_size > 1:
@@ -199,57 +241,3 @@ def lost(ranks: Ranks, where: str, error: BaseException) -> RankLost:
         f"rank {ranks.rank} of {ranks.world_size} lost the other ranks {where} ({first}): "
         "a rank died or stopped answering (see its own log); restart all ranks with --resume "
         "to continue from the last checkpoint")
-
-
-class GradientExchange:
-    """Averages a block's gradients over the ranks, on the `net` stream; times each call."""
-
-    def __init__(self, ranks: Ranks):
-        self.ranks = ranks
-        self.intervals: list[tuple[float, float]] = []  # (start, end) perf_counter, this step
-
-    def allreduce(self, params: list[torch.nn.Parameter]) -> None:
-        start = time.perf_counter()
-        trained = [p for p in params if p.requires_grad]  # frozen ones never have gradients
-        for dtype in sorted({p.dtype for p in trained}, key=str):  # the same order on all ranks
-            self._allreduce([p for p in trained if p.dtype == dtype])
-        self.intervals.append((start, time.perf_counter()))
-
-    def _allreduce(self, params: list[torch.nn.Parameter]) -> None:
-        """One collective for `params` (one dtype): their gradients, zeros where a rank has
-        none, then one flag per parameter that counts the ranks that had one."""
-        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(
-            p.numel(), dtype=p.dtype, device=p.device) for p in params]
-        parts.append(torch.tensor([float(p.grad is not None) for p in params],
-                                  dtype=params[0].dtype, device=params[0].device))
-        flat = torch.cat(parts)
-        try:
-            dist.all_reduce(flat, group=self.ranks.net)
-        except RuntimeError as e:
-            raise lost(self.ranks, "in a gradient exchange", e) from e
-        counts = flat[-len(params):]
-        flat = flat[:-len(params)].div_(self.ranks.world_size)
-        with torch.no_grad():
-            for p, part, count in zip(params, flat.split([p.numel() for p in params]),
-                                      counts.tolist()):
-                if count == 0:
-                    p.grad = None  # no rank had one: the optimizer skips it, as in plain PyTorch
-                elif p.grad is None:
-                    p.grad = part.view_as(p).clone()
-                else:
-                    p.grad.copy_(part.view_as(p.grad))
-
-    def take_intervals(self) -> list[tuple[float, float]]:
-        out, self.intervals = self.intervals, []
-        return out
-
-
-def hidden_s(busy: list[tuple[float, float]], blocked: list[tuple[float, float]]) -> float:
-    """How much of the `busy` intervals (all-reduces) fell outside `blocked` ones (the compute
-    thread waiting): the part of the exchange that compute hid. `blocked` are disjoint."""
-    total = 0.0
-    for start, end in busy:
-        overlap = sum(max(0.0, min(end, b_end) - max(start, b_start))
-                      for b_start, b_end in blocked)
-        total += (end - start) - overlap
-    return total

@@ -6,8 +6,10 @@ block's modules, a gradient hook on each block's input) and at each such point
 
 1. checks that it is the compute operation the schedule expects next (else DivergedError),
 2. marks the previous compute operation done, which releases what the schedule frees there,
-3. issues every copy and host operation of the stages reached so far to its stream, and
-4. waits for the operation's dependencies (the stage barrier: swap-ins and fetches it needs).
+3. issues every copy and host operation of the stages reached so far to its stream,
+4. waits for the operation's dependencies (the stage barrier: swap-ins and fetches it needs),
+   and releases what the side operations of the earlier stages held (backend.py, [Note:
+   released where the schedule frees]).
 
 Copy streams, the all-reduces of several ranks (`net`) and the host optimizer are
 `StreamWorker`s; each of their operations waits for its own dependencies, and the backend
@@ -31,13 +33,19 @@ from karma.errors import KarmaError
 from karma.modelfile import output_tensors
 from karma.runtime.backend import CpuBackend
 from karma.runtime.chaos import Chaos, pause
-from karma.runtime.distributed import GradientExchange
+from karma.runtime.exchange import GradientExchange
 from karma.runtime.host import BuildInTier, HostPool
 from karma.runtime.streams import StreamWorker, raise_stream_failure, wait_for
 from karma.runtime.swap import DivergedError, SwapStore
 from karma.runtime.training import GradClip, MixedPrecision
 from karma.runtime.weights import BlockWeights, SharedStorage
-from karma.schedule import DEFERRED_KINDS, GRAD_KINDS, LAST_MICRO_BATCH_KINDS, Schedule
+from karma.schedule import (
+    BARRIER_STREAMS,
+    DEFERRED_KINDS,
+    GRAD_KINDS,
+    LAST_MICRO_BATCH_KINDS,
+    Schedule,
+)
 from karma.schedule_check import check_model_names, validate
 
 _WEIGHT_BUFFER = re.compile(r"w\.(\d+)@([fb])(\d*)$")
@@ -89,6 +97,7 @@ class Engine:
         for buf in schedule.buffers:
             if buf.free is not None and _WEIGHT_BUFFER.match(buf.name):
                 self.releases[buf.free].append(self._fetch_params(buf.name))
+        self._due = _releases_due(self.compute_ops, self.side_ops)
         # [Note: operation ids across iterations] Events and the backend know an op by
         # `gid = generation * len(ops) + op.id`, the generation counting iterations: an update
         # deferred into the next iteration (see _deferred) keeps its own events while the
@@ -430,7 +439,10 @@ class Engine:
         if op.kind == "forward" and self._carried:
             deps += self._take_carried(self._forward_waits[op.block])
         self._wait(deps)
-        self.backend.order_after(deps, "compute")
+        # what the side ops of earlier stages hold is free from here on: [Note: released
+        # where the schedule frees] (backend.py)
+        self.backend.release_due(self._gids(self._due[op.id]))
+        self.backend.order_after(deps, "compute", self._base + op.id)
         if self.recorder is not None:
             self.recorder.began(self._base + op.id, "compute")
         self._cursor += 1
@@ -520,7 +532,7 @@ class Engine:
 
     def _begin_update(self) -> None:
         """Before the step's first optimizer step: with clipping, wait until every gradient
-        is final (the schedule orders every step after them: check_training_ops) and clip
+        is final (the schedule orders every step after them: the validator checks it) and clip
         them all, as clip_grad_norm_(model.parameters(), X) would."""
         if self._update_began or self.clip is None:
             return
@@ -565,6 +577,14 @@ class Engine:
             store = self.swaps[op.block]
             fresh = store.allocate()
             return partial(store.swap_in, fresh, self.backend), bool(fresh)
+        if op.kind == "allreduce" and self.exchange is not None:
+            # exchange.py, [Note: the flat buffer's life]
+            w = self.weights[op.block]
+            if op.block in self._reduce_on_host:
+                flats = self.exchange.prepare(w.masters)
+                return partial(self._reduce_host_grads, w, flats), bool(flats)
+            flats = self.exchange.prepare(w.params)
+            return partial(self.exchange.reduce, flats), bool(flats)
         return self._action(op), False
 
     def _action(self, op):
@@ -580,10 +600,6 @@ class Engine:
             return w.host_step
         if op.kind == "upload":
             return w.upload
-        if op.kind == "allreduce" and self.exchange is not None:
-            if op.block in self._reduce_on_host:
-                return partial(self._reduce_host_grads, w)
-            return partial(self.exchange.allreduce, w.params)
         raise DivergedError(f"operation {op.id} ({op.kind}) is not supported by this runtime")
 
     def _grads_to_host_with_norms(self, w: BlockWeights, add: bool):
@@ -599,10 +615,11 @@ class Engine:
             self._host_norms(w)
         return release
 
-    def _reduce_host_grads(self, w: BlockWeights) -> None:
-        w.reduce_host_grads(self.exchange.allreduce)
+    def _reduce_host_grads(self, w: BlockWeights, flats):
+        release = w.reduce_host_grads(lambda holders: self.exchange.reduce(flats))
         if self.clip is not None:
             self._host_norms(w)
+        return release
 
     def _host_norms(self, w: BlockWeights) -> None:
         for p, g, has in zip(w.params, w.host_grads, w.has_grad):
@@ -622,6 +639,20 @@ class Engine:
                 n for n in self.blocks[user].shared_params if n in owned]
             self._params_of_buffer[buffer] = [self._named[n] for n in names]
         return self._params_of_buffer[buffer]
+
+
+def _releases_due(compute_ops, side_ops) -> dict[int, list[int]]:
+    """For each compute op, the side ops on the barrier streams whose stages end before its
+    own and that no earlier compute op was handed: what they hold is free when it starts."""
+    due: dict[int, list[int]] = {}
+    handed = 0
+    side = [op for op in side_ops if op.stream in BARRIER_STREAMS]
+    for op in compute_ops:
+        start = handed
+        while handed < len(side) and side[handed].stage < op.stage:
+            handed += 1
+        due[op.id] = [s.id for s in side[start:handed]]
+    return due
 
 
 def _place_buffers(model: torch.nn.Module, device: torch.device, tier: BuildInTier | None,

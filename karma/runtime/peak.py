@@ -127,6 +127,9 @@ class PrivatePeak:
         self.peak = max(self.peak, self.step_peak)
         return self.step_peak
 
+    def absolute(self) -> dict[str, int]:
+        return {}  # private memory: see the run's baseline_private_bytes
+
     def close(self) -> None:
         child, self._child = self._child, None
         if child is not None:
@@ -169,7 +172,10 @@ class DevicePeak:
         self._backend = backend
         backend.warm_up()  # cuBLAS's workspace: a one-time cost of CUDA, not of the schedule
         self.baseline = backend.memory_baseline()
+        self.outside_bytes = backend.outside_allocator_bytes()  # the CUDA context and the like
         self.peak = 0
+        self.allocated_bytes = 0  # absolute, over the run
+        self.reserved_bytes = 0
 
     def start(self, record: bool = False) -> None:
         self._backend.reset_peak()
@@ -178,9 +184,19 @@ class DevicePeak:
         return []  # a device memory curve would need the allocator's history: not recorded
 
     def stop(self) -> int:
-        step_peak = max(0, self._backend.peak_bytes() - self.baseline)
+        allocated = self._backend.peak_bytes()
+        self.allocated_bytes = max(self.allocated_bytes, allocated)
+        self.reserved_bytes = max(self.reserved_bytes, self._backend.peak_reserved_bytes())
+        step_peak = max(0, allocated - self.baseline)
         self.peak = max(self.peak, step_peak)
         return step_peak
+
+    def absolute(self) -> dict[str, int]:
+        """The run's absolute device figures, as RunReport names them: what a GPU of a given
+        size must hold is the reserved peak plus what is outside the allocator."""
+        return {"device_peak_allocated_bytes": self.allocated_bytes,
+                "device_peak_reserved_bytes": self.reserved_bytes,
+                "device_outside_allocator_bytes": self.outside_bytes}
 
     def close(self) -> None:
         pass

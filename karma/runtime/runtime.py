@@ -42,8 +42,9 @@ from karma.modelfile import (
 from karma.runtime import cpu_cache, distributed
 from karma.runtime.backend import make_backend
 from karma.runtime.checkpoint import load_runtime_state, runtime_state
-from karma.runtime.distributed import GradientExchange, Ranks
+from karma.runtime.distributed import Ranks
 from karma.runtime.engine import Engine
+from karma.runtime.exchange import GradientExchange
 from karma.runtime.host import (
     BuildInTier,
     HostPool,
@@ -64,10 +65,6 @@ from karma.units import format_bytes
 # On the CPU backend, factory tensors of at least this size are built in the host tier.
 TIER_MIN_BYTES = 1 << 20
 
-# --cap-device-memory leaves the allocator this much beyond the budget: cuBLAS workspaces and
-# the allocator's rounding, which the planner does not count.
-DEVICE_SLACK_BYTES = 256 << 20
-
 
 @dataclass(frozen=True)
 class StepStats:
@@ -82,6 +79,10 @@ class StepStats:
     grad_norm: float | None = None  # the global gradient norm before clipping (with clipping)
     blocked_on: tuple[str, ...] = ()  # the stream each of `blocked` is blamed on
     trace: StepTrace | None = None  # this step's timeline, if trace_next_step() asked for it
+    # when compute waited while an all-reduce ran, on the clock of `allreduce_intervals`: the
+    # compute thread's waits on the CPU backend, the compute stream's waits for the net
+    # stream on CUDA (backend.py, CudaBackend.order_after)
+    allreduce_blocked: tuple[tuple[float, float], ...] = ()
 
     def wait_s_by_stream(self) -> dict[str, float]:
         """Seconds the compute thread waited, per stream blamed (engine.py, [Note: which
@@ -117,11 +118,14 @@ class Runtime:
 
     def __init__(self, schedule: Schedule | str | Path, seed: int | None = None, *,
                  model_file: ModelFile | None = None, timeout_s: float = 60.0,
-                 cap_device_memory: bool = False, log: Callable[[str], None] = print,
-                 agree: dict[str, Any] | None = None):
+                 cap_device_memory: bool | int = False, log: Callable[[str], None] = print,
+                 agree: dict[str, Any] | None = None, dist_backend: str | None = None):
         """`schedule`: a Schedule or a schedule file's path. `seed`: default the schedule's.
         `timeout_s`: on several ranks, how long to wait for a rank that stops answering.
-        `agree`: further options every rank must share (karma-run's steps, checkpoints)."""
+        `cap_device_memory`: on CUDA, emulate a GPU of this many bytes (True: of the
+        schedule's budget). `agree`: further options every rank must share (karma-run's
+        steps, checkpoints). `dist_backend`: the all-reduces' backend on several ranks, nccl
+        or gloo (default nccl on CUDA, gloo on the CPU)."""
         path = None
         if not isinstance(schedule, Schedule):
             path = Path(schedule)
@@ -130,14 +134,13 @@ class Runtime:
         self.model_file = model_file or open_model_file(schedule, path)
         self.seed = schedule.config.seed if seed is None else seed
         self.timeout_s = timeout_s
-        self.backend = make_backend(dict(schedule.hardware).get("device_kind", "cpu"))
-        if self.backend.name == "cuda" and schedule.config.world_size > 1:
-            raise KarmaError("data parallelism on the CUDA backend (NCCL) is not built yet: plan "
-                             "with --world-size 1, or with --hardware cpu to train several "
-                             "ranks on the CPU backend")
+        device_kind = dict(schedule.hardware).get("device_kind", "cpu")
+        dist_backend = distributed.choose_backend(dist_backend, device_kind)
+        self.backend = make_backend(device_kind)  # on CUDA: LOCAL_RANK's GPU, set first
         self.ranks: Ranks = distributed.join(
             schedule.config.world_size, schedule_sha256(schedule),
-            {"seed": self.seed, **(agree or {})}, timeout_s)
+            {"seed": self.seed, **(agree or {})}, timeout_s, dist_backend,
+            self.backend.device_id())
         self.log = log if self.ranks.main else _quiet
         self._closed = False
         self._failed = False
@@ -194,9 +197,13 @@ class Runtime:
         self.meter = PrivatePeak(self.baseline_private_bytes) if backend.name == "cpu" \
             else DevicePeak(backend)
         if cap_device_memory:
-            total = backend.cap(schedule.config.capacity_bytes + DEVICE_SLACK_BYTES)
-            self.log(f"device memory capped at {format_bytes(schedule.config.capacity_bytes)} "
-                     f"+ {format_bytes(DEVICE_SLACK_BYTES)} slack of {format_bytes(total)}")
+            size = schedule.config.capacity_bytes if cap_device_memory is True \
+                else int(cap_device_memory)
+            cap = backend.cap(size)
+            self.log(f"device memory capped as on a GPU of {format_bytes(size)}: PyTorch's "
+                     f"allocator may hold {format_bytes(cap.allocator_bytes)}, the "
+                     f"{format_bytes(cap.outside_bytes)} in use outside it (the CUDA context) "
+                     f"counted in (the card has {format_bytes(cap.total_bytes)})")
 
         built = time.perf_counter()
         self.pool = HostPool(int(schedule.predicted.host_bytes * 1.1) + (64 << 20),
@@ -208,7 +215,8 @@ class Runtime:
         with tier or contextlib.nullcontext():
             self.model = mf.build(self.log)  # on the CPU: initial values do not depend on it
         self.model.train()
-        self.exchange = GradientExchange(self.ranks) if self.ranks.world_size > 1 else None
+        self.exchange = GradientExchange(self.ranks, backend) \
+            if self.ranks.world_size > 1 else None
         self.precision = MixedPrecision.of(schedule, backend.device.type)
         clip = schedule.config.clip_grad_norm
         self.engine = Engine(schedule, self.model, mf.make_optimizer, self.pool, backend,
@@ -266,6 +274,7 @@ class Runtime:
             self._micro = []
             self._step_lr = self.lr
             self._bound_cpu_cache()
+            self.backend.clock.restart()  # the origin of this step's all-reduce times
         recorder = None
         if self._trace_next and acc.last:
             recorder = TraceRecorder(self.schedule, self.backend, None if self.cpu_cache is None
@@ -314,11 +323,16 @@ class Runtime:
                                     memory=self.meter.samples())
         self.stepped = acc.last
         if acc.last:
-            calls = tuple(self.exchange.take_intervals()) if self.exchange is not None else ()
+            calls, calls_blocked = (), ()
+            if self.exchange is not None:
+                calls = tuple(self.exchange.take_intervals())
+                net_waits = self.backend.take_net_waits()
+                calls_blocked = tuple(self._blocked if net_waits is None else net_waits)
             losses, times, peaks = zip(*self._micro)
             self.last = StepStats(sum(losses) / len(losses), sum(times), self._step_lr,
                                   max(peaks), calls, tuple(self._blocked),
-                                  self.engine.grad_norm, tuple(self._blocked_on), trace)
+                                  self.engine.grad_norm, tuple(self._blocked_on), trace,
+                                  calls_blocked)
             self.iterations += 1
         acc.advance()
         return self._micro[-1][0]

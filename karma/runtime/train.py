@@ -18,6 +18,7 @@ from karma.modelfile import ModelFile
 from karma.runtime import distributed
 from karma.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from karma.runtime.engine import Engine
+from karma.runtime.exchange import hidden_s
 from karma.runtime.runtime import Runtime, open_model_file
 from karma.schedule import Schedule
 from karma.timeline import write_trace
@@ -34,7 +35,9 @@ class RunOptions:
     checkpoint_every: int = 0  # 0: only the final step
     resume: bool = False
     timeout_s: float = 60.0  # how long a collective waits for the other ranks
-    cap_device_memory: bool = False  # CUDA: let the allocator have only the schedule's budget
+    # CUDA: emulate a GPU of the schedule's budget (True) or of this many bytes
+    cap_device_memory: bool | int = False
+    dist_backend: str | None = None  # several ranks: nccl or gloo (None: nccl on CUDA, else gloo)
     eval_every: int = 0  # evaluate on the model file's eval_batches every N steps (0: never)
     trace_path: Path | None = None  # write the timeline of one step here (timeline.py)
     trace_step: int | None = None  # the step traced; None: the second this run trains
@@ -61,6 +64,12 @@ class RunReport:
     allreduce_s: list[float] = field(default_factory=list)  # per step: all-reduces' wall time
     allreduce_hidden_s: list[float] = field(default_factory=list)  # the part compute hid
     predicted_allreduce_s: float = 0.0  # the schedule's busy time on the net stream
+    dist_backend: str | None = None  # the all-reduces' backend on several ranks (nccl, gloo)
+    # CUDA, absolute (not above the baseline), over the run: the caching allocator's peak
+    # allocated and reserved bytes, and what was in use outside it at the start (the context)
+    device_peak_allocated_bytes: int = 0
+    device_peak_reserved_bytes: int = 0
+    device_outside_allocator_bytes: int = 0
     evals: list[dict] = field(default_factory=list)  # {"step", "loss", "peak_bytes"} each eval
     predicted_ideal_s: float | None = None  # the schedule's ideal_s (unlimited memory)
     # per step: seconds the compute thread waited, per stream blamed (the traced step's
@@ -81,7 +90,7 @@ def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
     evals = mf.checked_eval_batches(schedule.config.batch_size) if options.eval_every else []
     with Runtime(schedule, options.seed, model_file=mf, timeout_s=options.timeout_s,
                  cap_device_memory=options.cap_device_memory, log=options.log,
-                 agree=agree) as rt:
+                 agree=agree, dist_backend=options.dist_backend) as rt:
         report = _train(rt, options, evals)
     return dataclasses.replace(report, host_tier_peak_bytes=rt.pool_peak_bytes)
 
@@ -112,7 +121,7 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         capacity_bytes=schedule.config.capacity_bytes, host_tier_peak_bytes=0,
         batch_size=schedule.config.batch_size, baseline_private_bytes=rt.baseline_private_bytes,
         baseline_data_bytes=rt.baseline_data_bytes, rank=ranks.rank,
-        world_size=ranks.world_size,
+        world_size=ranks.world_size, dist_backend=ranks.dist_backend,
         predicted_allreduce_s=dict(schedule.predicted.busy_s).get("net", 0.0))
     for step in range(start_step + 1, options.steps + 1):
         if step == trace_step:
@@ -136,7 +145,7 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         if rt.exchange is not None:
             calls = stats.allreduce_intervals
             report.allreduce_s.append(sum(end - begin for begin, end in calls))
-            report.allreduce_hidden_s.append(distributed.hidden_s(calls, stats.blocked))
+            report.allreduce_hidden_s.append(hidden_s(calls, stats.allreduce_blocked))
             line += (f"  all-reduce {format_seconds(report.allreduce_s[-1])} "
                      f"({format_seconds(report.allreduce_hidden_s[-1])} hidden; predicted "
                      f"{format_seconds(report.predicted_allreduce_s)})")
@@ -170,7 +179,8 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
     if ranks.world_size > 1:
         distributed.agree(ranks, "parameters after the last step", _digest(rt.engine),
                           "this is a bug in karma: please report it with the schedule")
-    return dataclasses.replace(report, peak_device_bytes=rt.meter.peak)
+    return dataclasses.replace(report, peak_device_bytes=rt.meter.peak,
+                               **rt.meter.absolute())
 
 
 def traced_step(options: RunOptions, start_step: int) -> int | None:

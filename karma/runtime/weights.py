@@ -138,15 +138,17 @@ class BlockWeights:
         self.masters[k].grad = self.host_grads[k] if self.has_grad[k] else None
         return self.masters[k]
 
-    def reduce_host_grads(self, allreduce) -> None:
-        """All-reduce the gradients accumulated on the host (`allreduce` of tensors' .grad)."""
+    def reduce_host_grads(self, allreduce):
+        """All-reduce the gradients accumulated on the host (`allreduce` of tensors' .grad,
+        the masters lent their host gradients); returns what `allreduce` returns."""
         holders = [self.grad_holder(k) for k in range(len(self.params))]
-        allreduce(holders)
+        release = allreduce(holders)
         for k, m in enumerate(holders):
             self.has_grad[k] = m.grad is not None
             if m.grad is not None and m.grad is not self.host_grads[k]:
                 self.host_grads[k].copy_(m.grad)
             m.grad = None
+        return release
 
     def host_step(self) -> None:
         if self.optimizer is None:
