@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -235,3 +236,20 @@ def test_the_setting_is_read_and_checked(monkeypatch):
     monkeypatch.setenv("KARMA_CHAOS", "seven")
     with pytest.raises(KarmaError, match="SEED or SEED:MAX_MS"):
         Chaos.from_env()
+
+
+def test_each_rank_pauses_differently(monkeypatch):
+    """The ranks' threads have the same names; without the rank in the seed every rank would
+    pause in step with the others."""
+    def pauses(rank: int) -> list[float]:
+        monkeypatch.setattr("karma.runtime.chaos._rank", lambda: rank)
+        chaos = Chaos(1, 0.02)
+        slept: list[float] = []
+        with monkeypatch.context() as m:  # this thread's sleeps, recorded instead of slept
+            m.setattr("karma.runtime.chaos.time", SimpleNamespace(sleep=slept.append))
+            for _ in range(20):
+                chaos.pause()
+        return slept
+
+    assert pauses(0) == pauses(0) and pauses(1) == pauses(1)  # seeded
+    assert pauses(0) != pauses(1)
