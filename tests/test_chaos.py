@@ -190,6 +190,22 @@ def test_evaluation_and_dict_outputs_hold_under_chaos(seed, tmp_path, monkeypatc
                                                weights_only=True), ref)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_hugging_face_model_holds_under_chaos(seed, tmp_path, monkeypatch):
+    """test_zoo.py's test_zoo_model_trains_bitwise_at_half_of_keep_all, for Llama (rotary
+    tables and a mask that every layer reads; streamed weights, device and host steps), with
+    its plan and reference (skipped with the zoo, without transformers)."""
+    from tests.test_zoo import STEPS as ZOO_STEPS
+    from tests.test_zoo import zoo_case
+
+    mf, schedule, (ref_sd, ref_losses) = zoo_case("hf_llama")
+    monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{CASE_PAUSE_MS}")
+    report = run(schedule, mf, ZOO_STEPS, checkpoint_dir=tmp_path)
+    assert report.losses == ref_losses
+    assert_bitwise_equal(torch.load(tmp_path / f"step_{ZOO_STEPS}" / "model.pt",
+                                    weights_only=True), ref_sd)
+
+
 @pytest.mark.parametrize("name", ["gpt", "resnet", "mlp"])
 def test_the_strategies_left_out_have_nothing_to_reorder(name):
     """keep_all, recompute_all and greedy at the full budget (the rest of test_runtime.py's
