@@ -4,10 +4,12 @@ wait ([Note: chaos timing]).
 
 Every family of exactness tests (bitwise equal to the plain loop) has a counterpart here,
 each under three seeds, in the cheapest form that still puts work on the other streams:
-small models, two steps, shorter pauses where a step has many operations. CASES names the
-tests each case mirrors. The two-rank runs, whose all-reduces add the `net` stream, are
-checked under chaos in tests/test_distributed.py, in the launch its exactness test already
-pays for.
+small models, few steps, shorter pauses where a step has many operations. Each case names
+the tests it mirrors. The two-rank runs, whose all-reduces add the `net` stream, are checked
+under chaos in tests/test_distributed.py, in the launch its exactness test already pays for.
+Not mirrored: other ways into the same engine, which reads KARMA_CHAOS however it is started
+(karma-run's command line in test_cli_run.py, examples/own_loop.py in test_library.py, a
+resume after a full disk in test_full_disk.py), and the CUDA runs of test_gpu.py.
 """
 
 from __future__ import annotations
@@ -150,9 +152,9 @@ def test_every_family_of_exactness_tests_holds_under_chaos(case, seed, tmp_path,
 @pytest.mark.parametrize("seed", SEEDS)
 def test_resume_with_updates_in_flight_holds_under_chaos(seed, tmp_path, monkeypatch):
     """test_runtime.py's test_resume_continues_exactly and test_training_options.py's
-    test_resume_mid_schedule_and_accumulation_continues_exactly: with clipping, the host
-    steps of the last step are still running when a checkpoint is taken (engine.settle),
-    and the resumed run starts from what they wrote."""
+    test_resume_mid_schedule_and_accumulation_continues_exactly (and test_lr_schedule.py's
+    resume): with clipping, the host steps of the last step are still running when a
+    checkpoint is taken (engine.settle), and the resumed run starts from what they wrote."""
     options, scheduled = OPTIONS["all"]
     schedule = plan(load_small("mlp"), "ilp", 0.6, **options)
     mf = model_file("mlp", scheduled)
@@ -261,7 +263,7 @@ def test_each_rank_pauses_differently(monkeypatch):
         monkeypatch.setattr("karma.runtime.chaos._rank", lambda: rank)
         chaos = Chaos(1, 0.02)
         slept: list[float] = []
-        with monkeypatch.context() as m:  # this thread's sleeps, recorded instead of slept
+        with monkeypatch.context() as m:  # the pauses, recorded instead of slept
             m.setattr("karma.runtime.chaos.time", SimpleNamespace(sleep=slept.append))
             for _ in range(20):
                 chaos.pause()
