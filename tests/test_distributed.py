@@ -181,7 +181,7 @@ def test_a_device_step_that_skips_its_all_reduce_is_caught_under_chaos(two_rank_
     all-reduce. Under chaos the step takes gradients that are not yet averaged (or the
     all-reduce writes into gradients already stepped): the ranks end with different
     parameters (karma-run stops, saying so) or wrong ones. When written, every run was caught,
-    18 of 18 under chaos (the three seeds, six times) and 8 of 8 without it: an all-reduce
+    24 of 24 under chaos (the three seeds, eight times) and 8 of 8 without it: an all-reduce
     waits for the other rank, so a step that skips it nearly always runs first. On the net
     stream a missing wait shows without the pauses too; this control shows that the chaos
     runs above would see one."""
