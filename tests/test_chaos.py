@@ -1,16 +1,29 @@
 """Chaos timing (KARMA_CHAOS, karma/runtime/chaos.py): the streams' ordering protocol holds
 under random pauses around every operation and hand-off, and the pauses do catch a missing
-wait ([Note: chaos timing])."""
+wait ([Note: chaos timing]).
+
+Every family of exactness tests (bitwise equal to the plain loop) has a counterpart here,
+each under three seeds, in the cheapest form that still puts work on the other streams:
+small models, few steps, shorter pauses where a step has many operations. Each case names
+the tests it mirrors. The two-rank runs, whose all-reduces add the `net` stream, are checked
+under chaos in tests/test_distributed.py, in the launch its exactness test already pays for.
+Not mirrored: other ways into the same engine, which reads KARMA_CHAOS however it is started
+(karma-run's command line in test_cli_run.py, examples/own_loop.py in test_library.py, a
+resume after a full disk in test_full_disk.py), and the CUDA runs of test_gpu.py.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from karma.errors import KarmaError
 from karma.planner.plan import InfeasiblePlan
+from karma.reference import train_reference
 from karma.runtime.chaos import Chaos
 from tests.runtime_helpers import (
     assert_bitwise_equal,
@@ -19,6 +32,9 @@ from tests.runtime_helpers import (
     reference_train,
     run,
 )
+from tests.test_training_options import CLIP, OPTIONS, model_file
+from tests.test_training_options import STEPS as OPTION_STEPS
+from tests.test_training_options import reference as option_reference
 
 SEEDS = (1, 2, 3)
 PAUSE_MS = 10  # up to 10 ms before and after each op and hand-off, half the time
@@ -52,6 +68,153 @@ def test_training_is_bitwise_the_plain_loops_under_chaos(strategy, fraction, see
     assert report.losses == ref_losses
     assert_bitwise_equal(torch.load(tmp_path / f"step_{STEPS}" / "model.pt",
                                     weights_only=True), ref_sd)
+
+
+# --- every other family of exactness tests -------------------------------------------------
+
+CASE_STEPS = OPTION_STEPS  # 2: the references of test_training_options.py serve here too
+CASE_PAUSE_MS = 5  # a step of these has 30 to 120 operations
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One schedule trained under chaos, bitwise as the plain loop, like the tests it mirrors."""
+
+    model: str  # load_small's name
+    strategy: str
+    fraction: float = 1.0
+    option: str = "fp32"  # a key of test_training_options.OPTIONS, or fp32: none of them
+    built_in_tier: bool = False  # every factory tensor of the build in the host tier
+
+    @property
+    def id(self) -> str:
+        where = f"@{self.fraction:g}" if self.strategy == "ilp" else ""
+        return "-".join([self.model, self.strategy + where, self.option] +
+                        ["tier"] * self.built_in_tier)
+
+
+# The strategies with work on other streams (keep_all, recompute_all and greedy at full
+# budget have none: test_the_strategies_left_out_have_nothing_to_reorder); gpt's are above.
+CASES = [
+    # test_runtime.py: test_training_is_bitwise_equal_to_plain_pytorch (BatchNorm) and, with
+    # an ILP that mixes keep and recompute, streamed weights, device and host steps,
+    # test_a_model_built_in_the_host_tier_trains_exactly
+    Case("resnet", "swap_all"), Case("resnet", "offload_all"),
+    Case("resnet", "ilp", 0.4, built_in_tier=True),
+    # test_runtime.py: test_parameters_without_gradients_are_skipped_as_in_plain_pytorch
+    # (some blocks step on the device, some on the host)
+    Case("unused_frozen", "ilp", 0.6),
+    # test_model_io.py: test_backward_is_found_whatever_the_order_of_keyword_arguments
+    Case("kw_order", "swap_all", 1.5),
+    # test_training_options.py: test_every_option_and_strategy_equals_the_plain_loop (and
+    # test_runtime.py's for mlp), on an ILP that mixes device and host steps: accumulation
+    # (host gradients add up), clipping (norms taken on the streams, updates deferred into
+    # the next step) and all four options together (bf16 and a LambdaLR schedule too, as in
+    # test_lr_schedule.py's test_every_strategy_follows_the_schedule_bitwise); and all four
+    # with every block's update deferred
+    Case("mlp", "ilp", 0.6, "accumulate4"), Case("mlp", "ilp", 0.6, "clip"),
+    Case("mlp", "ilp", 0.6, "all"), Case("mlp", "offload_all", 1.0, "all"),
+]
+
+
+@functools.cache
+def case_reference(model: str, option: str):
+    """The plain loop's run for CASE_STEPS steps (shared with test_training_options.py)."""
+    if option in OPTIONS:
+        return option_reference(model, option)
+    mf = load_small(model)
+    return train_reference(mf, mf.default_batch_size, CASE_STEPS)
+
+
+def assert_equals_reference(report, saved: dict[str, torch.Tensor], ref) -> None:
+    assert report.losses == ref.losses
+    assert report.lrs == ref.lrs
+    if ref.grad_norms:
+        assert report.grad_norms == ref.grad_norms
+    assert_bitwise_equal(saved, ref.model.state_dict())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_every_family_of_exactness_tests_holds_under_chaos(case, seed, tmp_path, monkeypatch):
+    options, scheduled = OPTIONS.get(case.option, ({}, False))
+    schedule = plan(load_small(case.model), case.strategy, case.fraction, **options)
+    if case.built_in_tier:
+        monkeypatch.setattr("karma.runtime.runtime.TIER_MIN_BYTES", 1)
+    monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{CASE_PAUSE_MS}")
+    report = run(schedule, model_file(case.model, scheduled), CASE_STEPS,
+                 checkpoint_dir=tmp_path)
+    assert_equals_reference(report, torch.load(tmp_path / f"step_{CASE_STEPS}" / "model.pt",
+                                               weights_only=True),
+                            case_reference(case.model, case.option))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_resume_with_updates_in_flight_holds_under_chaos(seed, tmp_path, monkeypatch):
+    """test_runtime.py's test_resume_continues_exactly and test_training_options.py's
+    test_resume_mid_schedule_and_accumulation_continues_exactly (and test_lr_schedule.py's
+    resume): with clipping, the host steps of the last step are still running when a
+    checkpoint is taken (engine.settle), and the resumed run starts from what they wrote."""
+    options, scheduled = OPTIONS["all"]
+    schedule = plan(load_small("mlp"), "ilp", 0.6, **options)
+    mf = model_file("mlp", scheduled)
+    monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{CASE_PAUSE_MS}")
+    first = run(schedule, mf, CASE_STEPS - 1, checkpoint_dir=tmp_path)
+    second = run(schedule, mf, CASE_STEPS, checkpoint_dir=tmp_path, resume=True)
+    assert second.steps == [CASE_STEPS]
+    joined = dataclasses.replace(second, losses=first.losses + second.losses,
+                                 lrs=first.lrs + second.lrs,
+                                 grad_norms=first.grad_norms + second.grad_norms)
+    assert_equals_reference(joined, torch.load(tmp_path / f"step_{CASE_STEPS}" / "model.pt",
+                                               weights_only=True),
+                            case_reference("mlp", "all"))
+
+
+@functools.cache
+def dict_io_reference():
+    return train_reference(load_small("dict_io"), 4, CASE_STEPS, eval_every=1,
+                           clip_grad_norm=CLIP)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_evaluation_and_dict_outputs_hold_under_chaos(seed, tmp_path, monkeypatch):
+    """test_model_io.py's test_keyword_inputs_and_dict_outputs_train_bitwise and
+    test_eval_every_equals_a_plain_no_grad_forward: keyword inputs, a dict out, and an
+    evaluation after every step, which must wait for the host steps clipping leaves in
+    flight and fetch the streamed weights they wrote."""
+    mf = load_small("dict_io")
+    schedule = plan(mf, "offload_all", clip_grad_norm=CLIP)
+    ref = dict_io_reference()
+    monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{CASE_PAUSE_MS}")
+    report = run(schedule, mf, CASE_STEPS, checkpoint_dir=tmp_path, eval_every=1)
+    assert [{"step": e["step"], "loss": e["loss"]} for e in report.evals] == ref.evals
+    assert_equals_reference(report, torch.load(tmp_path / f"step_{CASE_STEPS}" / "model.pt",
+                                               weights_only=True), ref)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_hugging_face_model_holds_under_chaos(seed, tmp_path, monkeypatch):
+    """test_zoo.py's test_zoo_model_trains_bitwise_at_half_of_keep_all, for Llama (rotary
+    tables and a mask that every layer reads; streamed weights, device and host steps), with
+    its plan and reference (skipped with the zoo, without transformers)."""
+    from tests.test_zoo import STEPS as ZOO_STEPS
+    from tests.test_zoo import zoo_case
+
+    mf, schedule, (ref_sd, ref_losses) = zoo_case("hf_llama")
+    monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{CASE_PAUSE_MS}")
+    report = run(schedule, mf, ZOO_STEPS, checkpoint_dir=tmp_path)
+    assert report.losses == ref_losses
+    assert_bitwise_equal(torch.load(tmp_path / f"step_{ZOO_STEPS}" / "model.pt",
+                                    weights_only=True), ref_sd)
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet", "mlp"])
+def test_the_strategies_left_out_have_nothing_to_reorder(name):
+    """keep_all, recompute_all and greedy at the full budget (the rest of test_runtime.py's
+    exactness tests) run every operation on the compute thread: no pause can reorder them."""
+    for strategy in ("keep_all", "recompute_all", "greedy"):
+        schedule = plan(load_small(name), strategy)
+        assert {op.stream for op in schedule.ops} == {"compute"}, (name, strategy)
 
 
 def without_wait(schedule, kind: str, on: str):
@@ -94,3 +257,20 @@ def test_the_setting_is_read_and_checked(monkeypatch):
     monkeypatch.setenv("KARMA_CHAOS", "seven")
     with pytest.raises(KarmaError, match="SEED or SEED:MAX_MS"):
         Chaos.from_env()
+
+
+def test_each_rank_pauses_differently(monkeypatch):
+    """The ranks' threads have the same names; without the rank in the seed every rank would
+    pause in step with the others."""
+    def pauses(rank: int) -> list[float]:
+        monkeypatch.setattr("karma.runtime.chaos._rank", lambda: rank)
+        chaos = Chaos(1, 0.02)
+        slept: list[float] = []
+        with monkeypatch.context() as m:  # the pauses, recorded instead of slept
+            m.setattr("karma.runtime.chaos.time", SimpleNamespace(sleep=slept.append))
+            for _ in range(20):
+                chaos.pause()
+        return slept
+
+    assert pauses(0) == pauses(0) and pauses(1) == pauses(1)  # seeded
+    assert pauses(0) != pauses(1)

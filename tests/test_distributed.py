@@ -6,6 +6,9 @@ parameters must equal, to a relative 1e-6, those of karma.reference's data-paral
 per step, each rank's batch forward and backward from its own RNG state, the gradients
 averaged, one optimizer step. Each run is also checked to keep the protocol the CUDA backend
 relies on, the net stream's included (tests/protocol.py's checking backend, on every rank).
+The same launch trains a few of them under chaos timing ([Note: chaos timing];
+tests/test_chaos.py has the one-rank cases), bitwise equal to that loop, and a control with
+one missing wait for an all-reduce.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -27,7 +31,7 @@ from karma.reference import train_reference
 from karma.runtime.checkpoint import latest_checkpoint
 from karma.schedule import dump_schedule
 from tests.dist_helpers import ROOT, finish, free_port, start_ranks, wait_for_line
-from tests.runtime_helpers import block_graph, load_small, plan
+from tests.runtime_helpers import assert_bitwise_equal, block_graph, load_small, plan
 from tests.test_runtime import MODELS, STEPS, STRATEGIES, load_model_pt
 
 RANKS = 2
@@ -40,32 +44,68 @@ CASES = [(name, s, f) for name in MODELS for s, f in STRATEGIES] + [
     for s, f in (("keep_all", 1.0), ("offload_all", 1.0), ("ilp", 0.6))]
 
 
+# Under chaos: a mix of device and host steps, fetches and gradients copied after their
+# all-reduce (gpt), and all-reduces of host gradients accumulated over micro-batches, with
+# clipping, bf16 and an LR schedule (mlp_schedule); three seeds each. The control: a gpt
+# keep_all whose last device step no longer waits for its block's all-reduce.
+CHAOS_CASES = [("gpt", "ilp", 0.6), ("mlp_schedule", "ilp", 0.6)]
+CHAOS_SEEDS = (1, 2, 3)
+CHAOS_PAUSE_MS = 5
+CONTROL_PAUSE_MS = 20
+CONTROL = ("gpt", "keep_all", 1.0)
+
+
 def case_id(name: str, strategy: str, fraction: float) -> str:
     return f"{name}-{strategy}@{fraction:g}" if strategy == "ilp" else f"{name}-{strategy}"
 
 
+@dataclass(frozen=True)
+class TwoRankRuns:
+    """What the launch trained: schedule and run directory of each case that fits."""
+
+    plain: dict  # (name, strategy, fraction) -> (schedule, directory)
+    chaos: dict  # (name, strategy, fraction, seed) -> directory
+    control: dict  # seed -> directory (a report may be {"error": ...})
+    control_op: int  # the device step that no longer waits for its all-reduce
+
+
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
-    """(name, strategy, fraction) -> (schedule, its run's directory), for those that fit."""
+def two_rank_runs(tmp_path_factory) -> TwoRankRuns:
     root = tmp_path_factory.mktemp("data-parallel")
-    runs, cases = [], {}
+    runs, plain = [], {}
+
+    def add(schedule, directory: str, **spec) -> Path:
+        out = root / directory
+        out.mkdir()
+        (out / "schedule.yaml").write_text(dump_schedule(schedule))
+        runs.append({"schedule": str(out / "schedule.yaml"), "out": str(out), "steps": STEPS,
+                     **spec})
+        return out
+
     for name, strategy, fraction in CASES:
         try:
             schedule = plan(load_small(name), strategy, fraction, world_size=RANKS,
                             **TRAINING.get(name, {}))
         except InfeasiblePlan:
             continue
-        out = root / case_id(name, strategy, fraction)
-        out.mkdir()
-        (out / "schedule.yaml").write_text(dump_schedule(schedule))
-        runs.append({"schedule": str(out / "schedule.yaml"), "out": str(out), "steps": STEPS})
-        cases[(name, strategy, fraction)] = (schedule, out)
+        plain[(name, strategy, fraction)] = (schedule, add(schedule,
+                                                           case_id(name, strategy, fraction)))
+    chaos = {(*case, seed): add(plain[case][0], f"chaos-{case_id(*case)}-{seed}",
+                                env={"KARMA_CHAOS": f"{seed}:{CHAOS_PAUSE_MS}"})
+             for case in CHAOS_CASES if case in plain for seed in CHAOS_SEEDS}
+    control_schedule = plain[CONTROL][0]
+    step, reduce = (next(op.id for op in reversed(control_schedule.ops) if op.kind == kind)
+                    for kind in ("device_step", "allreduce"))
+    control = {seed: add(control_schedule, f"control-{seed}", drop_dep=[step, reduce],
+                         env={"KARMA_CHAOS": f"{seed}:{CONTROL_PAUSE_MS}"}, may_fail=True,
+                         timeout_s=20.0)
+               for seed in CHAOS_SEEDS}  # last in the job: see tests/dist_worker.py
     job = root / "job.json"
     job.write_text(json.dumps({"runs": runs}))
     for rank, (code, _, stderr) in enumerate(
             finish(start_ranks(["-m", "tests.dist_worker", str(job)], RANKS), timeout_s=900)):
         assert code == 0, f"rank {rank} failed:\n{stderr[-4000:]}"
-    return cases
+    return TwoRankRuns(plain, chaos, control, step)
 
 
 @cache
@@ -90,9 +130,9 @@ def max_relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("name,strategy,fraction", CASES, ids=[case_id(*c) for c in CASES])
 def test_two_ranks_equal_one_process_averaging_their_gradients(two_rank_runs, name, strategy,
                                                               fraction):
-    if (name, strategy, fraction) not in two_rank_runs:
+    if (name, strategy, fraction) not in two_rank_runs.plain:
         pytest.skip(f"{strategy} does not fit {fraction:g} of keep_all on {name}")
-    schedule, out = two_rank_runs[(name, strategy, fraction)]
+    schedule, out = two_rank_runs.plain[(name, strategy, fraction)]
     assert schedule.config.world_size == RANKS
     assert sorted(op.block for op in schedule.ops if op.kind == "allreduce") == list(
         range(len(schedule.blocks)))  # one per block (a block without weights sends nothing)
@@ -116,6 +156,53 @@ def test_two_ranks_equal_one_process_averaging_their_gradients(two_rank_runs, na
             assert 0 < total and 0 <= hidden <= total
         # phased into the backward: compute ran on while some exchange was in flight
         assert sum(report["allreduce_hidden_s"]) > 0
+
+
+def final_parameters(out: Path, ref_params: dict) -> dict[str, torch.Tensor]:
+    saved = load_model_pt(out / "ckpt", STEPS)
+    return {n: saved[n] for n in ref_params}
+
+
+@pytest.mark.parametrize("seed", CHAOS_SEEDS)
+@pytest.mark.parametrize("name,strategy,fraction", CHAOS_CASES,
+                         ids=[case_id(*c) for c in CHAOS_CASES])
+def test_two_ranks_under_chaos_are_bitwise_the_averaged_loop(two_rank_runs, name, strategy,
+                                                             fraction, seed):
+    """The net stream's hand-offs (a block's backward to its all-reduce, the all-reduce to
+    the device step or the copy to the host, host gradients to their all-reduce) hold under
+    random pauses on both ranks, each rank pausing differently: bitwise, not to 1e-6 (two
+    ranks' gradients sum in either order to the same bits)."""
+    if (name, strategy, fraction, seed) not in two_rank_runs.chaos:
+        pytest.skip(f"{strategy} does not fit {fraction:g} of keep_all on {name}")
+    out = two_rank_runs.chaos[(name, strategy, fraction, seed)]
+    ref_params, ref_losses = reference(name)
+    assert_bitwise_equal(final_parameters(out, ref_params), ref_params)
+    for rank in range(RANKS):
+        assert json.loads((out / f"rank{rank}.json").read_text())["losses"] == ref_losses[rank]
+
+
+def test_a_device_step_that_skips_its_all_reduce_is_caught_under_chaos(two_rank_runs):
+    """The control: gpt keep_all with its last device step no longer waiting for its block's
+    all-reduce. Under chaos the step takes gradients that are not yet averaged (or the
+    all-reduce writes into gradients already stepped): the ranks end with different
+    parameters (karma-run stops, saying so) or wrong ones. When written, every run was caught,
+    24 of 24 under chaos (the three seeds, eight times) and 8 of 8 without it: an all-reduce
+    waits for the other rank, so a step that skips it nearly always runs first. On the net
+    stream a missing wait shows without the pauses too; this control shows that the chaos
+    runs above would see one."""
+    caught = []
+    ref_params, _ = reference(CONTROL[0])
+    for seed, out in two_rank_runs.control.items():
+        reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+        if any("error" in r for r in reports):
+            caught.append(seed)
+            continue
+        try:
+            assert_bitwise_equal(final_parameters(out, ref_params), ref_params)
+        except AssertionError:
+            caught.append(seed)
+    assert caught, (f"chaos timing did not expose op {two_rank_runs.control_op}, a device "
+                    "step that skips its all-reduce")
 
 
 # --- launching, bad input and faults -------------------------------------------------------

@@ -6,6 +6,8 @@ Needs transformers (a dev dependency); skipped without it.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -25,12 +27,23 @@ ZOO = ["hf_llama", "hf_qwen2", "hf_mistral", "hf_neox", "hf_bert", "hf_t5", "hf_
 TINY = {"KARMA_HF": "tiny", "KARMA_HF_GPT2": "tiny"}
 
 
-@pytest.mark.parametrize("name", ZOO)
-def test_zoo_model_trains_bitwise_at_half_of_keep_all(name, tmp_path):
+STEPS = 3
+
+
+@functools.cache
+def zoo_case(name: str):
+    """(model file, its plan at half of keep_all, the plain loop's (state_dict, losses) after
+    STEPS steps), made once a session (tests/test_chaos.py trains it under chaos too)."""
     mf = load_with_env(EXAMPLES / f"{name}.py", TINY)
     schedule = plan(mf, "ilp", 0.5)
+    return mf, schedule, reference_train(mf, schedule.config.batch_size, STEPS)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_model_trains_bitwise_at_half_of_keep_all(name, tmp_path):
+    mf, schedule, (ref_sd, ref_losses) = zoo_case(name)
     assert any(b.act != "keep" or b.weights == "streamed" for b in schedule.blocks)
-    ref_sd, ref_losses = reference_train(mf, schedule.config.batch_size, 3)
-    report = run(schedule, mf, 3, checkpoint_dir=tmp_path)
+    report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
-    assert_bitwise_equal(torch.load(tmp_path / "step_3" / "model.pt", weights_only=True), ref_sd)
+    assert_bitwise_equal(torch.load(tmp_path / f"step_{STEPS}" / "model.pt",
+                                    weights_only=True), ref_sd)

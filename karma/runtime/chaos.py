@@ -7,7 +7,8 @@ wait can pass every test and then corrupt a GPU run, whose copy engines really d
 With KARMA_CHAOS=SEED each stream worker and the compute thread pause, at random (seeded per
 thread), for up to a few milliseconds before and after each operation and each hand-off:
 orders that the protocol allows but that the machine rarely produces then happen. A correct
-schedule still trains bitwise equal; a missing wait shows (tests/test_chaos.py).
+schedule still trains bitwise equal; a missing wait shows (tests/test_chaos.py; two ranks,
+whose threads pause differently, in tests/test_distributed.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class Chaos:
         self.seed = seed
         self.max_pause_s = max_pause_s
         self._local = threading.local()
+        # the ranks of a data-parallel run name their threads alike: each pauses differently
+        rank = _rank()
+        self._rank_suffix = f"@{rank}" if rank else ""
 
     @classmethod
     def from_env(cls) -> Chaos | None:
@@ -48,10 +52,17 @@ class Chaos:
     def pause(self) -> None:
         rng = getattr(self._local, "rng", None)
         if rng is None:
-            name = threading.current_thread().name
+            name = threading.current_thread().name + self._rank_suffix
             rng = self._local.rng = random.Random(self.seed * 1_000_003 + zlib.crc32(name.encode()))
         if rng.random() < 0.5:
             time.sleep(rng.uniform(0.0, self.max_pause_s))
+
+
+def _rank() -> int:
+    """This process's rank among several (0 on one)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def pause(chaos: Chaos | None) -> None:
