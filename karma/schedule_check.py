@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from karma.schedule import (
@@ -115,21 +115,38 @@ def walk_peak_bytes(schedule: Schedule) -> tuple[int, int]:
     return peak, at
 
 
-def check_model_names(schedule: Schedule, params: Collection[str], modules: Collection[str],
-                      source: str = "the schedule") -> None:
-    """Once the model is built (the one rule that needs it): every parameter and module a
-    block names exists in the model. `params`: the model's parameter names, tied ones under
-    each name (named_parameters(remove_duplicate=False)); `modules`: its module names."""
+def check_model_names(schedule: Schedule, params: Mapping[str, object],
+                      modules: Collection[str], source: str = "the schedule") -> None:
+    """Once the model is built (the rules that need it): every parameter and module a block
+    names exists in the model, and each of the model's parameters is owned by one block.
+    `params`: the model's parameters by name, tied ones under each name
+    (dict(named_parameters(remove_duplicate=False))); `modules`: its module names."""
+    rule = "(rule: parameters named once: each parameter and module a block names exists " \
+           "in the model, and each parameter of the model is owned by one block)"
+    fix = "re-plan with karma-plan for this model"
     for b in schedule.blocks:
         for key, names, known in (("params", b.params, params),
                                   ("shared_params", b.shared_params, params),
                                   ("modules", b.modules, modules)):
             for name in names:
                 if name not in known:
-                    raise ScheduleFileError(
-                        f"{source}: blocks[{b.index}].{key}: {name!r} is not in the model "
-                        f"(rule: parameters named once: each parameter and module a block "
-                        f"names exists in the model); re-plan with karma-plan for this model")
+                    raise ScheduleFileError(f"{source}: blocks[{b.index}].{key}: {name!r} is "
+                                            f"not in the model {rule}; {fix}")
+    owner: dict[int, tuple[int, str]] = {}  # id(parameter) -> (block, the name it owns it by)
+    for b in schedule.blocks:
+        for name in b.params:
+            tensor = id(params[name])
+            if tensor in owner:  # tied: two names of one tensor
+                block, first = owner[tensor]
+                raise ScheduleFileError(
+                    f"{source}: blocks[{b.index}].params: {name!r} is the parameter "
+                    f"{first!r} of block {block} under another name (tied) {rule}; remove it, "
+                    f"or {fix}")
+            owner[tensor] = (b.index, name)
+    for name, tensor in params.items():
+        if id(tensor) not in owner:
+            raise ScheduleFileError(f"{source}: the model's parameter {name!r} is owned by no "
+                                    f"block: no block lists it in its params {rule}; {fix}")
 
 
 @dataclass(frozen=True)

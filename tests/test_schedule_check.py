@@ -11,9 +11,9 @@ import pytest
 
 from karma.planner.plan import InfeasiblePlan
 from karma.schedule import Op, Schedule, ScheduleFileError, dump_schedule, load_schedule
-from karma.schedule_check import validate, walk_peak_bytes
+from karma.schedule_check import check_model_names, validate, walk_peak_bytes
 from tests.conftest import ROOT
-from tests.schedule_fixtures import MIXED, rounded, tiny_schedule
+from tests.schedule_fixtures import MIXED, rounded, tiny_graph, tiny_schedule
 
 GOLDEN = sorted((ROOT / "schedules").glob("*.yaml"))
 
@@ -303,3 +303,51 @@ def test_refusals_on_load_name_the_file(sched):
     text = dump_schedule(sched).replace("name: head, act: swap", "name: head, act: keep")
     with pytest.raises(ScheduleFileError, match=r"^edited\.yaml: op \d+ \(swap_out of block 0 "):
         load_schedule(text, "edited.yaml")
+
+
+# --- once the model is built ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """The tiny GPT the fixture schedule was planned for (its lm_head tied to wte)."""
+    return tiny_graph()[0].build()
+
+
+def model_refused(s: Schedule, model, *fragments: str) -> None:
+    with pytest.raises(ScheduleFileError) as info:
+        check_model_names(s, dict(model.named_parameters(remove_duplicate=False)),
+                          {name for name, _ in model.named_modules()}, "s.yaml")
+    message = str(info.value)
+    assert message.startswith("s.yaml: ") and "\n" not in message
+    for fragment in (*fragments, "(rule: parameters named once", "karma-plan"):
+        assert fragment in message, message
+
+
+def test_the_fixture_names_the_model_exactly(sched, tiny_model):
+    check_model_names(sched, dict(tiny_model.named_parameters(remove_duplicate=False)),
+                      {name for name, _ in tiny_model.named_modules()})
+
+
+def test_every_parameter_of_the_model_is_owned_by_a_block(sched, tiny_model):
+    """Found by fuzzing (tests/test_fuzz.py): a line of a block's params list deleted left
+    those parameters to no block; the run trained without them, then failed writing its
+    checkpoint with "internal error: KeyError: 'layer4.1.bn2.weight'"."""
+    params = sched.blocks[2].params
+    model_refused(with_block(sched, 2, params=params[:1] + params[2:]), tiny_model,
+                  f"the model's parameter {params[1]!r} is owned by no block")
+
+
+def test_a_tied_parameter_is_owned_once(sched, tiny_model):
+    """lm_head.weight is wte.weight: owned by the head already (the tail lists it in its
+    shared_params), it must not be owned again under its other name."""
+    assert "wte.weight" in sched.blocks[0].params and "lm_head.weight" not in {
+        n for b in sched.blocks for n in b.params}
+    model_refused(with_block(sched, 3, params=sched.blocks[3].params + ("lm_head.weight",)),
+                  tiny_model, "blocks[3].params: 'lm_head.weight' is the parameter "
+                              "'wte.weight' of block 0 under another name (tied)")
+
+
+def test_a_name_the_model_lacks(sched, tiny_model):
+    model_refused(with_block(sched, 1, modules=("h.9",)), tiny_model,
+                  "blocks[1].modules: 'h.9' is not in the model")
