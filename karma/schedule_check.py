@@ -24,6 +24,11 @@ names the op or block, the rule, and the fix. The rules, in the order they are c
 - peak within capacity: the buffers live in any stage add up to at most
   config.capacity_bytes (see [Note: the peak walked over stages]).
 
+Once the model is built, `check_model_names` checks what needs it: every parameter and
+module a block names exists in the model, each parameter of the model is owned by exactly one
+block (a tied parameter under one of its names), and each block's param_bytes are the bytes
+of its parameters (the model file built the model that was planned).
+
 This module imports neither the planner nor the IR: the runtime imports it.
 """
 
@@ -118,8 +123,9 @@ def walk_peak_bytes(schedule: Schedule) -> tuple[int, int]:
 def check_model_names(schedule: Schedule, params: Mapping[str, object],
                       modules: Collection[str], source: str = "the schedule") -> None:
     """Once the model is built (the rules that need it): every parameter and module a block
-    names exists in the model, and each of the model's parameters is owned by one block.
-    `params`: the model's parameters by name, tied ones under each name
+    names exists in the model, each of the model's parameters is owned by one block, and
+    each block's param_bytes are its parameters' bytes (the model is the one planned).
+    `params`: the model's parameters (tensors) by name, tied ones under each name
     (dict(named_parameters(remove_duplicate=False))); `modules`: its module names."""
     rule = "(rule: parameters named once: each parameter and module a block names exists " \
            "in the model, and each parameter of the model is owned by one block)"
@@ -147,6 +153,15 @@ def check_model_names(schedule: Schedule, params: Mapping[str, object],
         if id(tensor) not in owner:
             raise ScheduleFileError(f"{source}: the model's parameter {name!r} is owned by no "
                                     f"block: no block lists it in its params {rule}; {fix}")
+    for b in schedule.blocks:
+        nbytes = sum(params[name].nbytes for name in b.params)
+        if nbytes != b.param_bytes:
+            raise ScheduleFileError(
+                f"{source}: blocks[{b.index}].param_bytes: {b.param_bytes} ("
+                f"{format_bytes(b.param_bytes)}), but its parameters in the model take {nbytes} "
+                f"({format_bytes(nbytes)}) (rule: the model as planned: each block's param_bytes "
+                "are the bytes of its parameters in the model built); the model file built "
+                "another model than the one planned (another model.env?): " + fix)
 
 
 @dataclass(frozen=True)
