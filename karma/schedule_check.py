@@ -20,7 +20,8 @@ names the op or block, the rule, and the fix. The rules, in the order they are c
 - compute order: the compute ops follow the model's own execution.
 - dependencies: an op that needs another's result waits for it (see [Note: happens-before]).
 - buffer lifetime: a buffer is allocated before every use, used before it is freed, and an
-  allocated buffer is freed once in the iteration.
+  allocated buffer is freed once in the iteration; with clipping, fetched weights are not
+  freed by an op that may run on into the next iteration (see _deferred_weight_frees).
 - peak within capacity: the buffers live in any stage add up to at most
   config.capacity_bytes (see [Note: the peak walked over stages]).
 
@@ -40,6 +41,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from karma.schedule import (
+    DEFERRED_KINDS,
     GRAD_KINDS,
     LAST_MICRO_BATCH_KINDS,
     OP_KINDS,
@@ -497,6 +499,30 @@ class _Checker:
                                   f"{self.op(b.free)} frees, and may run after it {rule}; "
                                   f"restore the buffer's free, {_FIX}")
         self._weight_buffers()
+        self._deferred_weight_frees()
+
+    def _deferred_weight_frees(self) -> None:
+        """With clipping, host steps and uploads may run on into the next iteration
+        ([Note: the training options' contract]). Fetched weights freed by one of them would
+        still be held when the next iteration fetches the same weights, and a fetch finds
+        weights it can reuse when it is issued: it would not fill them again, and the
+        forward would read them from before their update. (Found by fuzzing: w.0@b freed by
+        block 0's host step trained different weights, in two runs out of three.)"""
+        if self.s.config.clip_grad_norm is None:
+            return
+        for k, b in enumerate(self.s.buffers):
+            if b.free is None or not _WEIGHT_BUFFER.match(b.name) \
+                    or self.s.ops[b.free].kind not in DEFERRED_KINDS:
+                continue
+            readers = [op.id for op in self.s.ops
+                       if op.stream == "compute" and b.name in op.uses]
+            fix = f"set its free to {readers[-1]}, {_FIX}" if readers else _REPLAN
+            raise _Broken(f"buffer {b.name} (buffers[{k}]) is freed by {self.op(b.free)}, which "
+                          "may run on into the next iteration (rule: buffer lifetime: with "
+                          "config.clip_grad_norm fetched weights are freed by the op that reads "
+                          "them last, never by a host_step or an upload: the next iteration's "
+                          "fetch would find them still held and use them without their "
+                          f"update); {fix}")
 
     def _weight_buffers(self) -> None:
         """Fetched weights: the runtime releases them when the buffer's free op ends, so

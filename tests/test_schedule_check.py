@@ -290,6 +290,31 @@ def test_fetched_weights_are_released_after_their_last_reader(sched):
             f"reads them); set its free to {bwd.id}")
 
 
+def test_with_clipping_fetched_weights_are_not_freed_by_a_deferred_op():
+    """Found by fuzzing (tests/test_fuzz.py): with clipping, block 0's backward weights
+    freed by its host step, which runs on into the next iteration, were still held when
+    that iteration fetched them and were not filled again: two runs in three trained other
+    weights than plain PyTorch."""
+    from karma.planner.hardware import load_hardware
+    from karma.planner.pipeline import PlanRequest, make_schedule
+    from tests.schedule_fixtures import tiny_graph
+
+    _, graph = tiny_graph()
+    request = PlanRequest(1 << 30, load_hardware("cpu"), graph.batch_size,
+                          strategy="offload_all", clip_grad_norm=1.0)
+    s = rounded(make_schedule(graph, tiny_schedule().model, request).schedule)
+    validate(s)
+    reader = next(b.free for b in s.buffers if b.name == "w.0@b")
+    step = op_of(s, "host_step", 0)
+    late = with_buffer(s, "w.0@b", free=step.id)
+    refused(late, "buffer w.0@b (buffers[", f"is freed by op {step.id} (host_step of block 0 "
+                  "(head)), which may run on into the next iteration (rule: buffer lifetime: "
+                  "with config.clip_grad_norm fetched weights are freed by the op that reads "
+                  f"them last, never by a host_step or an upload", f"set its free to {reader}")
+    # without clipping every op of an iteration ends within it: later, but allowed
+    validate(replace(late, config=replace(late.config, clip_grad_norm=None)))
+
+
 def test_the_peak_fits_the_capacity(sched):
     peak, stage = walk_peak_bytes(sched)
     assert peak <= sched.config.capacity_bytes
@@ -297,6 +322,19 @@ def test_the_peak_fits_the_capacity(sched):
     refused(replace(sched, config=replace(sched.config, capacity_bytes=peak - 1)),
             f"the buffers live in stage {stage} add up to {peak} bytes",
             f"over config.capacity_bytes {peak - 1}", "(rule: peak within capacity")
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_a_hardware_number_that_is_not_finite_is_refused(sched, value):
+    """Found by fuzzing (tests/test_fuzz.py): a hardware rate edited to .nan loaded, and
+    karma-run ended in "internal error: ValueError: nan cannot be written in a schedule"
+    when it took the schedule's fingerprint (schedule_sha256 writes the schedule)."""
+    text = dump_schedule(sched)
+    line = next(line for line in text.splitlines() if line.startswith("  h2d_bytes_per_s: "))
+    edited = text.replace(line, f"  h2d_bytes_per_s: {value}")
+    with pytest.raises(ScheduleFileError, match=r"^edited\.yaml: hardware\.h2d_bytes_per_s: "
+                                                r"-?(nan|inf) is not a finite number; "):
+        load_schedule(edited, "edited.yaml")
 
 
 def test_refusals_on_load_name_the_file(sched):
