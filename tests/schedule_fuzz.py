@@ -208,9 +208,9 @@ def mutate(base: Base, mutations: list[Mutation]) -> str:
             continue
         try:
             s = load_schedule(text) if text != base.text else base.schedule
-        except KarmaError:
-            continue  # an earlier edit broke it: nothing to renumber
-        text = dump_schedule(_OPS[kind](s, i, j))
+            text = dump_schedule(_OPS[kind](s, i, j))
+        except Exception:  # noqa: BLE001 - an earlier edit broke it (judge tells how)
+            continue
     return text
 
 
@@ -350,18 +350,24 @@ def _with_op(s: Schedule, op: Op) -> Schedule:
 
 def _drop_dep(s: Schedule, i: int, j: int) -> Schedule:
     waiting = [op for op in s.ops if op.deps]
+    if not waiting:
+        return s
     op = waiting[i % len(waiting)]
     gone = op.deps[j % len(op.deps)]
     return _with_op(s, replace(op, deps=tuple(d for d in op.deps if d != gone)))
 
 
 def _add_dep(s: Schedule, i: int, j: int) -> Schedule:
+    if len(s.ops) < 2:
+        return s
     op = s.ops[1 + i % (len(s.ops) - 1)]
     return _with_op(s, replace(op, deps=tuple(sorted({*op.deps, j % op.id}))))
 
 
 def _move_buffer_end(s: Schedule, i: int, j: int, end: str) -> Schedule:
     buffers = list(s.buffers)
+    if not buffers:
+        return s
     k = i % len(buffers)
     now = getattr(buffers[k], end)
     moved = (j % len(s.ops)) if now is None else max(0, min(len(s.ops) - 1, now + j % 7 - 3))
@@ -405,7 +411,10 @@ def judge(base: Base, text: str, timeout_s: float = TIMEOUT_S) -> Verdict:
         return Verdict("refused", str(e), "load")
     except Exception:  # noqa: BLE001 - karma-run's internal error
         return Verdict("internal", traceback.format_exc(), "load")
-    canonical = dump_schedule(s)
+    try:  # the runtime writes it too: its fingerprint is that of the text (schedule_sha256)
+        canonical = dump_schedule(s)
+    except Exception:  # noqa: BLE001 - a schedule loaded that cannot be written: a bug
+        return Verdict("internal", traceback.format_exc(), "load")
     if canonical not in base.seen:
         base.seen[canonical] = _run_verdict(base, s, timeout_s)
     return base.seen[canonical]
