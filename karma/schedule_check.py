@@ -98,7 +98,10 @@ def walk_peak_bytes(schedule: Schedule) -> tuple[int, int]:
     counts (the planner takes the same maximum for the device steps' temporaries; summing
     them refused a valid plan of tests/models/mlp_schedule.py for 2 ranks)."""
     last = max((op.stage for op in schedule.ops), default=0)
-    delta = [0] * (last + 2)
+    # live bytes change only at the stages where a buffer starts or after one it ends: kept
+    # by stage, not in a list as long as the largest stage number (a stage edited to 2**62
+    # took all memory: found by fuzzing)
+    delta: dict[int, int] = defaultdict(int)
     # an op's own temporaries (allocated and freed by that op): one op of a stream runs at
     # a time, so per stage and stream only the largest of them is live at once
     transient: dict[tuple[int, str], int] = defaultdict(int)
@@ -115,7 +118,9 @@ def walk_peak_bytes(schedule: Schedule) -> tuple[int, int]:
     for (stage, _), nbytes in transient.items():
         on_top[stage] += nbytes
     peak, at, live = 0, 0, 0
-    for stage in range(last + 1):
+    for stage in sorted(delta.keys() | on_top.keys()):
+        if stage > last:
+            break
         live += delta[stage]
         if live + on_top[stage] > peak:
             peak, at = live + on_top[stage], stage

@@ -337,6 +337,18 @@ def test_a_hardware_number_that_is_not_finite_is_refused(sched, value):
         load_schedule(edited, "edited.yaml")
 
 
+def test_a_huge_stage_number_is_walked_in_no_time(sched):
+    """Found by fuzzing (tests/test_fuzz.py): the last op's stage edited to 2**62 (stages
+    still in order) made the peak walk allocate a list as long as that number, and
+    karma-run ended in "internal error: MemoryError"."""
+    last = sched.ops[-1]
+    s = with_op(sched, last, stage=2 ** 62)
+    start = time.perf_counter()
+    assert walk_peak_bytes(s)[0] == walk_peak_bytes(sched)[0]
+    validate(s)  # the same buffers over the same stages but the last: the same peak
+    assert time.perf_counter() - start < 0.5
+
+
 def test_refusals_on_load_name_the_file(sched):
     text = dump_schedule(sched).replace("name: head, act: swap", "name: head, act: keep")
     with pytest.raises(ScheduleFileError, match=r"^edited\.yaml: op \d+ \(swap_out of block 0 "):
