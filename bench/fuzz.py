@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/fuzz.py --count 3000 --seed 1
     .venv/bin/python bench/fuzz.py --count 200 --bases "mlp ilp 0.6" --show 5
+    .venv/bin/python bench/fuzz.py --count 3000 --seed 2 --chaos 1   # timing shaken too
 
 Plans small models with several strategies (--bases), then draws --count mutants with a
 seeded generator, each one to three mutations of one base (tests/schedule_fuzz.py: decision
@@ -10,13 +11,16 @@ and moved, dependencies dropped and added, buffers' alloc and free moved), and j
 as karma-run would: refused (exit 2: by validation, or when run), ran bitwise equal to plain
 PyTorch, or a bug (an internal error, a result not bitwise equal, a hang past --timeout).
 Prints the counts per base and in total, and the mutations behind every bug (the exit
-status is 1 if there is any). `make test` runs a few hundred of the same (tests/test_fuzz.py).
+status is 1 if there is any). With --chaos SEED the runs pause at random around every
+operation (KARMA_CHAOS, karma/runtime/chaos.py), so that a dependency a mutant dropped shows
+as a race more often. `make test` runs a few hundred of the same (tests/test_fuzz.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import sys
 import time
@@ -55,7 +59,11 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds a run may take before it counts as a hang")
     p.add_argument("--show", type=int, default=3, help="bugs to print in full")
+    p.add_argument("--chaos", default=None, metavar="SEED[:MAX_MS]",
+                   help="run under chaos timing (KARMA_CHAOS)")
     args = p.parse_args()
+    if args.chaos is not None:
+        os.environ["KARMA_CHAOS"] = args.chaos  # read when each run's engine is built
 
     from tests.schedule_fuzz import Base, Tally, judge, mutate
 
@@ -92,8 +100,11 @@ def main() -> None:
         print(f"{name}: {tally.text()}")
     print("refusals by rule: " + ", ".join(
         f"{reason} {n}" for reason, n in sorted(total.reasons.items(), key=lambda r: -r[1])))
-    print(f"distinct schedules trained: {sum(len(b.seen) for b in bases)}")
-    print(f"total ({args.count} mutants, seed {args.seed}, "
+    print("trained, of the mutants with each kind of mutation: " + ", ".join(
+        f"{kind} {trained}/{tried}" for kind, (tried, trained) in sorted(total.by_kind.items())))
+    print(f"distinct schedules that loaded (each run once): {sum(len(b.seen) for b in bases)}")
+    chaos = f", chaos {args.chaos}" if args.chaos else ""
+    print(f"total ({args.count} mutants, seed {args.seed}{chaos}, "
           f"{time.perf_counter() - start:.0f} s): {total.text()}")
     for name, mutations, verdict in total.examples[:args.show]:
         print(f"\n--- {verdict.outcome} in {name} with {mutations}:\n{verdict.detail}")

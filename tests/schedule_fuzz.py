@@ -136,6 +136,7 @@ class Base:
     def of(cls, model: str, strategy: str, fraction: float = 1.0, **training) -> Base:
         """`model` (examples/MODEL.py at its test size) planned with `strategy` at `fraction`
         of keep_all's peak, or "mixed": the tiny GPT with every choice (MIXED)."""
+        assert strategy != "mixed" or (model, training) == ("gpt", {}), "mixed: the tiny GPT"
         mf = load_small(model)
         planned = mixed_gpt() if strategy == "mixed" else plan(mf, strategy, fraction,
                                                                **training)
@@ -508,6 +509,8 @@ class Tally:
     refused_at_run: int = 0
     trained: int = 0  # ran: schedules other than the original, trained and compared
     reasons: dict[str, int] = field(default_factory=dict)  # refusals by rule (or kind)
+    # mutation kind -> [mutants with it, of them trained]: which edits get past validation
+    by_kind: dict[str, list[int]] = field(default_factory=dict)
     examples: list[tuple[str, list[Mutation], Verdict]] = field(default_factory=list)
 
     def add(self, base: Base, mutations: list[Mutation], verdict: Verdict) -> None:
@@ -515,6 +518,10 @@ class Tally:
         self.counts[verdict.outcome] += 1
         self.refused_at_run += verdict.outcome == "refused" and verdict.stage == "run"
         self.trained += verdict.outcome == "ran" and verdict.detail == ""
+        for kind in {m[0] for m in mutations}:
+            counts = self.by_kind.setdefault(kind, [0, 0])
+            counts[0] += 1
+            counts[1] += verdict.outcome == "ran" and verdict.detail == ""
         if verdict.outcome == "refused":
             reason = _reason(verdict.detail)
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
