@@ -6,9 +6,10 @@ and moved, dependencies dropped and added, buffers' alloc and free moved), and e
 must be refused as karma-run refuses (a KarmaError: exit 2, no traceback) or train, in two
 steps, bitwise equal to the unmutated schedule (to plain PyTorch with the options it states
 when it changed them: a seed, a batch size); never another exception (karma-run's "internal
-error"), never a hang (each run is bounded by a timeout). The examples are derandomized:
-the same cases on every run. A few through the real karma-run prove the exit status and
-the message end to end. bench/fuzz.py runs thousands.
+error"), never a hang (each run is bounded by a timeout). The runs are under chaos timing
+(KARMA_CHAOS), so that a dependency a mutant dropped shows as a race. The examples are
+derandomized: the same cases on every run. A few through the real karma-run prove the exit
+status and the message end to end. bench/fuzz.py runs thousands.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import gc
 import random
 import subprocess
 import sys
+import threading
 from functools import cache
 
 import pytest
@@ -25,6 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from karma.schedule import load_schedule
+from tests import schedule_fuzz
 from tests.conftest import ROOT
 from tests.schedule_fuzz import KINDS, Base, Tally, Verdict, judge, mutate, training_options
 
@@ -54,6 +57,13 @@ def base_of(case) -> Base:
 
 
 @pytest.fixture
+def chaos(monkeypatch):
+    """The runs under chaos timing (karma/runtime/chaos.py): a dependency a mutant dropped
+    shows as a race more often than on this machine's own timing. About 5 s more."""
+    monkeypatch.setenv("KARMA_CHAOS", "1")
+
+
+@pytest.fixture
 def frozen_gc():
     """Each run's gc.collect() (runtime.py, before its baseline) then skips the objects
     made before the test: a third of a small run's time otherwise."""
@@ -65,7 +75,7 @@ def frozen_gc():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", BASES, ids=lambda c: " ".join(
     [c[0], c[1], *(f"{k} {v}" for k, v in c[3].items())]))
-def test_mutants_are_refused_or_train_bitwise_equal(case, frozen_gc):
+def test_mutants_are_refused_or_train_bitwise_equal(case, frozen_gc, chaos):
     b = base_of(case)
     tally = Tally()
 
@@ -87,18 +97,36 @@ def test_mutants_are_refused_or_train_bitwise_equal(case, frozen_gc):
     assert tally.trained >= 3, tally.text()
 
 
-def test_the_judge_can_fail():
-    """A run that trains something else is caught: the original schedule judged against
-    another seed's result differs, and a mutant judged is never taken on trust."""
+def reseeded(b: Base) -> str:
+    """`b`'s text with another seed: a schedule that trains something else."""
+    seed = b.schedule.config.seed
+    text = b.text.replace(f"seed: {seed}\n", f"seed: {seed + 1}\n", 1)
+    assert text != b.text
+    return text
+
+
+def test_a_run_that_trains_something_else_differs():
+    """The comparison can fail: judged against a planted wrong answer (the original seed's
+    result), the schedule with another seed differs; against plain PyTorch with its own
+    seed, it ran bitwise equal."""
     b = base_of(BASES[1])
-    other = Base(b.name, b.mf, b.schedule, b.text, b.result)
-    seed = b.schedule.config.seed + 1
-    moved = b.text.replace(f"seed: {b.schedule.config.seed}\n", f"seed: {seed}\n", 1)
-    assert moved != b.text
-    other.references[training_options(load_schedule(moved))] = b.result  # a wrong answer
-    verdict = judge(other, moved)
-    assert verdict.outcome == "differs", verdict
-    assert judge(b, moved).outcome == "ran"  # against plain PyTorch with that seed
+    text = reseeded(b)
+    planted = Base(b.name, b.mf, b.schedule, b.text, b.result)
+    planted.references[training_options(load_schedule(text))] = b.result
+    assert judge(planted, text).outcome == "differs"
+    assert judge(b, text).outcome == "ran"
+
+
+def test_a_run_that_does_not_end_is_a_hang(monkeypatch):
+    b = base_of(BASES[1])
+    fresh = Base(b.name, b.mf, b.schedule, b.text, b.result)  # nothing judged yet
+    release = threading.Event()
+    monkeypatch.setattr(schedule_fuzz, "run_schedule", lambda s, mf: release.wait())
+    try:
+        verdict = judge(fresh, reseeded(b), timeout_s=0.2)
+    finally:
+        release.set()  # the run left behind ends
+    assert verdict.outcome == "hang" and verdict.bug
 
 
 # --- end to end, through karma-run --------------------------------------------------------------
