@@ -583,6 +583,9 @@ def _hardware_value(v, path):
         return tuple(_hardware_value(x, f"{path}[{k}]") for k, x in enumerate(v))
     if v is not None and not isinstance(v, (str, int, float)):
         raise _Invalid(f"{path}: {_show(v)} is not a plain value; {_FIX}")
+    if isinstance(v, float) and not math.isfinite(v):  # which dump_schedule cannot write
+        raise _Invalid(f"{path}: {_show(v)} is not a finite number; a hardware profile's "
+                       f"rates and sizes are finite, e.g. 1.0e+10; {_FIX}")
     return v
 
 

@@ -20,9 +20,15 @@ names the op or block, the rule, and the fix. The rules, in the order they are c
 - compute order: the compute ops follow the model's own execution.
 - dependencies: an op that needs another's result waits for it (see [Note: happens-before]).
 - buffer lifetime: a buffer is allocated before every use, used before it is freed, and an
-  allocated buffer is freed once in the iteration.
+  allocated buffer is freed once in the iteration; with clipping, fetched weights are not
+  freed by an op that may run on into the next iteration (see _deferred_weight_frees).
 - peak within capacity: the buffers live in any stage add up to at most
   config.capacity_bytes (see [Note: the peak walked over stages]).
+
+Once the model is built, `check_model_names` checks what needs it: every parameter and
+module a block names exists in the model, each parameter of the model is owned by exactly one
+block (a tied parameter under one of its names), and each block's param_bytes are the bytes
+of its parameters (the model file built the model that was planned).
 
 This module imports neither the planner nor the IR: the runtime imports it.
 """
@@ -31,10 +37,11 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from karma.schedule import (
+    DEFERRED_KINDS,
     GRAD_KINDS,
     LAST_MICRO_BATCH_KINDS,
     OP_KINDS,
@@ -91,7 +98,10 @@ def walk_peak_bytes(schedule: Schedule) -> tuple[int, int]:
     counts (the planner takes the same maximum for the device steps' temporaries; summing
     them refused a valid plan of tests/models/mlp_schedule.py for 2 ranks)."""
     last = max((op.stage for op in schedule.ops), default=0)
-    delta = [0] * (last + 2)
+    # live bytes change only at the stages where a buffer starts or after one it ends: kept
+    # by stage, not in a list as long as the largest stage number (a stage edited to 2**62
+    # took all memory: found by fuzzing)
+    delta: dict[int, int] = defaultdict(int)
     # an op's own temporaries (allocated and freed by that op): one op of a stream runs at
     # a time, so per stage and stream only the largest of them is live at once
     transient: dict[tuple[int, str], int] = defaultdict(int)
@@ -108,28 +118,57 @@ def walk_peak_bytes(schedule: Schedule) -> tuple[int, int]:
     for (stage, _), nbytes in transient.items():
         on_top[stage] += nbytes
     peak, at, live = 0, 0, 0
-    for stage in range(last + 1):
+    for stage in sorted(delta.keys() | on_top.keys()):
+        if stage > last:
+            break
         live += delta[stage]
         if live + on_top[stage] > peak:
             peak, at = live + on_top[stage], stage
     return peak, at
 
 
-def check_model_names(schedule: Schedule, params: Collection[str], modules: Collection[str],
-                      source: str = "the schedule") -> None:
-    """Once the model is built (the one rule that needs it): every parameter and module a
-    block names exists in the model. `params`: the model's parameter names, tied ones under
-    each name (named_parameters(remove_duplicate=False)); `modules`: its module names."""
+def check_model_names(schedule: Schedule, params: Mapping[str, object],
+                      modules: Collection[str], source: str = "the schedule") -> None:
+    """Once the model is built (the rules that need it): every parameter and module a block
+    names exists in the model, each of the model's parameters is owned by one block, and
+    each block's param_bytes are its parameters' bytes (the model is the one planned).
+    `params`: the model's parameters (tensors) by name, tied ones under each name
+    (dict(named_parameters(remove_duplicate=False))); `modules`: its module names."""
+    rule = "(rule: parameters named once: each parameter and module a block names exists " \
+           "in the model, and each parameter of the model is owned by one block)"
+    fix = "re-plan with karma-plan for this model"
     for b in schedule.blocks:
         for key, names, known in (("params", b.params, params),
                                   ("shared_params", b.shared_params, params),
                                   ("modules", b.modules, modules)):
             for name in names:
                 if name not in known:
-                    raise ScheduleFileError(
-                        f"{source}: blocks[{b.index}].{key}: {name!r} is not in the model "
-                        f"(rule: parameters named once: each parameter and module a block "
-                        f"names exists in the model); re-plan with karma-plan for this model")
+                    raise ScheduleFileError(f"{source}: blocks[{b.index}].{key}: {name!r} is "
+                                            f"not in the model {rule}; {fix}")
+    owner: dict[int, tuple[int, str]] = {}  # id(parameter) -> (block, the name it owns it by)
+    for b in schedule.blocks:
+        for name in b.params:
+            tensor = id(params[name])
+            if tensor in owner:  # tied: two names of one tensor
+                block, first = owner[tensor]
+                raise ScheduleFileError(
+                    f"{source}: blocks[{b.index}].params: {name!r} is the parameter "
+                    f"{first!r} of block {block} under another name (tied) {rule}; remove it, "
+                    f"or {fix}")
+            owner[tensor] = (b.index, name)
+    for name, tensor in params.items():
+        if id(tensor) not in owner:
+            raise ScheduleFileError(f"{source}: the model's parameter {name!r} is owned by no "
+                                    f"block: no block lists it in its params {rule}; {fix}")
+    for b in schedule.blocks:
+        nbytes = sum(params[name].nbytes for name in b.params)
+        if nbytes != b.param_bytes:
+            raise ScheduleFileError(
+                f"{source}: blocks[{b.index}].param_bytes: {b.param_bytes} ("
+                f"{format_bytes(b.param_bytes)}), but its parameters in the model take {nbytes} "
+                f"({format_bytes(nbytes)}) (rule: the model as planned: each block's param_bytes "
+                "are the bytes of its parameters in the model built); the model file built "
+                "another model than the one planned (another model.env?): " + fix)
 
 
 @dataclass(frozen=True)
@@ -465,6 +504,30 @@ class _Checker:
                                   f"{self.op(b.free)} frees, and may run after it {rule}; "
                                   f"restore the buffer's free, {_FIX}")
         self._weight_buffers()
+        self._deferred_weight_frees()
+
+    def _deferred_weight_frees(self) -> None:
+        """With clipping, host steps and uploads may run on into the next iteration
+        ([Note: the training options' contract]). Fetched weights freed by one of them would
+        still be held when the next iteration fetches the same weights, and a fetch finds
+        weights it can reuse when it is issued: it would not fill them again, and the
+        forward would read them from before their update. (Found by fuzzing: w.0@b freed by
+        block 0's host step trained different weights, in two runs out of three.)"""
+        if self.s.config.clip_grad_norm is None:
+            return
+        for k, b in enumerate(self.s.buffers):
+            if b.free is None or not _WEIGHT_BUFFER.match(b.name) \
+                    or self.s.ops[b.free].kind not in DEFERRED_KINDS:
+                continue
+            readers = [op.id for op in self.s.ops
+                       if op.stream == "compute" and b.name in op.uses]
+            fix = f"set its free to {readers[-1]}, {_FIX}" if readers else _REPLAN
+            raise _Broken(f"buffer {b.name} (buffers[{k}]) is freed by {self.op(b.free)}, which "
+                          "may run on into the next iteration (rule: buffer lifetime: with "
+                          "config.clip_grad_norm fetched weights are freed by the op that reads "
+                          "them last, never by a host_step or an upload: the next iteration's "
+                          "fetch would find them still held and use them without their "
+                          f"update); {fix}")
 
     def _weight_buffers(self) -> None:
         """Fetched weights: the runtime releases them when the buffer's free op ends, so

@@ -11,9 +11,9 @@ import pytest
 
 from karma.planner.plan import InfeasiblePlan
 from karma.schedule import Op, Schedule, ScheduleFileError, dump_schedule, load_schedule
-from karma.schedule_check import validate, walk_peak_bytes
+from karma.schedule_check import check_model_names, validate, walk_peak_bytes
 from tests.conftest import ROOT
-from tests.schedule_fixtures import MIXED, rounded, tiny_schedule
+from tests.schedule_fixtures import MIXED, rounded, tiny_graph, tiny_schedule
 
 GOLDEN = sorted((ROOT / "schedules").glob("*.yaml"))
 
@@ -290,6 +290,31 @@ def test_fetched_weights_are_released_after_their_last_reader(sched):
             f"reads them); set its free to {bwd.id}")
 
 
+def test_with_clipping_fetched_weights_are_not_freed_by_a_deferred_op():
+    """Found by fuzzing (tests/test_fuzz.py): with clipping, block 0's backward weights
+    freed by its host step, which runs on into the next iteration, were still held when
+    that iteration fetched them and were not filled again: two runs in three trained other
+    weights than plain PyTorch."""
+    from karma.planner.hardware import load_hardware
+    from karma.planner.pipeline import PlanRequest, make_schedule
+    from tests.schedule_fixtures import tiny_graph
+
+    _, graph = tiny_graph()
+    request = PlanRequest(1 << 30, load_hardware("cpu"), graph.batch_size,
+                          strategy="offload_all", clip_grad_norm=1.0)
+    s = rounded(make_schedule(graph, tiny_schedule().model, request).schedule)
+    validate(s)
+    reader = next(b.free for b in s.buffers if b.name == "w.0@b")
+    step = op_of(s, "host_step", 0)
+    late = with_buffer(s, "w.0@b", free=step.id)
+    refused(late, "buffer w.0@b (buffers[", f"is freed by op {step.id} (host_step of block 0 "
+                  "(head)), which may run on into the next iteration (rule: buffer lifetime: "
+                  "with config.clip_grad_norm fetched weights are freed by the op that reads "
+                  f"them last, never by a host_step or an upload", f"set its free to {reader}")
+    # without clipping every op of an iteration ends within it: later, but allowed
+    validate(replace(late, config=replace(late.config, clip_grad_norm=None)))
+
+
 def test_the_peak_fits_the_capacity(sched):
     peak, stage = walk_peak_bytes(sched)
     assert peak <= sched.config.capacity_bytes
@@ -299,7 +324,95 @@ def test_the_peak_fits_the_capacity(sched):
             f"over config.capacity_bytes {peak - 1}", "(rule: peak within capacity")
 
 
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_a_hardware_number_that_is_not_finite_is_refused(sched, value):
+    """Found by fuzzing (tests/test_fuzz.py): a hardware rate edited to .nan loaded, and
+    karma-run ended in "internal error: ValueError: nan cannot be written in a schedule"
+    when it took the schedule's fingerprint (schedule_sha256 writes the schedule)."""
+    text = dump_schedule(sched)
+    line = next(line for line in text.splitlines() if line.startswith("  h2d_bytes_per_s: "))
+    edited = text.replace(line, f"  h2d_bytes_per_s: {value}")
+    with pytest.raises(ScheduleFileError, match=r"^edited\.yaml: hardware\.h2d_bytes_per_s: "
+                                                r"-?(nan|inf) is not a finite number; "):
+        load_schedule(edited, "edited.yaml")
+
+
+def test_a_huge_stage_number_is_walked_in_no_time(sched):
+    """Found by fuzzing (tests/test_fuzz.py): the last op's stage edited to 2**62 (stages
+    still in order) made the peak walk allocate a list as long as that number, and
+    karma-run ended in "internal error: MemoryError"."""
+    last = sched.ops[-1]
+    s = with_op(sched, last, stage=2 ** 62)
+    start = time.perf_counter()
+    assert walk_peak_bytes(s)[0] == walk_peak_bytes(sched)[0]
+    validate(s)  # the same buffers over the same stages but the last: the same peak
+    assert time.perf_counter() - start < 0.5
+
+
 def test_refusals_on_load_name_the_file(sched):
     text = dump_schedule(sched).replace("name: head, act: swap", "name: head, act: keep")
     with pytest.raises(ScheduleFileError, match=r"^edited\.yaml: op \d+ \(swap_out of block 0 "):
         load_schedule(text, "edited.yaml")
+
+
+# --- once the model is built ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """The tiny GPT the fixture schedule was planned for (its lm_head tied to wte)."""
+    return tiny_graph()[0].build()
+
+
+def model_refused(s: Schedule, model, *fragments: str) -> None:
+    with pytest.raises(ScheduleFileError) as info:
+        check_model_names(s, dict(model.named_parameters(remove_duplicate=False)),
+                          {name for name, _ in model.named_modules()}, "s.yaml")
+    message = str(info.value)
+    assert message.startswith("s.yaml: ") and "\n" not in message
+    for fragment in (*fragments, "(rule: ", "karma-plan"):
+        assert fragment in message, message
+
+
+def test_the_fixture_names_the_model_exactly(sched, tiny_model):
+    check_model_names(sched, dict(tiny_model.named_parameters(remove_duplicate=False)),
+                      {name for name, _ in tiny_model.named_modules()})
+
+
+def test_every_parameter_of_the_model_is_owned_by_a_block(sched, tiny_model):
+    """Found by fuzzing (tests/test_fuzz.py): a line of a block's params list deleted left
+    those parameters to no block; the run trained without them, then failed writing its
+    checkpoint with "internal error: KeyError: 'layer4.1.bn2.weight'"."""
+    params = sched.blocks[2].params
+    model_refused(with_block(sched, 2, params=params[:1] + params[2:]), tiny_model,
+                  f"the model's parameter {params[1]!r} is owned by no block",
+                  "(rule: parameters named once")
+
+
+def test_a_tied_parameter_is_owned_once(sched, tiny_model):
+    """lm_head.weight is wte.weight: owned by the head already (the tail lists it in its
+    shared_params), it must not be owned again under its other name."""
+    assert "wte.weight" in sched.blocks[0].params and "lm_head.weight" not in {
+        n for b in sched.blocks for n in b.params}
+    model_refused(with_block(sched, 3, params=sched.blocks[3].params + ("lm_head.weight",)),
+                  tiny_model, "blocks[3].params: 'lm_head.weight' is the parameter "
+                              "'wte.weight' of block 0 under another name (tied)",
+                  "(rule: parameters named once")
+
+
+def test_a_name_the_model_lacks(sched, tiny_model):
+    model_refused(with_block(sched, 1, modules=("h.9",)), tiny_model,
+                  "blocks[1].modules: 'h.9' is not in the model (rule: parameters named once")
+
+
+def test_the_model_built_is_the_one_planned(sched, tiny_model):
+    """Found while fuzzing (a mutant aimed by hand): model.env edited (KARMA_MLP_WIDTH 64
+    to 65) made the model file build a wider model than planned, with the same names, and
+    karma-run trained it under the schedule's figures; the bytes of each block's parameters
+    tell."""
+    b = sched.blocks[2]
+    model_refused(with_block(sched, 2, param_bytes=b.param_bytes + 4), tiny_model,
+                  f"blocks[2].param_bytes: {b.param_bytes + 4} (",
+                  f"but its parameters in the model take {b.param_bytes} (",
+                  "(rule: the model as planned: each block's param_bytes are the bytes of its "
+                  "parameters in the model built)")

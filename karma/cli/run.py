@@ -106,17 +106,10 @@ def _run(args: argparse.Namespace) -> int:
             eval_every=args.eval_every, trace_path=args.trace, trace_step=args.trace_step,
             log=lambda line: print(line, flush=True)))
     except (MemoryError, RuntimeError) as e:
-        from karma.runtime.streams import OpFailed
-
-        if isinstance(e, OpFailed) and isinstance(e.__cause__, KarmaError):
-            # a stream met it outside a step (a checkpoint waits for the last updates)
-            raise KarmaError(str(e.__cause__)) from e
-        if not _out_of_memory(e):
+        reported = user_error(e)
+        if reported is None:
             raise
-        raise KarmaError(
-            f"ran out of memory while training: {str(e).splitlines()[0][:200]}; the process's "
-            "memory limit is below what the schedule needs (its budget plus about 0.3 GiB for "
-            "Python and PyTorch): re-plan with a smaller --gpu-mem, or raise the limit") from e
+        raise reported from e
     if report.step_s and report.rank == 0:
         median = statistics.median(report.step_s)
         print(f"done: {len(report.steps)} steps; median step {format_seconds(median)} against "
@@ -135,6 +128,25 @@ def _run(args: argparse.Namespace) -> int:
         tmp.write_text(json.dumps(report.to_json(), indent=2))
         os.replace(tmp, args.report)
     return 0
+
+
+def user_error(e: BaseException) -> KarmaError | None:
+    """The error karma-run reports (exit 2) for `e`, raised while training, or None when `e`
+    is a bug in karma (an internal error). KarmaErrors stand for themselves; a stream's
+    KarmaError met outside a step (a checkpoint waits for the last updates) and running out
+    of memory are the user's to fix too."""
+    from karma.runtime.streams import OpFailed
+
+    if isinstance(e, KarmaError):
+        return e
+    if isinstance(e, OpFailed) and isinstance(e.__cause__, KarmaError):
+        return KarmaError(str(e.__cause__))
+    if isinstance(e, (MemoryError, RuntimeError)) and _out_of_memory(e):
+        return KarmaError(
+            f"ran out of memory while training: {str(e).splitlines()[0][:200]}; the process's "
+            "memory limit is below what the schedule needs (its budget plus about 0.3 GiB for "
+            "Python and PyTorch): re-plan with a smaller --gpu-mem, or raise the limit")
+    return None
 
 
 def _stopped(signum, frame) -> None:

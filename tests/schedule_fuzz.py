@@ -1,0 +1,541 @@
+"""Fuzzing schedules: mutate a valid schedule and judge what karma-run makes of it.
+
+    base = Base.of("mlp", "ilp", 0.6)             # a planned schedule, its text and its result
+    text = mutate(base, [("word", 7, 1), ("drop_dep", 3, 0)])
+    verdict = judge(base, text)                    # refused, ran (bitwise), or a bug
+
+A mutation is a plain tuple (kind, i, j) of two free integers, taken modulo whatever they
+index, so that hypothesis (tests/test_fuzz.py) and a seeded random generator (bench/fuzz.py)
+draw from the same space and a failing case shrinks to small numbers. Text mutations edit
+the YAML as a person would (a decision word, a number, a line deleted, duplicated or moved,
+a mapping's keys reordered); operation mutations edit the op list and keep its ids
+consistent (an op deleted, duplicated or moved, a dependency dropped or added, a buffer's
+alloc or free moved), so that they reach the semantic rules rather than the id checks.
+
+The verdict follows karma-run: a schedule that `load_schedule` refuses, or whose run ends in
+the error karma-run reports with exit 2 (`karma.cli.run.user_error`), is refused; one that
+runs must train bitwise equal to plain PyTorch with the training options it states (for a
+mutant whose options are the original's: equal to the original schedule's own run). Anything
+else is a bug: another exception (karma-run's "internal error"), a different result, or a
+run that does not end within the timeout (a hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import tempfile
+import threading
+import traceback
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from karma.cli.run import user_error
+from karma.errors import KarmaError
+from karma.modelfile import ModelFile, optimizer_profile
+from karma.planner.hardware import load_hardware
+from karma.planner.pipeline import PlanRequest, schedule_from
+from karma.planner.plan import Plan, evaluate
+from karma.planner.problem import build_problem
+from karma.runtime.train import RunOptions, open_model_file, train
+from karma.schedule import (
+    ACT_CHOICES,
+    DTYPES,
+    OP_KINDS,
+    OPTIM_CHOICES,
+    STATUSES,
+    STREAMS,
+    WEIGHT_CHOICES,
+    ModelRef,
+    Op,
+    Schedule,
+    dump_schedule,
+    load_schedule,
+)
+from tests.runtime_helpers import (
+    HARDWARE,
+    block_graph,
+    keep_all_peak_bytes,
+    load_small,
+    model_env,
+    plan,
+    reference_train,
+)
+from tests.schedule_fixtures import MIXED
+
+STEPS = 2  # two steps: what an iteration leaves to the next one is exercised too
+TIMEOUT_S = 120.0  # a run of a small model takes about a second
+
+Mutation = tuple[str, int, int]
+
+TEXT_KINDS = ("word", "number", "delete_line", "duplicate_line", "move_line", "reorder_keys")
+OP_MUTATION_KINDS = ("delete_op", "duplicate_op", "move_op", "drop_dep", "add_dep",
+                     "move_alloc", "move_free")
+KINDS = TEXT_KINDS + OP_MUTATION_KINDS
+
+# words of the same family replace each other (a decision, an op kind, a stream, ...)
+FAMILIES = (ACT_CHOICES, WEIGHT_CHOICES, OPTIM_CHOICES, OP_KINDS, STREAMS, DTYPES, STATUSES,
+            ("cpu", "cuda"))
+_WORDS = sorted({w for f in FAMILIES for w in f}, key=len, reverse=True)
+_WORD = re.compile(rf"\b({'|'.join(_WORDS)})\b")
+# a number: not part of a name ("h.0", "w.3@f", "v100-16g") or of a hex fingerprint
+_NUMBER = re.compile(r"(?<![\w.@/-])-?\d+(?:\.\d+)?(?:e[+-]\d+)?(?![\w.@])")
+# sections whose numbers change the work a run does: only small edits there, so that a
+# mutant never asks for a million micro-batches or a billion-wide layer (a legitimate
+# hour-long run, not a hang)
+_BOUNDED_SECTIONS = ("config", "model")
+
+
+# --- the schedule fuzzed and what it trains ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a run trained: the final weights and buffers, and each step's loss."""
+
+    state: dict[str, torch.Tensor]
+    losses: tuple[float, ...]
+
+    def same_as(self, other: Result) -> str | None:
+        """None when bitwise equal, else what differs."""
+        if self.state.keys() != other.state.keys():
+            return f"the state's keys differ: {sorted(self.state.keys() ^ other.state.keys())}"
+        differ = [k for k in self.state if not _equal(self.state[k], other.state[k])]
+        if differ:
+            return f"{len(differ)} of {len(self.state)} tensors differ: {', '.join(differ[:5])}"
+        if self.losses != other.losses:
+            return f"losses {list(self.losses)} against {list(other.losses)}"
+        return None
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@dataclass
+class Base:
+    """A valid schedule to mutate: a small model planned with one strategy, and what it
+    trains (its own run, checked bitwise equal to plain PyTorch once)."""
+
+    name: str  # e.g. "mlp ilp 0.6"
+    mf: ModelFile
+    schedule: Schedule
+    text: str
+    result: Result
+    # (training options) -> plain PyTorch's result with them; see Base.expected
+    references: dict[tuple, Result] = field(default_factory=dict)
+    # canonical text of a schedule that loaded -> its verdict: a mutant equal to one judged
+    # already (a no-op edit, keys in another order) trains the same
+    seen: dict[str, Verdict] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: str, strategy: str, fraction: float = 1.0, **training) -> Base:
+        """`model` (examples/MODEL.py at its test size) planned with `strategy` at `fraction`
+        of keep_all's peak, or "mixed": the tiny GPT with every choice (MIXED)."""
+        assert strategy != "mixed" or (model, training) == ("gpt", {}), "mixed: the tiny GPT"
+        mf = load_small(model)
+        planned = mixed_gpt() if strategy == "mixed" else plan(mf, strategy, fraction,
+                                                               **training)
+        schedule = load_schedule(dump_schedule(planned))  # times as the file holds them
+        text = dump_schedule(schedule)
+        result = run_schedule(schedule, mf)
+        base = cls(f"{model} {strategy} {fraction:g}", mf, schedule, text, result)
+        reference = base.expected(schedule, mf)
+        problem = result.same_as(reference)
+        assert problem is None, f"{base.name}: the unmutated schedule is not exact: {problem}"
+        base.references[training_options(schedule)] = result
+        return base
+
+    def expected(self, s: Schedule, mf: ModelFile) -> Result:
+        """Plain PyTorch with the training options `s` states (its model file's environment,
+        batch size, seed, dtype, accumulation, clipping): what a run of `s` must train."""
+        key = training_options(s)
+        if key not in self.references:
+            c = s.config
+            state, losses = reference_train(
+                mf, c.batch_size, STEPS, c.seed, c.world_size, dtype=c.dtype,
+                accumulate=c.accumulate, clip_grad_norm=c.clip_grad_norm)
+            self.references[key] = Result(state, tuple(losses))
+        return self.references[key]
+
+
+def mixed_gpt() -> Schedule:
+    """The tiny GPT (examples/gpt.py, KARMA_GPT=tiny) on the CPU backend with every choice
+    (schedule_fixtures.MIXED: a swapped block whose host step uploads, a recomputed streamed
+    one, one kept on the device, and the tail, kept and streamed with the tied head)."""
+    mf = load_small("gpt")
+    graph = block_graph(mf)
+    request = PlanRequest(keep_all_peak_bytes(mf, graph), load_hardware(HARDWARE),
+                          graph.batch_size, optimizer=optimizer_profile(mf))
+    problem = build_problem(graph, request.hardware, optimizer=request.optimizer)
+    ev = evaluate(problem, Plan("ilp", MIXED, status="optimal"), request.capacity_bytes)
+    model = ModelRef(path=str(mf.path), sha256=mf.sha256,
+                     ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
+                     env=model_env(mf))
+    return schedule_from(graph, model, request, ev, single_rank_s=ev.iteration_s)
+
+
+def training_options(s: Schedule) -> tuple:
+    """What, besides the schedule's own plan, decides what a run trains."""
+    c = s.config
+    return (s.model, c.batch_size, c.seed, c.world_size, c.dtype, c.accumulate,
+            c.clip_grad_norm)
+
+
+def run_schedule(s: Schedule, mf: ModelFile, steps: int = STEPS) -> Result:
+    """Train as karma-run does (karma.runtime.train.train), quietly; the final checkpoint's
+    weights and the losses."""
+    with tempfile.TemporaryDirectory(prefix="karma-fuzz-") as d:
+        report = train(s, mf, RunOptions(steps=steps, checkpoint_dir=Path(d),
+                                         log=lambda line: None))
+        state = torch.load(Path(d) / f"step_{steps}" / "model.pt", weights_only=True)
+    return Result(state, tuple(report.losses))
+
+
+# --- mutations ----------------------------------------------------------------------------------
+
+
+def mutate(base: Base, mutations: list[Mutation]) -> str:
+    """`base`'s text with `mutations` applied in order: operation mutations on the schedule
+    (when the text still loads), text mutations on the text."""
+    text = base.text
+    for kind, i, j in mutations:
+        if kind in TEXT_KINDS:
+            text = _TEXT[kind](text, i, j)
+            continue
+        try:
+            s = load_schedule(text) if text != base.text else base.schedule
+            text = dump_schedule(_OPS[kind](s, i, j))
+        except Exception:  # noqa: BLE001 - an earlier edit broke it (judge tells how)
+            continue
+    return text
+
+
+def _word(text: str, i: int, j: int) -> str:
+    found = list(_WORD.finditer(text))
+    if not found:
+        return text
+    m = found[i % len(found)]
+    family = sorted({w for f in FAMILIES if m[1] in f for w in f} - {m[1]})
+    return text[:m.start()] + family[j % len(family)] + text[m.end():]
+
+
+def _number(text: str, i: int, j: int) -> str:
+    found = list(_NUMBER.finditer(text))
+    m = found[i % len(found)]
+    bounded = _section_at(text, m.start()) in _BOUNDED_SECTIONS
+    if "." in m[0] or "e" in m[0]:
+        x = float(m[0])
+        choices = [x * 2, x / 2, 0.0, x + 1] + ([] if bounded else [-x, 1e300, ".nan"])
+    else:
+        n = int(m[0])
+        choices = [n + 1, max(n - 1, 0), 0, 1, 2 * n if n <= 4096 else n + 1, n // 2]
+        if not bounded:
+            others = [int(k[0]) for k in found if "." not in k[0] and "e" not in k[0]]
+            choices += [-1, 2 ** 62, others[j // 16 % len(others)]]
+    return text[:m.start()] + str(choices[j % len(choices)]) + text[m.end():]
+
+
+def _section_at(text: str, pos: int) -> str:
+    """The top-level key whose value holds position `pos`."""
+    for line in reversed(text[:pos].splitlines()):
+        if line[:1].isalpha():
+            return line.split(":", 1)[0]
+    return ""
+
+
+def _lines(text: str) -> list[str]:
+    return text.splitlines(keepends=True)
+
+
+def _delete_line(text: str, i: int, j: int) -> str:
+    lines = _lines(text)
+    del lines[i % len(lines)]
+    return "".join(lines)
+
+
+def _duplicate_line(text: str, i: int, j: int) -> str:
+    lines = _lines(text)
+    k = i % len(lines)
+    lines.insert(k, lines[k])
+    return "".join(lines)
+
+
+def _move_line(text: str, i: int, j: int) -> str:
+    """Line i moved by 1 to 8 lines up or down (j): an edit that keeps most of the file."""
+    lines = _lines(text)
+    k = i % len(lines)
+    line = lines.pop(k)
+    step = j % 8 + 1
+    lines.insert(max(0, min(len(lines), k + (step if j // 8 % 2 else -step))), line)
+    return "".join(lines)
+
+
+_ENTRY = re.compile(r"^(\s*- \{)(.*)(\}\s*)$")
+_KEY = re.compile(r"(\w+): ")
+
+
+def _reorder_keys(text: str, i: int, j: int) -> str:
+    """The keys of the i-th one-line list entry (an op or a buffer) rotated by j: the same
+    schedule, written another way."""
+    lines = _lines(text)
+    entries = [k for k, line in enumerate(lines) if _ENTRY.match(line)]
+    if not entries:
+        return text
+    k = entries[i % len(entries)]
+    head, body, tail = _ENTRY.match(lines[k]).groups()
+    starts = [m.start() for m in _KEY.finditer(body) if _depth(body, m.start()) == 0]
+    items = [body[a:b].strip().rstrip(",") for a, b in zip(starts, starts[1:] + [len(body)])]
+    r = j % len(items)
+    lines[k] = head + ", ".join(items[r:] + items[:r]) + tail
+    return "".join(lines)
+
+
+def _depth(body: str, pos: int) -> int:
+    return body[:pos].count("[") - body[:pos].count("]")
+
+
+_TEXT = {"word": _word, "number": _number, "delete_line": _delete_line,
+         "duplicate_line": _duplicate_line, "move_line": _move_line,
+         "reorder_keys": _reorder_keys}
+
+
+def _renumbered(s: Schedule, order: list[int]) -> Schedule:
+    """`s` with its ops in `order` (old ids; an id twice is a copy, a missing one deleted),
+    ids, deps and buffer references renumbered. A dependency on a deleted op is dropped, a
+    buffer that a deleted op allocates or frees goes too; a copy refers to the first."""
+    new = {}
+    for position, old in enumerate(order):
+        new.setdefault(old, position)
+    ops = tuple(replace(s.ops[old], id=position,
+                        deps=tuple(new[d] for d in s.ops[old].deps if d in new))
+                for position, old in enumerate(order))
+    buffers = tuple(replace(b, alloc=None if b.alloc is None else new[b.alloc],
+                            free=None if b.free is None else new[b.free])
+                    for b in s.buffers
+                    if (b.alloc is None or b.alloc in new) and (b.free is None or b.free in new))
+    return replace(s, ops=ops, buffers=buffers)
+
+
+def _delete_op(s: Schedule, i: int, j: int) -> Schedule:
+    gone = i % len(s.ops)
+    return _renumbered(s, [k for k in range(len(s.ops)) if k != gone])
+
+
+def _duplicate_op(s: Schedule, i: int, j: int) -> Schedule:
+    k = i % len(s.ops)
+    order = list(range(len(s.ops)))
+    order.insert(k + 1, k)
+    return _renumbered(s, order)
+
+
+def _move_op(s: Schedule, i: int, j: int) -> Schedule:
+    """Op i moved by 1 to 4 places (j), earlier or later."""
+    order = list(range(len(s.ops)))
+    k = i % len(order)
+    op = order.pop(k)
+    step = j % 4 + 1
+    order.insert(max(0, min(len(order), k + (step if j // 4 % 2 else -step))), op)
+    return _renumbered(s, order)
+
+
+def _with_op(s: Schedule, op: Op) -> Schedule:
+    ops = list(s.ops)
+    ops[op.id] = op
+    return replace(s, ops=tuple(ops))
+
+
+def _drop_dep(s: Schedule, i: int, j: int) -> Schedule:
+    waiting = [op for op in s.ops if op.deps]
+    if not waiting:
+        return s
+    op = waiting[i % len(waiting)]
+    gone = op.deps[j % len(op.deps)]
+    return _with_op(s, replace(op, deps=tuple(d for d in op.deps if d != gone)))
+
+
+def _add_dep(s: Schedule, i: int, j: int) -> Schedule:
+    if len(s.ops) < 2:
+        return s
+    op = s.ops[1 + i % (len(s.ops) - 1)]
+    return _with_op(s, replace(op, deps=tuple(sorted({*op.deps, j % op.id}))))
+
+
+def _move_buffer_end(s: Schedule, i: int, j: int, end: str) -> Schedule:
+    buffers = list(s.buffers)
+    if not buffers:
+        return s
+    k = i % len(buffers)
+    now = getattr(buffers[k], end)
+    moved = (j % len(s.ops)) if now is None else max(0, min(len(s.ops) - 1, now + j % 7 - 3))
+    buffers[k] = replace(buffers[k], **{end: moved})
+    return replace(s, buffers=tuple(buffers))
+
+
+_OPS = {"delete_op": _delete_op, "duplicate_op": _duplicate_op, "move_op": _move_op,
+        "drop_dep": _drop_dep, "add_dep": _add_dep,
+        "move_alloc": lambda s, i, j: _move_buffer_end(s, i, j, "alloc"),
+        "move_free": lambda s, i, j: _move_buffer_end(s, i, j, "free")}
+
+
+# --- the verdict ------------------------------------------------------------------------------
+
+OUTCOMES = ("refused", "ran", "internal", "differs", "hang")
+BUGS = ("internal", "differs", "hang")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: str  # one of OUTCOMES; BUGS are karma's bugs
+    detail: str = ""  # the refusal's message, the traceback, or what differs
+    stage: str = ""  # where it was decided: "load" (validation) or "run"
+
+    @property
+    def bug(self) -> bool:
+        return self.outcome in BUGS
+
+
+class _Hang(Exception):
+    pass
+
+
+def judge(base: Base, text: str, timeout_s: float = TIMEOUT_S) -> Verdict:
+    """What karma-run makes of the mutant `text` of `base`'s schedule (see the module's
+    docstring)."""
+    try:
+        s = load_schedule(text, "mutant.yaml")
+    except KarmaError as e:
+        return Verdict("refused", str(e), "load")
+    except Exception:  # noqa: BLE001 - karma-run's internal error
+        return Verdict("internal", traceback.format_exc(), "load")
+    try:  # the runtime writes it too: its fingerprint is that of the text (schedule_sha256)
+        canonical = dump_schedule(s)
+    except Exception:  # noqa: BLE001 - a schedule loaded that cannot be written: a bug
+        return Verdict("internal", traceback.format_exc(), "load")
+    if canonical not in base.seen:
+        base.seen[canonical] = _run_verdict(base, s, timeout_s)
+    return base.seen[canonical]
+
+
+def _run_verdict(base: Base, s: Schedule, timeout_s: float) -> Verdict:
+    if s == base.schedule:
+        return Verdict("ran", "the original schedule", "run")
+    try:
+        mf, result = _bounded(lambda: _open_and_run(base, s), timeout_s)
+    except _Hang:
+        return Verdict("hang", f"no end after {timeout_s:g} s", "run")
+    except Exception as e:  # noqa: BLE001 - sorted as karma-run sorts it
+        reported = user_error(e)
+        if reported is not None:
+            return Verdict("refused", str(reported), "run")
+        return Verdict("internal", "".join(traceback.format_exception(e)), "run")
+    try:
+        problem = result.same_as(base.expected(s, mf))
+    except Exception:  # noqa: BLE001 - the reference itself failed: options plain PyTorch
+        return Verdict("internal", "ran, but plain PyTorch with its options failed:\n"
+                       + traceback.format_exc(), "run")
+    return Verdict("ran", "", "run") if problem is None else Verdict("differs", problem, "run")
+
+
+def _open_and_run(base: Base, s: Schedule) -> tuple[ModelFile, Result]:
+    """As karma-run: the schedule's model file opened (with its environment, checked against
+    its fingerprint), then trained. The original model file is reused when the schedule
+    names it unchanged (loading it again would give the same)."""
+    if s.model == base.schedule.model:
+        mf = base.mf
+    else:
+        with _saved_environment():  # open_model_file sets the schedule's KARMA_* variables
+            mf = open_model_file(s, None)
+    with _saved_environment():
+        return mf, run_schedule(s, mf)
+
+
+@contextlib.contextmanager
+def _saved_environment():
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _bounded(fn, timeout_s: float):
+    """fn() on a thread of its own; _Hang if it does not end within `timeout_s` (the thread,
+    a daemon, is left behind)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name="karma-fuzz-run", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise _Hang()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _reason(message: str) -> str:
+    """A refusal's rule ("ops match decisions"), or what kind of error it is."""
+    rule = re.search(r"\(rule: ([^:)]+)", message)
+    if rule:
+        return rule[1]
+    for words, kind in (("not valid YAML", "YAML"), ("is given twice", "YAML"),
+                        ("missing key", "keys"), ("unknown key", "keys"),
+                        ("is not its position", "ids"), ("is not an earlier op", "ids"),
+                        ("is not a block", "ids"), ("is not an op", "ids"),
+                        ("buffer names are unique", "ids")):
+        if words in message:
+            return kind
+    return "fields" if message.startswith("mutant.yaml: ") else "at run: " + message[:60]
+
+
+@dataclass
+class Tally:
+    """Counts of verdicts, and the first few mutants of each bug for the report."""
+
+    tried: int = 0
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    refused_at_run: int = 0
+    trained: int = 0  # ran: schedules other than the original, trained and compared
+    reasons: dict[str, int] = field(default_factory=dict)  # refusals by rule (or kind)
+    # mutation kind -> [mutants with it, of them trained]: which edits get past validation
+    by_kind: dict[str, list[int]] = field(default_factory=dict)
+    examples: list[tuple[str, list[Mutation], Verdict]] = field(default_factory=list)
+
+    def add(self, base: Base, mutations: list[Mutation], verdict: Verdict) -> None:
+        self.tried += 1
+        self.counts[verdict.outcome] += 1
+        self.refused_at_run += verdict.outcome == "refused" and verdict.stage == "run"
+        self.trained += verdict.outcome == "ran" and verdict.detail == ""
+        for kind in {m[0] for m in mutations}:
+            counts = self.by_kind.setdefault(kind, [0, 0])
+            counts[0] += 1
+            counts[1] += verdict.outcome == "ran" and verdict.detail == ""
+        if verdict.outcome == "refused":
+            reason = _reason(verdict.detail)
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        if verdict.bug and len(self.examples) < 20:
+            self.examples.append((base.name, mutations, verdict))
+
+    @property
+    def bugs(self) -> int:
+        return sum(self.counts[o] for o in BUGS)
+
+    def text(self) -> str:
+        c = self.counts
+        return (f"tried {self.tried}: refused {c['refused']} ({c['refused'] - self.refused_at_run}"
+                f" by validation, {self.refused_at_run} when run), ran bitwise {c['ran']} "
+                f"({self.trained} of them trained, as schedules other than the original), "
+                f"internal errors {c['internal']}, not bitwise {c['differs']}, hangs {c['hang']}")
+
