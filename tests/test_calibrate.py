@@ -109,6 +109,31 @@ def test_a_blocks_step_is_its_own_weights_share_and_not_scaled_by_the_batch():
     assert _owned_share(0, 400, (0.8, 0.4)) == (0.0, 0.0)
 
 
+def test_blocks_are_timed_in_a_keep_all_step_where_one_fits(own_cache):
+    # [Note: block times in context]: the runtime's own trace of a keep_all step
+    notes = []
+    with environment(TINY):
+        report = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
+    (blocks,) = own_cache.glob("blocks-*.json")
+    data = json.loads(blocks.read_text())
+    assert data["where"] == "in a keep_all step" and "in a keep_all step" in report.block_times
+    assert any(n.startswith("timing the blocks of") and "three keep_all steps" in n
+               for n in notes)
+    n = len(report.problem.blocks)
+    assert len(data["fwd_bwd_s"]) == n and all(f > 0 and b > 0 for f, b in data["fwd_bwd_s"])
+    assert [(b.fwd_s, b.bwd_s) for b in report.problem.blocks] == \
+        [tuple(t) for t in data["fwd_bwd_s"]]
+
+
+def test_a_keep_all_step_too_big_for_memory_times_the_blocks_alone(own_cache, monkeypatch):
+    monkeypatch.setattr("karma.planner.measure_hw._mem_available_bytes", lambda: 1 << 20)
+    notes = []
+    with environment(TINY):
+        report = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
+    assert "block by block" in report.block_times
+    assert any("timing its blocks one by one instead" in n for n in notes)
+
+
 def test_measured_steps_replace_the_estimate_in_the_plan(own_cache):
     with environment(TINY):
         report = plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
@@ -134,7 +159,7 @@ def test_plan_for_cpu_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
         first = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
         again = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
     assert first.block_times.startswith("measured now in ")
-    assert again.block_times.startswith("measured on this machine (cached in ")
+    assert again.block_times.startswith("measured on this machine, in a keep_all step (cached in ")
     assert sum(n.startswith("measuring this machine") for n in notes) == 1
     assert sum(n.startswith("timing the blocks") for n in notes) == 1  # the second: cached
     assert sorted(p.name.split("-")[0] for p in cache.glob("*.json")) == ["blocks", "machine"]
@@ -191,6 +216,7 @@ def test_a_block_that_fails_to_run_falls_back_to_the_roofline_unless_asked(own_c
         raise IRError("timing block h.0 on cpu failed: RuntimeError: boom")
 
     monkeypatch.setattr("karma.ir.timing.time_blocks", fail)
+    monkeypatch.setattr("karma.calibrate._timed_in_context", lambda *args: None)
     notes = []
     with environment(TINY):
         report = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
@@ -242,6 +268,6 @@ def test_karma_plan_says_where_block_times_came_from(own_cache, capsys):
         assert plan_main([*args, "--no-measure", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["block_times"] == "roofline"
         assert plan_main([*args, "--profile-blocks"]) == 0  # the old flag: measure
-        assert "block times: measured on this machine (cached in" in capsys.readouterr().out
+        assert "block times: measured on this machine, " in capsys.readouterr().out
         assert plan_main([*args, "--no-measure", "--profile-blocks"]) == 2
     assert "contradict" in capsys.readouterr().err
