@@ -7,9 +7,10 @@ each under three seeds, in the cheapest form that still puts work on the other s
 small models, few steps, shorter pauses where a step has many operations. Each case names
 the tests it mirrors. The two-rank runs, whose all-reduces add the `net` stream, are checked
 under chaos in tests/test_distributed.py, in the launch its exactness test already pays for.
-Not mirrored: other ways into the same engine, which reads KARMA_CHAOS however it is started
-(karma-run's command line in test_cli_run.py, examples/own_loop.py in test_library.py, a
-resume after a full disk in test_full_disk.py), and the CUDA runs of test_gpu.py.
+examples/own_loop.py (the user's own loop over karma.Runtime) runs under chaos in
+test_library.py. Not mirrored: karma-run's command line (test_cli_run.py), a thin layer over
+the train() these runs use, a resume after a full disk (test_full_disk.py; resumes under chaos
+are below), and the CUDA runs of test_gpu.py.
 """
 
 from __future__ import annotations

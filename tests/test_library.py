@@ -48,6 +48,13 @@ def test_own_loop_trains_bitwise_as_karma_run(tmp_path, capsys):
     own = torch.load(tmp_path / "own" / "model.pt", weights_only=True)
     assert_bitwise_equal(own, torch.load(tmp_path / "ckpt" / "step_4" / "model.pt",
                                          weights_only=True))
+    # and under chaos timing ([Note: chaos timing]; tests/test_chaos.py has the others)
+    for seed in (1, 2, 3):
+        with environment({**TINY, "KARMA_CHAOS": f"{seed}:5"}):
+            own_loop(["--out", str(tmp_path / f"chaos{seed}"), "--steps", "4"])
+        capsys.readouterr()
+        assert_bitwise_equal(torch.load(tmp_path / f"chaos{seed}" / "model.pt",
+                                        weights_only=True), own)
 
 
 def test_state_dict_round_trip_continues_exactly(tmp_path):
