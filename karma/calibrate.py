@@ -77,8 +77,9 @@ _RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_
                 "compute_slowdown_copy", "copy_slowdown_compute", "compute_slowdown_host",
                 "host_slowdown_compute")
 # what is measured and how; 2: the contention fractions; 3: under the runtime's allocator;
-# 4: with its CPU cache (runtime/cpu_cache.py)
-MACHINE_VERSION = 4
+# 4: with its CPU cache (runtime/cpu_cache.py); 5: contention conserves work
+# (measure_hw._conserving)
+MACHINE_VERSION = 5
 
 
 @dataclass(frozen=True)
