@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import hashlib
 import os
 import statistics
 import sys
@@ -83,9 +82,7 @@ def main() -> None:
     problem = build_problem(graph, hw, optimizer=opt_profile, measured_s=measured_s,
                             measured_step_s=steps_s)
     keep_peak = evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
-    model = ModelRef(example, mf.sha256,
-                     hashlib.sha256(graph.to_json().encode()).hexdigest(),
-                     tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_"))))
+    model = ModelRef.now(example, mf.sha256, graph.to_json())
 
     def reference_step_times() -> list[float]:
         torch.manual_seed(0)

@@ -11,9 +11,7 @@ report's schedule.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -69,12 +67,7 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
     graph = build_block_graph(mf, batch_size, blocks, model_name=str(model_file), dtype=dtype)
     for note in graph.notes:
         (log or _note_to_stderr)(note)
-    model = ModelRef(
-        path=str(model_file),
-        sha256=mf.sha256,
-        ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
-        env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_"))),
-    )
+    model = ModelRef.now(str(model_file), mf.sha256, graph.to_json())
     cal = calibrate(mf, graph, hardware, hw, True if profile_blocks else measure, blocks,
                     log or _note_to_stderr)
     request = PlanRequest(

@@ -315,10 +315,7 @@ def _timed_in_context(mf: ModelFile, graph: BlockGraph, hw: Hardware, path: Path
     from karma.runtime.train import RunOptions, train
     from karma.schedule import ModelRef
 
-    model = ModelRef(str(mf.path), mf.sha256,
-                     hashlib.sha256(graph.to_json().encode()).hexdigest(),
-                     tuple(sorted((k, v) for k, v in os.environ.items()
-                                  if k.startswith("KARMA_"))))
+    model = ModelRef.now(str(mf.path), mf.sha256, graph.to_json())
     report = make_schedule(graph, model, PlanRequest(
         capacity_bytes=1 << 62, hardware=hw, batch_size=graph.batch_size, dtype=graph.dtype,
         strategy="keep_all", optimizer=optimizer_profile(mf)))

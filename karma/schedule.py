@@ -109,6 +109,15 @@ class ModelRef:
     ir_sha256: str  # fingerprint of the block graph's JSON
     env: tuple[tuple[str, str], ...]  # KARMA_* environment variables the model file read
 
+    @classmethod
+    def now(cls, path: str, sha256: str, ir_json: str) -> ModelRef:
+        """The reference a plan made in this process records: the model file, its hash, its
+        block graph's JSON hashed, and the KARMA_* environment now."""
+        import os
+
+        return cls(path, sha256, hashlib.sha256(ir_json.encode()).hexdigest(),
+                   tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_"))))
+
 
 @dataclass(frozen=True)
 class TrainConfig:
