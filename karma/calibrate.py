@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from karma.errors import KarmaError
-from karma.fileio import cache_dir, write_text_atomic
+from karma.fileio import cache_dir, filesystem_type, tier_directory, write_text_atomic
 from karma.ir.graph import BlockGraph
 from karma.modelfile import ModelFile
 from karma.planner.hardware import (
@@ -78,8 +78,9 @@ _RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_
                 "host_slowdown_compute")
 # what is measured and how; 2: the contention fractions; 3: under the runtime's allocator;
 # 4: with its CPU cache (runtime/cpu_cache.py); 5: contention conserves work
-# (measure_hw._conserving)
-MACHINE_VERSION = 5
+# (measure_hw._conserving); 6: the tier measured where the runtime keeps it
+# (fileio.tier_directory)
+MACHINE_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,7 @@ def _machine_key(device: str) -> dict:
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "tier": filesystem_type(tier_directory()) if device == "cpu" else None,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
     }

@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -212,8 +211,7 @@ def test_a_host_tier_larger_than_the_machine_is_refused_at_start(tmp_path, capsy
         raise AssertionError("the host tier was allocated")
 
     monkeypatch.setattr(karma.runtime.runtime, "HostPool", built)
-    # the tier's directory, named in the message (tempfile caches TMPDIR's value)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("KARMA_TIER_DIR", str(tmp_path))  # the tier's directory, named in it
     schedule = plan(load_small("gpt"), "ilp", 0.6)
     huge = replace(schedule, predicted=replace(schedule.predicted, host_bytes=10 << 40))
     s = tmp_path / "S.yaml"

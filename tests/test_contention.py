@@ -52,12 +52,30 @@ def test_a_copy_beside_compute_shares_the_cores_by_hand():
     assert _times(ops) == ([0.0, 0.0], [1.0, 1.0])
     # both at half speed: both done at 2 s
     assert _times(ops, HALF) == ([0.0, 0.0], [2.0, 2.0])
-    # only compute slowed: the copy ends at 1 s, compute has done half, the rest at full speed
-    assert _times(ops, Contention(compute_slowdown_copy=0.5)) == ([0.0, 0.0], [1.5, 1.0])
+    # compute at 0.4 and the copy at 0.6 of their speeds: the copy ends at 1 2/3 s, compute
+    # has done 2/3 by then, and the last third at full speed
+    assert _times(ops, Contention(compute_slowdown_copy=0.6, copy_slowdown_compute=0.4)
+                  )[1] == pytest.approx([2.0, 5 / 3])
+    # only compute slowed: 0.5 + 1 adds up to more than 1, so the pair is scaled to 1/3 and
+    # 2/3 ([Note: every stream on shared cores conserves work]): the copy ends at 1.5 s,
+    # compute has done half, the rest at full speed; together the sum of their work
+    assert _times(ops, Contention(compute_slowdown_copy=0.5))[1] == pytest.approx([2.0, 1.5])
     # a host step slows compute only by its own fraction; a copy's fraction does not apply
     host = [_op(0, "compute", 1.0), dataclasses.replace(_op(1, "host", 0.5), kind="host_step")]
-    assert _times(host, Contention(compute_slowdown_copy=0.9, compute_slowdown_host=0.5)
-                  )[1] == [1.25, 0.5]
+    assert _times(host, Contention(compute_slowdown_copy=0.9, compute_slowdown_host=0.6,
+                                   host_slowdown_compute=0.4))[1] == pytest.approx([1.5, 5 / 6])
+
+
+def test_side_streams_share_the_cores_with_each_other():
+    """[Note: every stream on shared cores conserves work]: a copy and a host step beside
+    each other, with compute idle, take their sum on shared cores; on a GPU both 1 s."""
+    ops = [_op(0, "h2d", 1.0), dataclasses.replace(_op(1, "host", 1.0), kind="host_step"),
+           _op(2, "d2h", 1.0)]
+    assert _times(ops)[1] == [1.0, 1.0, 1.0]
+    assert _times(ops, HALF)[1] == pytest.approx([3.0, 3.0, 3.0])
+    # the network is not the cores: an all-reduce beside them keeps its speed
+    net = [_op(0, "h2d", 1.0), _op(1, "net", 1.0)]
+    assert _times(net, HALF)[1] == [1.0, 1.0]
 
 
 def test_compute_that_waits_for_a_copy_does_not_share_the_cores():

@@ -145,3 +145,31 @@ def test_the_runtime_reuses_memory_step_after_step_within_its_plan():
     reused = int(re.match(r"CPU cache: (\d+)% of (\d+) tensors", said[0]).group(1))
     assert reused >= 30, said[0]  # steps 2 and 3 allocate what step 1 freed
     assert report.peak_device_bytes <= report.capacity_bytes
+
+
+def test_the_first_step_keeps_a_reserve_for_what_the_process_grows(monkeypatch):
+    """[Note: the first step's reserve]: in step 1 the cache may keep FIRST_STEP_RESERVE_BYTES
+    less than the plan's peak leaves it; from step 2 on (what grew is measured at the step's
+    start) it may keep all of it."""
+    from types import SimpleNamespace
+
+    import karma.runtime.runtime as rt_module
+    from karma.runtime.runtime import FIRST_STEP_RESERVE_BYTES, Runtime
+
+    limits = []
+    stats = SimpleNamespace(live_bytes=0, idle_bytes=0)
+    rt = Runtime.__new__(Runtime)
+    rt.cpu_cache = SimpleNamespace(stats=lambda: stats, limit=limits.append)
+    rt._cache_baseline_bytes = 0
+    rt.baseline_private_bytes = 100 * MIB
+    rt.schedule = SimpleNamespace(predicted=SimpleNamespace(peak_device_bytes=800 * MIB))
+    monkeypatch.setattr(rt_module, "private_bytes", lambda: 130 * MIB)  # 30 MiB outside
+    rt.iterations = 0
+    rt._bound_cpu_cache()
+    rt.iterations = 1
+    rt._bound_cpu_cache()
+    assert limits == [770 * MIB - FIRST_STEP_RESERVE_BYTES, 770 * MIB]
+    rt.schedule.predicted.peak_device_bytes = 10 * MIB  # a reserve larger than the plan
+    rt.iterations = 0
+    rt._bound_cpu_cache()
+    assert limits[-1] == 0

@@ -140,11 +140,11 @@ def test_the_host_tier_past_the_file_size_limit_under_prlimit(schedule_path, tmp
         ["prlimit", f"--fsize={16 << 20}", "--", sys.executable, "-m", "karma.cli.run",
          str(schedule_path), "--steps", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "TMPDIR": str(tmp_path)})
+        env={**os.environ, "KARMA_TIER_DIR": str(tmp_path)})
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert f"cannot write the host tier's file {tmp_path}/karma-tier-" in done.stderr
-    assert "file-size limit of 16.0 MiB (ulimit -f); raise the limit, or set TMPDIR to a " \
+    assert "file-size limit of 16.0 MiB (ulimit -f); raise the limit, or set KARMA_TIER_DIR to a " \
         "directory on a filesystem with more room" in done.stderr
     assert not list(tmp_path.glob("karma-tier-*"))  # the tier's directory went with it
 
@@ -161,7 +161,7 @@ def test_a_tier_that_cannot_grow_names_its_file_and_what_to_free(tmp_path, monke
         pool.empty((1 << 20,), torch.float32)  # 4 MiB: the pool grows
     assert str(e.value).startswith(f"cannot write the host tier's file {tmp_path}/karma-tier-")
     assert "/arena1.bin: No space left on device (" in str(e.value)
-    assert " free there); free about 4.00 MiB on its filesystem, or set TMPDIR" in str(e.value)
+    assert " free there); free about 4.00 MiB on its filesystem, or set KARMA_TIER_DIR" in str(e.value)
     small.fill_(1.0)  # what the pool held is untouched
     assert small.sum().item() == 1000
     pool.close()

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from karma.runtime.hostmem import (
-    HostMemory,
-    filesystem_type,
-    host_memory_problem,
-    mem_available_bytes,
-)
+from karma.fileio import filesystem_type
+from karma.runtime.hostmem import HostMemory, host_memory_problem, mem_available_bytes
 
 GIB = 1 << 30
 
@@ -27,7 +23,7 @@ def test_a_cpu_tier_larger_than_its_filesystem_is_refused_with_the_directory():
     problem = host_memory_problem(replace(FITS, tier_free_bytes=30 * GIB))
     assert problem == ("the schedule's host tier needs 40.0 GiB of disk, but /scratch, where "
                        "the CPU backend keeps it as a file, has 30.0 GiB free; plan with a "
-                       "smaller model or batch, or set TMPDIR to a directory with more room")
+                       "smaller model or batch, or set KARMA_TIER_DIR to a directory with more room")
 
 
 def test_cpu_device_memory_is_ram():
@@ -81,3 +77,28 @@ def test_meminfo_and_mounts_are_read(tmp_path):
     assert filesystem_type("/dev/shm/karma", str(mounts)) == "tmpfs"
     assert filesystem_type("/dev/shmx", str(mounts)) == "ext4"
     assert filesystem_type("/mnt/my disk/x", str(mounts)) == "tmpfs"
+
+
+def test_the_cpu_tier_goes_to_a_tmpfs_with_room(tmp_path, monkeypatch):
+    """[Note: the CPU tier lives in memory where it can]: /dev/shm when it is a tmpfs with
+    room for the tier (and memory for it), else the temporary directory; KARMA_TIER_DIR
+    chooses."""
+    import tempfile
+
+    import karma.fileio
+    from karma.fileio import tier_directory
+
+    monkeypatch.delenv("KARMA_TIER_DIR", raising=False)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    kinds = {str(shm): "tmpfs"}
+    monkeypatch.setattr(karma.fileio, "filesystem_type", lambda p: kinds.get(p, "ext4"))
+    room = karma.fileio.free_bytes(shm)
+    assert tier_directory(GIB, shm=str(shm)) == str(shm)
+    assert tier_directory(room + 1, shm=str(shm)) == tempfile.gettempdir()  # no room
+    assert tier_directory(GIB, memory_bytes=GIB - 1, shm=str(shm)) == tempfile.gettempdir()
+    assert tier_directory(GIB, shm=str(tmp_path / "none")) == tempfile.gettempdir()
+    kinds[str(shm)] = "ext4"  # a disk: its pages are written back
+    assert tier_directory(GIB, shm=str(shm)) == tempfile.gettempdir()
+    monkeypatch.setenv("KARMA_TIER_DIR", "/scratch/tier")
+    assert tier_directory(1 << 60, shm=str(shm)) == "/scratch/tier"

@@ -112,8 +112,10 @@ class Hardware:
     # at the reduced speeds while they overlap (processor sharing). karma-profile measures
     # them on the CPU by timing a matmul alone and beside a copying (or AdamW-stepping)
     # thread, and that copy (step) alone and beside the matmul (measure_hw._contention).
-    # The model is deliberately small: h2d and d2h busy at once cost compute what one does,
-    # and copies and host steps do not slow each other (none of these was measured).
+    # The model is deliberately small: h2d and d2h busy at once cost compute what one does;
+    # where the streams share cores, the busy streams' speeds add up to at most 1, which is
+    # how copies and host steps slow each other (simulate.py, [Note: every stream on shared
+    # cores conserves work]).
     compute_slowdown_copy: float = 0.0  # compute's speed lost while h2d or d2h copies
     copy_slowdown_compute: float = 0.0  # a copy's speed lost while compute runs
     compute_slowdown_host: float = 0.0  # compute's speed lost while a host step runs

@@ -194,7 +194,8 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     # [Constraint] on shared cores (the CPU) a stage's compute and copies slow each other down
     # (see [Note: contention in the ILP])
     slow = problem.contention
-    a, b = slow.compute_slowdown_copy, slow.copy_slowdown_compute
+    pair = {"compute", "h2d"}  # the speeds the simulator gives the two beside each other
+    a, b = 1.0 - slow.speed("compute", pair), 1.0 - slow.speed("h2d", pair)
 
     def work(k: int, stream: str, stepping: bool) -> pulp.LpAffineExpression:
         """Seconds of work on `stream` in stage k (stepping: in the replay that steps)."""

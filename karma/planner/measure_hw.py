@@ -13,12 +13,12 @@ What is and is not measured:
 - matmul rate per dtype, at a size that takes long enough to time (PyTorch's defaults: TF32 off);
 - device memory bandwidth from a large copy, counting bytes read plus bytes written;
 - copy bandwidth: on CUDA pinned host <-> device; on the CPU, RAM <-> a file-backed tensor
-  (`torch.from_file(shared=True)`) in the temporary directory, i.e. the CPU backend's offload
-  tier, at page-cache speed;
+  (`torch.from_file(shared=True)`) where the runtime keeps its offload tier (/dev/shm where
+  it is a tmpfs, else the temporary directory: fileio.tier_directory);
 - host optimizer rate: torch.optim.AdamW(foreach=True).step() on fp32 parameters;
 - on the CPU, contention between streams (see [Note: measuring contention]);
-- memory: MemAvailable from /proc/meminfo (on the CPU the file tier's size is the free disk
-  space of the temporary directory);
+- memory: MemAvailable from /proc/meminfo (on the CPU the file tier's size is the free space
+  of the tier's directory);
 - not the network: a single machine cannot; net_* get defaults to edit by hand.
 """
 
@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from karma.errors import KarmaError
+from karma.fileio import tier_directory
 from karma.planner.hardware import Hardware
 
 _GiB = 1024**3
@@ -204,7 +205,9 @@ def _pinned_copy_bytes_per_s(dev: torch.device, nbytes: int, repeats: int) -> tu
 
 def _file_tier_bytes_per_s(nbytes: int, repeats: int) -> tuple[float, float, int]:
     """(file -> RAM, RAM -> file) bytes per second, and free bytes, for the CPU offload tier."""
-    with tempfile.TemporaryDirectory(prefix="karma-profile-") as directory:
+    # where the runtime would put the tier ([Note: the CPU tier lives in memory where it can])
+    with tempfile.TemporaryDirectory(prefix="karma-profile-",
+                                     dir=tier_directory(2 * nbytes)) as directory:
         to_ram, to_file = _file_copy_bytes_per_s(
             os.path.join(directory, "tier.bin"), nbytes, repeats
         )
@@ -256,7 +259,8 @@ def _contention(nbytes: int, matmuls: int, repeats: int) -> dict[str, float]:
         for _ in range(matmuls):
             torch.mm(a, b, out=out)
 
-    with tempfile.TemporaryDirectory(prefix="karma-profile-") as directory:
+    with tempfile.TemporaryDirectory(prefix="karma-profile-",
+                                     dir=tier_directory(2 * nbytes)) as directory:
         compute_copy, copy_compute = _slowdowns(
             compute, _file_copy(os.path.join(directory, "tier.bin"), nbytes), cpu, repeats)
     params = [torch.nn.Parameter(torch.randn(nbytes // 4 // 8)) for _ in range(8)]

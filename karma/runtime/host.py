@@ -44,6 +44,11 @@ class HostPool:
         self._grow(max(initial_bytes, 1 << 20))
 
     @property
+    def directory(self) -> str | None:
+        """Where a file-backed pool keeps its arenas (a directory of its own)."""
+        return self._dir.name if self._dir is not None else None
+
+    @property
     def capacity_bytes(self) -> int:
         return sum(a.numel() for a in self._arenas)
 
@@ -125,7 +130,7 @@ class HostPool:
                     os.unlink(path)
                 raise KarmaError(write_failure(
                     "the host tier's file", path, e, nbytes,
-                    "set TMPDIR to a directory on a filesystem with more room")) from e
+                    "set KARMA_TIER_DIR to a directory on a filesystem with more room")) from e
             arena = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
             os.unlink(path)  # the mapping stays; the name goes, so nothing is left behind
         elif self.kind == "pinned":

@@ -14,8 +14,9 @@ this machine differs:
   cudaHostAlloc pins through the NVIDIA driver, which does not charge it, and containers
   commonly run with a 64 KiB or 8 MiB limit while pinning gigabytes, so checking it would
   refuse working setups.
-- CPU: the tier is a shared mapping of a file in the temporary directory, whose blocks are
-  taken as it grows (host.py, [Note: the tier's disk is taken when it grows]). Its pages are
+- CPU: the tier is a shared mapping of a file in /dev/shm where that is a tmpfs with room,
+  else in the temporary directory ([Note: the CPU tier lives in memory where it can] in
+  fileio.py; `KARMA_TIER_DIR` chooses), whose blocks are taken as it grows (host.py, [Note: the tier's disk is taken when it grows]). Its pages are
   page cache that the kernel writes back and evicts, so they need room on that filesystem
   (statvfs), not memory; unless the directory is a tmpfs or ramfs, whose pages are memory
   (shmem, not counted in MemAvailable once taken). The schedule's device
@@ -33,11 +34,9 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from karma.fileio import free_bytes
+from karma.fileio import MEMORY_FILESYSTEMS, filesystem_type, free_bytes, tier_directory
 from karma.schedule import Schedule
 from karma.units import format_bytes
-
-MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def host_memory_problem(m: HostMemory) -> str | None:
         return (f"the schedule's host tier needs {format_bytes(m.host_bytes)} of {where}{ranks}, "
                 f"but {m.tier_dir}, where the CPU backend keeps it as a file, has "
                 f"{format_bytes(m.tier_free_bytes)} free; plan with a smaller model or batch, "
-                "or set TMPDIR to a directory with more room")
+                "or set KARMA_TIER_DIR to a directory with more room")
     in_memory = m.host_bytes if m.tier_in_memory else 0
     need = m.device_bytes + in_memory
     if m.available_bytes is not None and need * m.ranks_here > m.available_bytes:
@@ -89,16 +88,24 @@ def host_memory_problem(m: HostMemory) -> str | None:
 def measure_host_memory(schedule: Schedule, backend: str,
                         tier_dir: str | None = None) -> HostMemory:
     """`schedule`'s needs and this machine's memory and tier space, for host_memory_problem.
-    `tier_dir`: where the tier file goes (default: the temporary directory, as HostPool)."""
-    tier_dir = tier_dir or tempfile.gettempdir()
+    `tier_dir`: where the tier file goes (default: fileio.tier_directory's choice for this
+    schedule: [Note: the CPU tier lives in memory where it can]); HostPool is given the
+    same (HostMemory.tier_dir)."""
     p = schedule.predicted
     try:
         ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         ranks_here = 1
+    available = mem_available_bytes()
+    if tier_dir is None:
+        if backend == "cpu":
+            memory = None if available is None else available - p.peak_device_bytes * ranks_here
+            tier_dir = tier_directory(p.host_bytes * ranks_here, memory)
+        else:
+            tier_dir = tempfile.gettempdir()  # not used: the tier is pinned memory
     return HostMemory(backend=backend, host_bytes=p.host_bytes, pinned_bytes=p.pinned_bytes,
                       device_bytes=p.peak_device_bytes, ranks_here=ranks_here,
-                      available_bytes=mem_available_bytes(), tier_dir=tier_dir,
+                      available_bytes=available, tier_dir=tier_dir,
                       tier_free_bytes=free_bytes(tier_dir),
                       tier_in_memory=filesystem_type(tier_dir) in MEMORY_FILESYSTEMS)
 
@@ -113,24 +120,3 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-
-
-def filesystem_type(path: str, mounts: str = "/proc/self/mounts") -> str | None:
-    """The type of the filesystem `path` is on ("ext4", "tmpfs"), from the longest mount
-    point that contains it; None where unknown."""
-    real = os.path.realpath(path)
-    best, kind = "", None
-    try:
-        with open(mounts, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                # mount points escape spaces and the like as octal: "\040"
-                point = fields[1].encode().decode("unicode_escape")
-                inside = real == point or real.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, kind = point, fields[2]
-    except OSError:
-        return None
-    return kind

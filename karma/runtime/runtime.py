@@ -64,6 +64,7 @@ from karma.units import format_bytes
 
 # On the CPU backend, factory tensors of at least this size are built in the host tier.
 TIER_MIN_BYTES = 1 << 20
+FIRST_STEP_RESERVE_BYTES = 64 << 20  # [Note: the first step's reserve]
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,8 @@ class Runtime:
     def _build(self, cap_device_memory: bool) -> None:
         schedule, mf, backend = self.schedule, self.model_file, self.backend
         # before anything is allocated: [Note: where the host tier's bytes live]
-        problem = host_memory_problem(measure_host_memory(schedule, backend.name))
+        host_memory = measure_host_memory(schedule, backend.name)
+        problem = host_memory_problem(host_memory)
         if problem is not None:
             raise KarmaError(problem)
         return_freed_memory_promptly()
@@ -207,7 +209,13 @@ class Runtime:
 
         built = time.perf_counter()
         self.pool = HostPool(int(schedule.predicted.host_bytes * 1.1) + (64 << 20),
-                             kind=backend.pool_kind)
+                             kind=backend.pool_kind, directory=host_memory.tier_dir)
+        if backend.name == "cpu" and schedule.predicted.host_bytes:
+            self.log(f"host tier: {format_bytes(schedule.predicted.host_bytes)} in "
+                     f"{self.pool.directory} " + (
+                         "(memory: a tmpfs)" if host_memory.tier_in_memory else
+                         "(a file on disk, whose pages the kernel writes back: slower than a "
+                         "tmpfs; set KARMA_TIER_DIR to one with room)"))
         # on the CPU backend the model is built in the host tier (host.BuildInTier): its
         # weights need not fit in the memory the schedule allows
         tier = BuildInTier(self.pool, TIER_MIN_BYTES) if backend.name == "cpu" else None
@@ -377,8 +385,15 @@ class Runtime:
         base = self._cache_baseline_bytes
         outside = (private_bytes() - self.baseline_private_bytes
                    - (held.live_bytes - base) - held.idle_bytes)
-        self.cpu_cache.limit(base + self.schedule.predicted.peak_device_bytes
-                             - max(outside, 0))
+        # [Note: the first step's reserve] The first step grows what the process holds
+        # outside the cache after its start (the stream workers' first kernels make their
+        # OpenMP pools, malloc arenas and stacks; first calls fill PyTorch's and Python's
+        # caches): 17-30 MiB measured (GPT-2 small's 861 MiB plan peaked at 870 MiB in step
+        # 1, 851 from step 2 on). From step 2 on it is measured at the step's start; in step 1
+        # the cache keeps FIRST_STEP_RESERVE_BYTES less.
+        reserve = FIRST_STEP_RESERVE_BYTES if self.iterations == 0 else 0
+        self.cpu_cache.limit(max(base + self.schedule.predicted.peak_device_bytes
+                                 - max(outside, 0) - reserve, base))
 
     def _check_between_steps(self, what: str) -> None:
         if not self.accumulation.first:
