@@ -39,6 +39,31 @@ def command(env: dict[str, str], argv: list[str], out: str) -> str:
     return f"{prefix} karma-plan {' '.join(argv)} -o {out}"
 
 
+_GRAPHS: dict[tuple, object] = {}  # one IR per model and environment, shared by its cases
+
+
+@contextlib.contextmanager
+def _sharing_graphs(env: dict[str, str]):
+    """karma.api's build_block_graph, remembering each model's IR for the next case with the
+    same model file, environment and arguments (the cases of a model differ in hardware and
+    budget only; GPT-2 XL's IR was built four times)."""
+    import karma.api
+
+    build = karma.api.build_block_graph
+
+    def shared(mf, *args, **kwargs):
+        key = (mf.sha256, tuple(sorted(env.items())), args, tuple(sorted(kwargs.items())))
+        if key not in _GRAPHS:
+            _GRAPHS[key] = build(mf, *args, **kwargs)
+        return _GRAPHS[key]
+
+    karma.api.build_block_graph = shared
+    try:
+        yield
+    finally:
+        karma.api.build_block_graph = build
+
+
 def generate(env: dict[str, str], argv: list[str], out: Path) -> None:
     """Run karma-plan in this process, as the command line would, into `out`."""
     from karma.cli.plan import main
@@ -50,7 +75,7 @@ def generate(env: dict[str, str], argv: list[str], out: Path) -> None:
             del os.environ[k]
         os.environ.update(env)
         os.chdir(ROOT)
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), _sharing_graphs(env):
             code = main([*argv, "-o", str(out)])
         if code != 0:
             raise RuntimeError(f"karma-plan failed ({code}): {command(env, argv, out.name)}")

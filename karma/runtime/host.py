@@ -26,6 +26,11 @@ from karma.fileio import write_failure
 ALIGN = 64  # bytes
 
 
+def pool_bytes(host_bytes: int) -> int:
+    """The host tier a schedule's `host_bytes` start with: 10% and 64 MiB to spare."""
+    return int(host_bytes * 1.1) + (64 << 20)
+
+
 class HostPool:
     """A first-fit allocator over large host arenas (file-backed or pinned). Thread-safe:
     the copy streams and the host optimizer allocate and free from their own threads."""

@@ -35,6 +35,7 @@ import tempfile
 from dataclasses import dataclass
 
 from karma.fileio import MEMORY_FILESYSTEMS, filesystem_type, free_bytes, tier_directory
+from karma.runtime.host import pool_bytes
 from karma.schedule import Schedule
 from karma.units import format_bytes
 
@@ -100,7 +101,7 @@ def measure_host_memory(schedule: Schedule, backend: str,
     if tier_dir is None:
         if backend == "cpu":
             memory = None if available is None else available - p.peak_device_bytes * ranks_here
-            tier_dir = tier_directory(p.host_bytes * ranks_here, memory)
+            tier_dir = tier_directory(pool_bytes(p.host_bytes) * ranks_here, memory)
         else:
             tier_dir = tempfile.gettempdir()  # not used: the tier is pinned memory
     return HostMemory(backend=backend, host_bytes=p.host_bytes, pinned_bytes=p.pinned_bytes,

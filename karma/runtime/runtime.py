@@ -49,6 +49,7 @@ from karma.runtime.host import (
     BuildInTier,
     HostPool,
     data_bytes,
+    pool_bytes,
     private_bytes,
     return_freed_memory_promptly,
 )
@@ -208,7 +209,7 @@ class Runtime:
                      f"counted in (the card has {format_bytes(cap.total_bytes)})")
 
         built = time.perf_counter()
-        self.pool = HostPool(int(schedule.predicted.host_bytes * 1.1) + (64 << 20),
+        self.pool = HostPool(pool_bytes(schedule.predicted.host_bytes),
                              kind=backend.pool_kind, directory=host_memory.tier_dir)
         if backend.name == "cpu" and schedule.predicted.host_bytes:
             self.log(f"host tier: {format_bytes(schedule.predicted.host_bytes)} in "
