@@ -1,7 +1,7 @@
 """Fidelity and overhead on the CPU backend: predicted against measured, per strategy.
 
     .venv/bin/python bench/fidelity.py [--size small] [--seq 64] [--batch-size 2] [--steps 6]
-        [--cases swap_all:1.1,offload_all:1.1]
+        [--cases swap_all:1.1,offload_all:1.1] [--rounds 3]
     .venv/bin/python bench/fidelity.py --model resnet --env KARMA_RESNET_IMAGE=64 --batch-size 8
     .venv/bin/python bench/fidelity.py --model mlp --batch-size 64
 
@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--seq", default="64", help="KARMA_SEQ, for --model gpt")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every case this many times in turn (medians over all rounds)")
     p.add_argument("--no-measure", action="store_true",
                    help="plan with the roofline estimate instead of this machine's measured "
                         "rates and block times (karma-plan's default, cached)")
@@ -111,11 +113,12 @@ def main() -> None:
     sizes = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KARMA_"))
     print(f"{example} ({sizes}), batch {args.batch_size}; block times "
           f"{cal.summary}; medians over "
-          f"steps 2..{args.steps}; keep_all stage peak {format_bytes(keep_peak)}\n")
+          f"steps 2..{args.steps} of {args.rounds} round(s); keep_all stage peak {format_bytes(keep_peak)}\n")
     print("| strategy | budget | step s measured | step s predicted | measured/predicted | "
           "predicted, independent | measured/independent | "
           "peak measured | peak predicted | within budget | plain loop step s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    planned = []  # (strategy, budget, schedule, plan), each planned once
     for strategy, fraction in cases:
         cap = int(keep_peak * fraction)
         try:
@@ -125,17 +128,28 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"| {strategy} | {format_bytes(cap)} | {type(e).__name__}: {e} |")
             continue
-        ref = statistics.median(reference_step_times()[1:])
-        gc.collect()
-        run = train(report.schedule, mf, RunOptions(steps=args.steps, log=lambda s: None))
-        measured = statistics.median(run.step_s[1:])
-        predicted = report.schedule.predicted
-        alone_s = evaluate(independent, report.chosen.plan, cap).step_s
+        planned.append((strategy, cap, report.schedule, report.chosen.plan))
+    # every round runs every case once (the plain loop first), so that a machine that drifts
+    # within the hour spreads its drift over all of them; medians over steps 2.. of all rounds
+    run_s = {k: [] for k in range(len(planned))}
+    plain_s = {k: [] for k in range(len(planned))}
+    peaks = {k: 0 for k in range(len(planned))}
+    for _ in range(args.rounds):
+        for k, (_, _, schedule, _) in enumerate(planned):
+            plain_s[k] += reference_step_times()[1:]
+            gc.collect()
+            run = train(schedule, mf, RunOptions(steps=args.steps, log=lambda s: None))
+            run_s[k] += run.step_s[1:]
+            peaks[k] = max(peaks[k], run.peak_device_bytes)
+    for k, (strategy, cap, schedule, plan) in enumerate(planned):
+        measured, ref = statistics.median(run_s[k]), statistics.median(plain_s[k])
+        predicted = schedule.predicted
+        alone_s = evaluate(independent, plan, cap).step_s
         print(f"| {strategy} | {format_bytes(cap)} | {measured:.3f} | {predicted.iteration_s:.3f}"
               f" | {measured / predicted.iteration_s:.2f} | {alone_s:.3f} | "
-              f"{measured / alone_s:.2f} | {format_bytes(run.peak_device_bytes)}"
+              f"{measured / alone_s:.2f} | {format_bytes(peaks[k])}"
               f" | {format_bytes(predicted.peak_device_bytes)} | "
-              f"{'yes' if run.peak_device_bytes <= cap else 'NO'} | {ref:.3f} |", flush=True)
+              f"{'yes' if peaks[k] <= cap else 'NO'} | {ref:.3f} |", flush=True)
     print(f"\nprivate memory now {format_bytes(private_bytes())}")
 
 

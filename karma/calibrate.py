@@ -65,6 +65,7 @@ from karma.planner.hardware import (
     load_hardware,
 )
 from karma.planner.problem import build_problem
+from karma.schedule import model_env
 
 CACHE_VERSION = 3  # bump when what a cache file holds changes meaning (3: in context)
 _TIMING_BUDGET_S = 15.0  # see [Note: timing at a smaller batch]
@@ -255,7 +256,7 @@ def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
     key = {
         "machine": _machine_key(device),
         "model_sha256": mf.sha256,
-        "env": sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_")),
+        "env": [list(kv) for kv in model_env()],
         "graph_sha256": hashlib.sha256(graph.to_json().encode()).hexdigest(),
         "batch_size": graph.batch_size,
         "dtype": graph.dtype,

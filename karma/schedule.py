@@ -112,11 +112,22 @@ class ModelRef:
     @classmethod
     def now(cls, path: str, sha256: str, ir_json: str) -> ModelRef:
         """The reference a plan made in this process records: the model file, its hash, its
-        block graph's JSON hashed, and the KARMA_* environment now."""
-        import os
+        block graph's JSON hashed, and the KARMA_* environment now (model_env)."""
+        return cls(path, sha256, hashlib.sha256(ir_json.encode()).hexdigest(), model_env())
 
-        return cls(path, sha256, hashlib.sha256(ir_json.encode()).hexdigest(),
-                   tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_"))))
+
+# karma's own settings, read by the runtime where it runs: not the model's, so not recorded
+# with it (a schedule planned under KARMA_TIER_DIR=/tmp must not put every run's tier there)
+KARMA_SETTINGS = ("KARMA_CHAOS", "KARMA_CPU_CACHE", "KARMA_TIER_DIR")
+
+
+def model_env() -> tuple[tuple[str, str], ...]:
+    """The KARMA_* environment variables now, karma's own settings left out: what a model
+    file may read (KARMA_GPT=medium), recorded in the schedule and set again by karma-run."""
+    import os
+
+    return tuple(sorted((k, v) for k, v in os.environ.items()
+                        if k.startswith("KARMA_") and k not in KARMA_SETTINGS))
 
 
 @dataclass(frozen=True)

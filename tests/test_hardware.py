@@ -85,7 +85,9 @@ def test_builtin_numbers_are_the_documented_ones():
     cpu = load_hardware("cpu")
     assert cpu.device_kind == "cpu" and cpu.flops_per_s["fp32"] == 5.0e10
     # a CPU's copies and host steps share its cores; a GPU's streams are independent
-    assert (cpu.compute_slowdown_copy, cpu.compute_slowdown_host) == (0.3, 0.2)
+    assert (cpu.compute_slowdown_copy, cpu.copy_slowdown_compute, cpu.compute_slowdown_host,
+            cpu.host_slowdown_compute) == (0.5, 0.5, 0.4, 0.6)  # each pair adds up to 1
+    assert cpu.h2d_bytes_per_s == cpu.d2h_bytes_per_s == 4.0e9
     for name in builtin_names():
         hw = load_hardware(name)
         assert hw.pinned_mem_bytes <= hw.host_mem_bytes

@@ -341,3 +341,16 @@ def test_duplicate_keys_are_refused(sched):
                                                 r"twice \(line \d+\)"):
         load_schedule(text)
 
+
+
+def test_karmas_own_settings_are_not_recorded_as_the_models(monkeypatch):
+    """A schedule planned under KARMA_TIER_DIR (or KARMA_CHAOS, KARMA_CPU_CACHE) must not make
+    every karma-run of it use that setting: the model's environment leaves them out."""
+    from karma.schedule import KARMA_SETTINGS, ModelRef
+
+    monkeypatch.setenv("KARMA_GPT", "small")
+    for name in KARMA_SETTINGS:
+        monkeypatch.setenv(name, "x")
+    env = dict(ModelRef.now("m.py", "0" * 64, "{}").env)
+    assert env.get("KARMA_GPT") == "small"
+    assert not set(KARMA_SETTINGS) & set(env)

@@ -12,7 +12,9 @@ the copy runs, the copy at 1 - b while compute does. If the copy ends first, aft
 the stage lasts W + a D / (1 - b); if compute does, D + b W / (1 - a). When a + b <= 1 (no
 worse than running them one after the other) the stage lasts the larger of the two, so both
 are linear constraints beside "as long as its busiest stream". h2d and d2h copies start
-together and compute loses a while either runs, so each copy stream has its pair. Host steps
+together and compute loses a while either runs, so each copy stream has its pair; and as the
+simulator's streams conserve work ([Note: every stream on shared cores conserves work]), a
+stage lasts at least the sum of its compute and copies. Host steps
 are not charged here (when they run against which stage is not a stage sum): the
 simulator charges them when the pipeline compares the ILP's plan with the baselines.
 """
@@ -213,6 +215,11 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
                     f"{name}_{k}_compute_beside_{copy}"
                 lp += durations[k] >= moved + b / (1 - a) * compute, \
                     f"{name}_{k}_{copy}_beside_compute"
+        for k in range(st.update):  # no set of streams on shared cores beats one alone
+            if sum((k, stream) in load for stream in ("compute", "h2d", "d2h")) > 1:
+                lp += durations[k] >= pulp.lpSum(work(k, stream, stepping) for stream in
+                                                 ("compute", "h2d", "d2h")), \
+                    f"{name}_{k}_conserves_work"
     # [Constraint] stages run one after another
     lp += s[0] == 0, "start"
     for k in range(st.update):
@@ -246,6 +253,13 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     lp += iteration >= s[st.update] + device_steps_s, "end_of_stages"
     lp += iteration >= h[order[-1]], "end_of_host_steps"
     lp += iteration >= u[order[-1]], "end_of_uploads"
+    if slow.shared:  # the whole step, host steps too: [Note: every stream on shared cores
+        # conserves work]; without it the ILP overlapped host steps it did not pay for, and
+        # the simulator's fallback took a baseline instead
+        def cores_s(f) -> float:
+            return sum(o.dur_s for o in f.ops if o.stream != "net")
+
+        lp += iteration >= chosen(cores_s) + cores_s(common), "streams_conserve_work"
     # step: the replay that steps and accumulate-1 that do not (they end with their stages)
     step = iteration + (training.accumulate - 1) * pulp.lpSum(t1) if micro else iteration
 
