@@ -150,11 +150,11 @@ def test_the_runtime_reuses_memory_step_after_step_within_its_plan():
 def test_the_first_step_keeps_a_reserve_for_what_the_process_grows(monkeypatch):
     """[Note: the first step's reserve]: in step 1 the cache may keep FIRST_STEP_RESERVE_BYTES
     less than the plan's peak leaves it; from step 2 on (what grew is measured at the step's
-    start) it may keep all of it."""
+    start) only STEP_RESERVE_BYTES less."""
     from types import SimpleNamespace
 
     import karma.runtime.runtime as rt_module
-    from karma.runtime.runtime import FIRST_STEP_RESERVE_BYTES, Runtime
+    from karma.runtime.runtime import FIRST_STEP_RESERVE_BYTES, STEP_RESERVE_BYTES, Runtime
 
     limits = []
     stats = SimpleNamespace(live_bytes=0, idle_bytes=0)
@@ -168,7 +168,10 @@ def test_the_first_step_keeps_a_reserve_for_what_the_process_grows(monkeypatch):
     rt._bound_cpu_cache()
     rt.iterations = 1
     rt._bound_cpu_cache()
-    assert limits == [770 * MIB - FIRST_STEP_RESERVE_BYTES, 770 * MIB]
+    assert limits == [770 * MIB - FIRST_STEP_RESERVE_BYTES, 770 * MIB - STEP_RESERVE_BYTES]
+    rt.schedule.predicted.peak_device_bytes = 100 * MIB  # later steps: 1% of a small plan
+    rt._bound_cpu_cache()
+    assert limits[-1] == 70 * MIB - MIB
     rt.schedule.predicted.peak_device_bytes = 10 * MIB  # a reserve larger than the plan
     rt.iterations = 0
     rt._bound_cpu_cache()

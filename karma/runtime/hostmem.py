@@ -16,10 +16,11 @@ this machine differs:
   refuse working setups.
 - CPU: the tier is a shared mapping of a file in /dev/shm where that is a tmpfs with room,
   else in the temporary directory ([Note: the CPU tier lives in memory where it can] in
-  fileio.py; `KARMA_TIER_DIR` chooses), whose blocks are taken as it grows (host.py, [Note: the tier's disk is taken when it grows]). Its pages are
-  page cache that the kernel writes back and evicts, so they need room on that filesystem
-  (statvfs), not memory; unless the directory is a tmpfs or ramfs, whose pages are memory
-  (shmem, not counted in MemAvailable once taken). The schedule's device
+  fileio.py; `KARMA_TIER_DIR` chooses), whose blocks are taken as it grows (host.py,
+  [Note: the tier's disk is taken when it grows]). On a disk its pages are page cache that
+  the kernel writes back and evicts, so they need room on that filesystem (statvfs), not
+  memory; in a tmpfs or ramfs its pages are memory (shmem, not counted in MemAvailable once
+  taken). The schedule's device
   memory is this machine's RAM on the CPU backend: private memory, checked against
   MemAvailable, together with the tier when the tier is in memory.
 The numbers are the schedule's own (the pool's 10% slack is left out): the check refuses
