@@ -21,6 +21,7 @@ import re
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 
 from karma.errors import KarmaError
 from karma.schedule import DEFERRED_KINDS, LAST_MICRO_BATCH_KINDS, STREAMS, Buffer, Op
@@ -46,7 +47,7 @@ class Contention:
         pairs as a dict); those it lacks are 0."""
         return cls(*(float(hardware.get(f.name, 0.0)) for f in fields(cls)))
 
-    @property
+    @cached_property  # asked for every busy stream at every event of the simulation
     def shared(self) -> bool:
         """Whether the streams share cores (the CPU): any fraction above 0."""
         return any(getattr(self, f.name) for f in fields(self))
