@@ -19,7 +19,6 @@ contention fractions set to 0: the prediction before they existed).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import os
 import statistics
@@ -103,10 +102,8 @@ def main() -> None:
         return times
 
     cases = [(case.split(":")[0], float(case.split(":")[1])) for case in args.cases.split(",")]
-    independent = build_problem(graph, dataclasses.replace(
-        hw, compute_slowdown_copy=0.0, copy_slowdown_compute=0.0, compute_slowdown_host=0.0,
-        host_slowdown_compute=0.0), optimizer=opt_profile, measured_s=measured_s,
-                            measured_step_s=steps_s)
+    independent = build_problem(graph, hw.independent_streams(), optimizer=opt_profile,
+                                measured_s=measured_s, measured_step_s=steps_s)
     print(f"contention: compute slowdown {hw.compute_slowdown_copy:g} beside copies, "
           f"{hw.compute_slowdown_host:g} beside host steps; copies {hw.copy_slowdown_compute:g}"
           f", host steps {hw.host_slowdown_compute:g} beside compute")

@@ -79,9 +79,10 @@ _RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_
                 "host_slowdown_compute")
 # what is measured and how; 2: the contention fractions; 3: under the runtime's allocator;
 # 4: with its CPU cache (runtime/cpu_cache.py); 5: contention conserves work
-# (measure_hw._conserving); 6: the tier measured where the runtime keeps it
-# (fileio.tier_directory)
-MACHINE_VERSION = 6
+# (measure_hw._conserving, since removed); 6: the tier measured where the runtime keeps it
+# (fileio.tier_directory); 7: the fractions recorded as measured (the simulator bounds their
+# sum: simulate.Contention.speed)
+MACHINE_VERSION = 7
 
 
 @dataclass(frozen=True)

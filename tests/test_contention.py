@@ -78,6 +78,21 @@ def test_side_streams_share_the_cores_with_each_other():
     assert _times(net, HALF)[1] == [1.0, 1.0]
 
 
+def test_a_measured_pair_that_adds_up_to_more_than_one_is_scaled_to_one():
+    """[Note: every stream on shared cores conserves work], on pairs this machine measured:
+    the profile keeps them as measured; the simulator's speeds add up to at most 1, keeping
+    the ratio between the two."""
+    over = Contention(compute_slowdown_host=0.397, host_slowdown_compute=0.497)
+    busy = ("compute", "host")  # 0.603 + 0.503 = 1.106
+    assert over.speed("compute", busy) == pytest.approx(0.603 / 1.106)
+    assert over.speed("host", busy) == pytest.approx(0.503 / 1.106)
+    under = Contention(compute_slowdown_copy=0.509, copy_slowdown_compute=0.628)
+    busy = ("compute", "h2d")  # 0.491 + 0.372: below 1, as measured
+    assert under.speed("compute", busy) == pytest.approx(0.491)
+    assert under.speed("h2d", busy) == pytest.approx(0.372)
+    assert over.speed("compute", ("compute",)) == 1.0  # alone: its full speed
+
+
 def test_compute_that_waits_for_a_copy_does_not_share_the_cores():
     # compute op 1 waits for the copy: nothing overlaps, nothing slows down
     ops = [_op(0, "h2d", 1.0), _op(1, "compute", 1.0, deps=[0])]
@@ -136,6 +151,16 @@ def test_contention_slows_a_host_step_beside_compute():
     shared = evaluate(dataclasses.replace(problem, contention=Contention(
         compute_slowdown_host=0.5, host_slowdown_compute=0.5)), plan, 1 << 60)
     assert shared.iteration_s > alone.iteration_s
+
+
+def test_independent_streams_zero_only_the_contention():
+    cpu = load_hardware("cpu")
+    assert Contention.of(cpu.__dict__).shared
+    independent = cpu.independent_streams()
+    assert not Contention.of(independent.__dict__).shared
+    assert independent == dataclasses.replace(
+        cpu, compute_slowdown_copy=0.0, copy_slowdown_compute=0.0, compute_slowdown_host=0.0,
+        host_slowdown_compute=0.0)
 
 
 def test_profiles_without_contention_load_as_independent_streams():

@@ -351,12 +351,3 @@ def test_cli_error_is_one_line_and_exit_2(tmp_path, capsys):
     assert "Traceback" not in err
     with pytest.raises(KarmaError, match="is a directory"):
         main(["--debug", "-o", str(tmp_path)])  # --debug lets the traceback through
-
-
-def test_streams_on_shared_cores_never_add_up_to_more_than_one_stream():
-    # [Note: streams on shared cores conserve work]
-    from karma.planner.measure_hw import _conserving
-
-    assert _conserving(0.397, 0.497) == (0.455, 0.545)  # 0.603 + 0.503 scaled to add up to 1
-    assert _conserving(0.509, 0.628) == (0.509, 0.628)  # 0.491 + 0.372: below 1, as measured
-    assert _conserving(0.0, 0.0) == (0.5, 0.5)

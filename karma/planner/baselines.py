@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from karma.planner.lowering import PLAIN, Choice, Training, stage_memory
+from karma.planner.lowering import PLAIN, Choice, StageMemory, Training
 from karma.planner.plan import Plan
 from karma.planner.problem import Problem
 
@@ -53,9 +53,10 @@ def greedy(problem: Problem, capacity_bytes: int,
     """
     n = len(problem.blocks)
     choices = [KEEP] * n
+    memory = StageMemory(problem, training)
 
     def fits() -> bool:
-        return max(stage_memory(problem, choices, training)) <= capacity_bytes
+        return max(memory(choices)) <= capacity_bytes
 
     for i in range(n):
         if fits():

@@ -14,7 +14,7 @@ import json
 import math
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from decimal import Decimal
 from importlib import resources
 from pathlib import Path
@@ -147,6 +147,12 @@ class Hardware:
                 f"{self.host_mem_bytes} ({format_bytes(self.host_mem_bytes)}); pinned memory is "
                 f"part of host memory, so lower pinned_mem_bytes to at most host_mem_bytes"
             )
+
+    def independent_streams(self) -> Hardware:
+        """This machine as if its streams did not share cores (every contention fraction 0),
+        as a GPU's copy engines do not: to time a plan as the model did before contention,
+        or to plan swaps that shared cores would price out."""
+        return replace(self, **dict.fromkeys(_FRACTION_FIELDS, 0.0))
 
 
 def _check_bytes(hw_name: str, field_name: str, value: object) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from karma.ir.graph import BlockGraph
 from karma.modelfile import OptimizerProfile
@@ -131,6 +132,23 @@ class Problem:
             raise ValueError(f"held_saved {spans}: each (made_by, first_reader, next_reader) "
                              f"once, 0 <= made_by <= first_reader < next_reader < "
                              f"{len(self.blocks)}")
+
+    @cached_property  # asked by every block's lowering: a scan each made planning O(n^2)
+    def weight_users(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per block, (user block, device bytes) of the other blocks that use its weights."""
+        users: list[list[tuple[int, int]]] = [[] for _ in self.blocks]
+        for j, b in enumerate(self.blocks):
+            for owner, nbytes in b.shared_from:
+                users[owner].append((j, nbytes))
+        return tuple(tuple(u) for u in users)
+
+    @cached_property
+    def held_by_first_reader(self) -> tuple[tuple[HeldSaved, ...], ...]:
+        """Per block, the held_saved entries whose first reader it is, in their order."""
+        held: list[list[HeldSaved]] = [[] for _ in self.blocks]
+        for h in self.held_saved:
+            held[h.first_reader].append(h)
+        return tuple(tuple(h) for h in held)
 
     def h2d_s(self, nbytes: int) -> float:
         return nbytes / self.h2d_bytes_per_s
