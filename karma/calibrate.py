@@ -48,6 +48,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -67,9 +68,10 @@ from karma.planner.hardware import (
 from karma.planner.problem import build_problem
 from karma.schedule import model_env
 
-CACHE_VERSION = 3  # bump when what a cache file holds changes meaning (3: in context)
+CACHE_VERSION = 4  # bump when what a cache file holds changes meaning (3: in context; 4: scaled
+# to the median step)
 _TIMING_BUDGET_S = 15.0  # see [Note: timing at a smaller batch]
-_IN_CONTEXT_BUDGET_S = 120.0  # three keep_all steps at most this long (roofline): [Note: block
+_IN_CONTEXT_BUDGET_S = 120.0  # the keep_all steps at most this long (roofline): [Note: block
 # times in context]
 _RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
                 "host_optim_bytes_per_s",
@@ -308,8 +310,15 @@ def _timed_in_context(mf: ModelFile, graph: BlockGraph, hw: Hardware, path: Path
     embedding's backward 5.9x, its optimizer step 2.2x. So on the CPU backend, where a
     keep_all step fits in RAM (its planned peak within half of MemAvailable) and takes
     seconds (three steps within _IN_CONTEXT_BUDGET_S by the roofline), the runtime itself
-    trains three keep_all steps and the third one's trace gives every block's forward,
-    backward and optimizer step (the host optimizer's too: the same step on the same CPU).
+    trains keep_all steps (as many as fit the budget, three to six) and the third one's trace
+    gives every block's forward, backward and optimizer step (the host optimizer's too: the
+    same step on the same CPU).
+
+    One step is one sample of a noisy machine, and the third an early one: on GPT-2 small
+    (sequence 64, batch 2) two runs of eight keep_all steps took 1.74 and 1.99 s in their
+    third step against medians of 2.16 and 2.15 s over steps 2-8, and plans calibrated on the
+    third step alone ran 0.82-1.21x their predictions. So the trace's times are scaled by the
+    median of the steps after the first over the third's own time.
     Otherwise, or if that fails, the blocks are timed alone (karma.ir.timing)."""
     import tempfile
 
@@ -325,28 +334,36 @@ def _timed_in_context(mf: ModelFile, graph: BlockGraph, hw: Hardware, path: Path
         strategy="keep_all", optimizer=optimizer_profile(mf)))
     schedule = report.schedule
     need, free = schedule.predicted.peak_device_bytes, _mem_available_bytes()
-    if need > free // 2 or 3 * schedule.predicted.iteration_s > _IN_CONTEXT_BUDGET_S:
+    steps = min(6, int(_IN_CONTEXT_BUDGET_S // max(schedule.predicted.iteration_s, 1e-9)))
+    if need > free // 2 or steps < 3:
         say(f"a keep_all step of {graph.model} needs {need / 2**30:.1f} GiB of the "
             f"{free / 2**30:.1f} GiB free and about {schedule.predicted.iteration_s:.0f} s: "
             "timing its blocks one by one instead")
         return None
-    say(f"timing the blocks of {graph.model} in three keep_all steps on this machine (cpu, "
+    say(f"timing the blocks of {graph.model} in {steps} keep_all steps on this machine (cpu, "
         f"batch {graph.batch_size}; once, cached in {path})")
     try:
         with tempfile.TemporaryDirectory(prefix="karma-calibrate-") as directory:
             trace_path = Path(directory) / "trace.json"
-            train(schedule, mf, RunOptions(steps=3, trace_path=trace_path, trace_step=3,
-                                           log=lambda line: None))
+            run = train(schedule, mf, RunOptions(steps=steps, trace_path=trace_path,
+                                                 trace_step=3, log=lambda line: None))
             ops = json.loads(trace_path.read_text())["ops"]
     except Exception as e:  # noqa: BLE001 - any failure: the blocks alone still work
         say(f"timing a keep_all step failed ({type(e).__name__}: {str(e)[:200]}); timing "
             "the blocks one by one instead")
         return None
-    took = {(op["kind"], op["block"]): op["end_s"] - op["start_s"] for op in ops}
+    scale = _median_over_traced(run.step_s)
+    took = {(op["kind"], op["block"]): (op["end_s"] - op["start_s"]) * scale for op in ops}
     n = len(graph.blocks)
     times = tuple((took[("forward", i)], took[("backward", i)]) for i in range(n))
     steps = tuple((took.get(("device_step", i), 0.0),) * 2 for i in range(n))
     return times, steps
+
+
+def _median_over_traced(step_s: list[float]) -> float:
+    """The median of the steps after the first over the third's time (the traced step):
+    what scales its trace to a typical step ([Note: block times in context])."""
+    return statistics.median(step_s[1:]) / step_s[2]
 
 
 def _owned_share(param_bytes: int, stepped_bytes: int, step_s: tuple[float, float]
