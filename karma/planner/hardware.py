@@ -150,8 +150,8 @@ class Hardware:
 
     def independent_streams(self) -> Hardware:
         """This machine as if its streams did not share cores (every contention fraction 0),
-        as a GPU's copy engines do not: to time a plan as the model did before contention,
-        or to plan swaps that shared cores would price out."""
+        as on a GPU, whose copy engines leave its cores alone: to time a plan as the model did
+        before contention, or to plan swaps that shared cores would price out."""
         return replace(self, **dict.fromkeys(_FRACTION_FIELDS, 0.0))
 
 
