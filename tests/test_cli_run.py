@@ -103,6 +103,17 @@ def test_reported_peak_is_the_schedules_memory_not_one_time_imports(end_to_end):
     assert report["peak_device_bytes"] < report["predicted_peak_device_bytes"] + (16 << 20)
 
 
+def test_the_memory_outside_the_plans_tensors_is_measured_and_said(end_to_end):
+    # what the process held outside its tensors at a step's start (thread pools, small
+    # tensors, Python objects): measured where the CPU cache runs, not in the plan's peak
+    d, _, ran = end_to_end
+    report = json.loads((d / "R.json").read_text())
+    if "CPU cache:" not in ran.stdout:
+        pytest.skip("karma's CPU cache is not built here: nothing separates the tensors")
+    assert 0 < report["outside_private_bytes"] < 256 << 20
+    assert "of the process was outside its tensors at a step's start" in ran.stdout
+
+
 # --- bad input -----------------------------------------------------------------------------
 
 @pytest.fixture

@@ -161,6 +161,7 @@ def test_the_first_step_keeps_a_reserve_for_what_the_process_grows(monkeypatch):
     rt = Runtime.__new__(Runtime)
     rt.cpu_cache = SimpleNamespace(stats=lambda: stats, limit=limits.append)
     rt._cache_baseline_bytes = 0
+    rt.outside_bytes = 0
     rt.baseline_private_bytes = 100 * MIB
     rt.schedule = SimpleNamespace(predicted=SimpleNamespace(peak_device_bytes=800 * MIB))
     monkeypatch.setattr(rt_module, "private_bytes", lambda: 130 * MIB)  # 30 MiB outside
@@ -169,6 +170,7 @@ def test_the_first_step_keeps_a_reserve_for_what_the_process_grows(monkeypatch):
     rt.iterations = 1
     rt._bound_cpu_cache()
     assert limits == [770 * MIB - FIRST_STEP_RESERVE_BYTES, 770 * MIB - STEP_RESERVE_BYTES]
+    assert rt.outside_bytes == 30 * MIB  # what step 2 found outside at its start
     rt.schedule.predicted.peak_device_bytes = 100 * MIB  # later steps: 1% of a small plan
     rt._bound_cpu_cache()
     assert limits[-1] == 70 * MIB - MIB

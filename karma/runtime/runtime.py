@@ -193,6 +193,10 @@ class Runtime:
         # cache gave out: in the baseline, so not in what the cache may keep for this run
         self._cache_baseline_bytes = (self.cpu_cache.stats().live_bytes
                                       if self.cpu_cache is not None else 0)
+        # the most the process held outside its tensors at a step's start after the first
+        # (CPU backend, with the CPU cache): the plan does not count it ([Note: the first
+        # step's reserve])
+        self.outside_bytes = 0
         self.baseline_data_bytes = data_bytes()
         self.log(f"training: {schedule.config.training_text()}")
         self.log(f"baseline before the model: {format_bytes(self.baseline_private_bytes)} "
@@ -396,6 +400,8 @@ class Runtime:
         # STEP_RESERVE_BYTES (at most 1% of the peak) less: small tensors and Python objects made during the step
         # still grow the outside a little (the demo's plan, 797 MiB of an 800 MiB budget,
         # peaked at 798 MiB without it).
+        if self.iterations > 0:  # step 1's start is before the stream workers' first ops
+            self.outside_bytes = max(self.outside_bytes, outside)
         peak = self.schedule.predicted.peak_device_bytes
         reserve = FIRST_STEP_RESERVE_BYTES if self.iterations == 0 else \
             min(STEP_RESERVE_BYTES, peak // 100)

@@ -71,6 +71,10 @@ class RunReport:
     device_peak_reserved_bytes: int = 0
     device_outside_allocator_bytes: int = 0
     evals: list[dict] = field(default_factory=list)  # {"step", "loss", "peak_bytes"} each eval
+    # CPU backend with its cache: the most the process held outside its tensors (thread
+    # pools, small tensors, Python objects) at a step's start after the first; in the
+    # measured peak, not in the plan's
+    outside_private_bytes: int = 0
     predicted_ideal_s: float | None = None  # the schedule's ideal_s (unlimited memory)
     # per step: seconds the compute thread waited, per stream blamed (the traced step's
     # intervals are in the trace file)
@@ -92,7 +96,8 @@ def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
                  cap_device_memory=options.cap_device_memory, log=options.log,
                  agree=agree, dist_backend=options.dist_backend) as rt:
         report = _train(rt, options, evals)
-    return dataclasses.replace(report, host_tier_peak_bytes=rt.pool_peak_bytes)
+    return dataclasses.replace(report, host_tier_peak_bytes=rt.pool_peak_bytes,
+                               outside_private_bytes=rt.outside_bytes)
 
 
 def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
