@@ -334,18 +334,18 @@ def _timed_in_context(mf: ModelFile, graph: BlockGraph, hw: Hardware, path: Path
         strategy="keep_all", optimizer=optimizer_profile(mf)))
     schedule = report.schedule
     need, free = schedule.predicted.peak_device_bytes, _mem_available_bytes()
-    steps = min(6, int(_IN_CONTEXT_BUDGET_S // max(schedule.predicted.iteration_s, 1e-9)))
-    if need > free // 2 or steps < 3:
+    n_steps = min(6, int(_IN_CONTEXT_BUDGET_S // max(schedule.predicted.iteration_s, 1e-9)))
+    if need > free // 2 or n_steps < 3:
         say(f"a keep_all step of {graph.model} needs {need / 2**30:.1f} GiB of the "
             f"{free / 2**30:.1f} GiB free and about {schedule.predicted.iteration_s:.0f} s: "
             "timing its blocks one by one instead")
         return None
-    say(f"timing the blocks of {graph.model} in {steps} keep_all steps on this machine (cpu, "
+    say(f"timing the blocks of {graph.model} in {n_steps} keep_all steps on this machine (cpu, "
         f"batch {graph.batch_size}; once, cached in {path})")
     try:
         with tempfile.TemporaryDirectory(prefix="karma-calibrate-") as directory:
             trace_path = Path(directory) / "trace.json"
-            run = train(schedule, mf, RunOptions(steps=steps, trace_path=trace_path,
+            run = train(schedule, mf, RunOptions(steps=n_steps, trace_path=trace_path,
                                                  trace_step=3, log=lambda line: None))
             ops = json.loads(trace_path.read_text())["ops"]
     except Exception as e:  # noqa: BLE001 - any failure: the blocks alone still work
