@@ -81,7 +81,7 @@ def main() -> None:
     hw, measured_s, steps_s = cal.hardware, cal.measured_s, cal.measured_step_s
     Path(tempfile.gettempdir(), "karma-fidelity-cpu.yaml").write_text(dump_hardware(hw))
     problem = build_problem(graph, hw, optimizer=opt_profile, measured_s=measured_s,
-                            measured_step_s=steps_s)
+                            measured_step_s=steps_s, process_bytes=cal.process_bytes)
     keep_peak = evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
     model = ModelRef.now(example, mf.sha256, graph.to_json())
 
@@ -103,13 +103,15 @@ def main() -> None:
 
     cases = [(case.split(":")[0], float(case.split(":")[1])) for case in args.cases.split(",")]
     independent = build_problem(graph, hw.independent_streams(), optimizer=opt_profile,
-                                measured_s=measured_s, measured_step_s=steps_s)
+                                measured_s=measured_s, measured_step_s=steps_s,
+                                process_bytes=cal.process_bytes)
     print(f"contention: compute slowdown {hw.compute_slowdown_copy:g} beside copies, "
           f"{hw.compute_slowdown_host:g} beside host steps; copies {hw.copy_slowdown_compute:g}"
           f", host steps {hw.host_slowdown_compute:g} beside compute")
     sizes = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KARMA_"))
     print(f"{example} ({sizes}), batch {args.batch_size}; block times "
-          f"{cal.summary}; medians over "
+          f"{cal.summary}; the process outside its tensors {format_bytes(cal.process_bytes)} "
+          "(planned in every stage); medians over "
           f"steps 2..{args.steps} of {args.rounds} round(s); keep_all stage peak {format_bytes(keep_peak)}\n")
     print("| strategy | budget | step s measured | step s predicted | measured/predicted | "
           "predicted, independent | measured/independent | "
@@ -121,7 +123,8 @@ def main() -> None:
         try:
             report = make_schedule(graph, model, PlanRequest(
                 cap, hw, args.batch_size, strategy=strategy, optimizer=opt_profile,
-                measured_s=measured_s, measured_step_s=steps_s))
+                measured_s=measured_s, measured_step_s=steps_s,
+                process_bytes=cal.process_bytes))
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"| {strategy} | {format_bytes(cap)} | {type(e).__name__}: {e} |")
             continue

@@ -74,7 +74,8 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
         capacity_bytes=capacity, hardware=cal.hardware, batch_size=graph.batch_size,
         dtype=dtype, world_size=world_size, seed=seed, strategy=strategy,
         time_limit_s=time_limit_s, gap=gap, optimizer=optimizer_profile(mf),
-        measured_s=cal.measured_s, measured_step_s=cal.measured_step_s, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
+        measured_s=cal.measured_s, measured_step_s=cal.measured_step_s,
+        process_bytes=cal.process_bytes, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
     )
     try:
         report = make_schedule(graph, model, request)

@@ -4,6 +4,7 @@
     cal.hardware        # the profile to plan with: built-in sizes, this machine's rates
     cal.measured_s      # (fwd s, bwd s) per block, or None for the roofline estimate
     cal.measured_step_s # (device s, host s) of each block's optimizer step, or None
+    cal.process_bytes   # what the process holds outside its tensors while training (CPU), or 0
     cal.summary         # one line for karma-plan: where the block times came from
 
 Which hardware is "this machine": the built-in `cpu` profile (the CPU backend always runs on
@@ -68,8 +69,8 @@ from karma.planner.hardware import (
 from karma.planner.problem import build_problem
 from karma.schedule import model_env
 
-CACHE_VERSION = 4  # bump when what a cache file holds changes meaning (3: in context; 4: scaled
-# to the median step)
+CACHE_VERSION = 5  # bump when what a cache file holds changes meaning (3: in context; 4: scaled
+# to the median step; 5: with the process's bytes outside its tensors)
 _TIMING_BUDGET_S = 15.0  # see [Note: timing at a smaller batch]
 _IN_CONTEXT_BUDGET_S = 120.0  # the keep_all steps at most this long (roofline): [Note: block
 # times in context]
@@ -96,6 +97,19 @@ class Calibration:
     summary: str  # e.g. "measured on this machine (cached in ~/.cache/karma/blocks-....json)"
     # (device s, host s) of each block's optimizer step; None: from the profile's rates
     measured_step_s: tuple[tuple[float, float], ...] | None = None
+    # what the process held outside its tensors while it trained (CPU backend, measured in
+    # a keep_all step: [Note: the process's own memory]); 0 when not measured
+    process_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Timed:
+    """What timing a model's blocks measured, and how."""
+
+    fwd_bwd_s: tuple[tuple[float, float], ...]  # per block
+    step_s: tuple[tuple[float, float], ...]  # (device s, host s) of each block's optimizer step
+    process_bytes: int  # Calibration.process_bytes
+    where: str  # "in a keep_all step" or "block by block"
 
 
 def local_device(hardware: str | Hardware) -> str | None:
@@ -140,7 +154,7 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
             hw = _measured_machine(device, hw, say)
     start = time.perf_counter()
     try:
-        (times, steps), path, fresh, where = _block_times(
+        timed, path, fresh = _block_times(
             mf, graph, profile, device, blocks_regex, say,
             in_context_hw=hw if local and device == "cpu" and blocks_regex is None else None)
     except KarmaError as e:
@@ -151,7 +165,8 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
         return Calibration(hw, None, "roofline estimate (timing the blocks failed)")
     how = (f"measured now in {time.perf_counter() - start:.0f} s" if fresh
            else "measured on this machine")
-    return Calibration(hw, times, f"{how}, {where} (cached in {path})", steps)
+    return Calibration(hw, timed.fwd_bwd_s, f"{how}, {timed.where} (cached in {path})",
+                       timed.step_s, timed.process_bytes)
 
 
 @contextlib.contextmanager
@@ -249,11 +264,9 @@ def _read_machine(path: Path) -> Hardware | None:
 
 def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
                  blocks_regex: str | None, say: Callable[[str], None],
-                 in_context_hw: Hardware | None = None
-                 ) -> tuple[tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]],
-                            Path, bool, str]:
+                 in_context_hw: Hardware | None = None) -> tuple[_Timed, Path, bool]:
     """Every block's (fwd s, bwd s) at the graph's batch and (device s, host s) of its
-    optimizer step, and where they were timed: from the cache, or timed now. With
+    optimizer step, where they were timed, and whether now (else from the cache). With
     `in_context_hw` (this machine's CPU profile), in a whole training step if one fits
     ([Note: block times in context]), else block by block."""
     key = {
@@ -269,14 +282,12 @@ def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
     path = _cache_path("blocks", key)
     cached = _read_times(path, len(graph.blocks))
     if cached is not None:
-        return cached[:2], path, False, cached[2]
+        return cached, path, False
     if in_context_hw is not None:
         timed = _timed_in_context(mf, graph, in_context_hw, path, say)
         if timed is not None:
-            where = "in a keep_all step"
-            _write(path, {"key": key, "where": where, "fwd_bwd_s": timed[0],
-                          "step_s": timed[1]}, say)
-            return timed, path, True, where
+            _write(path, {"key": key, **vars(timed)}, say)
+            return timed, path, True
     from karma.ir.timing import time_blocks
 
     batch = timing_batch(graph, hw)
@@ -292,16 +303,14 @@ def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
     times = tuple((fwd * scale, bwd * scale) for fwd, bwd in timed.fwd_bwd_s)
     steps = tuple(_owned_share(b.param_bytes, stepped, step)
                   for b, stepped, step in zip(graph.blocks, timed.stepped_bytes, timed.step_s))
-    where = "block by block"
-    _write(path, {"key": key, "where": where, "timed_batch_size": batch,
-                  "distinct_blocks": timed.distinct, "fwd_bwd_s": times, "step_s": steps}, say)
-    return (times, steps), path, True, where
+    measured = _Timed(times, steps, 0, "block by block")
+    _write(path, {"key": key, "timed_batch_size": batch, "distinct_blocks": timed.distinct,
+                  **vars(measured)}, say)
+    return measured, path, True
 
 
 def _timed_in_context(mf: ModelFile, graph: BlockGraph, hw: Hardware, path: Path,
-                      say: Callable[[str], None]
-                      ) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]
-                                 ] | None:
+                      say: Callable[[str], None]) -> _Timed | None:
     """[Note: block times in context] Timed alone, a block runs with its weights and inputs
     warm in the caches and its allocations served at once; inside a training step it runs
     after the others evicted them, under the runtime's bounded CPU cache, and the tied
@@ -319,16 +328,34 @@ def _timed_in_context(mf: ModelFile, graph: BlockGraph, hw: Hardware, path: Path
     third step against medians of 2.16 and 2.15 s over steps 2-8, and plans calibrated on the
     third step alone ran 0.82-1.21x their predictions. So the trace's times are scaled by the
     median of the steps after the first over the third's own time.
-    Otherwise, or if that fails, the blocks are timed alone (karma.ir.timing)."""
+    Otherwise, or if that fails, the blocks are timed alone (karma.ir.timing).
+
+    [Note: the process's own memory] On the CPU backend the measured peak is the process's
+    private memory above its baseline, and the process holds more than its tensors while it
+    trains: the stream workers' thread pools and malloc arenas, tensors under the CPU cache's
+    64 KiB, the autograd graph's nodes, Python objects. The demo's plan (GPT-2 small) held
+    24-25 MiB of it at every step's start after the first, and its memory through a step was
+    the schedule's live buffers plus 25-28 MiB; planned at 797 MiB of an 800 MiB budget
+    without it, it peaked at 804-807 MiB. The keep_all steps measure it
+    (RunReport.outside_private_bytes, the most at a step's start after the first), and the
+    planner counts it in every stage (Problem.process_bytes). Blocks timed alone do not
+    measure it (0).
+
+    The steps run in a process of their own, `karma-run` as a user runs it: the private
+    memory of a process that has done other work is no measure of a run's (in a test
+    process, pages its earlier work had freed served the run's first 3.8 MiB, and the
+    outside came to -3.8 MiB), and its step times are not those of a fresh karma-run."""
+    import subprocess
+    import sys
     import tempfile
 
+    import karma
     from karma.modelfile import optimizer_profile
     from karma.planner.measure_hw import _mem_available_bytes
     from karma.planner.pipeline import PlanRequest, make_schedule
-    from karma.runtime.train import RunOptions, train
     from karma.schedule import ModelRef
 
-    model = ModelRef.now(str(mf.path), mf.sha256, graph.to_json())
+    model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json())
     report = make_schedule(graph, model, PlanRequest(
         capacity_bytes=1 << 62, hardware=hw, batch_size=graph.batch_size, dtype=graph.dtype,
         strategy="keep_all", optimizer=optimizer_profile(mf)))
@@ -342,22 +369,33 @@ def _timed_in_context(mf: ModelFile, graph: BlockGraph, hw: Hardware, path: Path
         return None
     say(f"timing the blocks of {graph.model} in {n_steps} keep_all steps on this machine (cpu, "
         f"batch {graph.batch_size}; once, cached in {path})")
+    # the karma this process runs, wherever it was imported from
+    source = str(Path(karma.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [source, *filter(None, [os.environ.get("PYTHONPATH")])])}
     try:
         with tempfile.TemporaryDirectory(prefix="karma-calibrate-") as directory:
-            trace_path = Path(directory) / "trace.json"
-            run = train(schedule, mf, RunOptions(steps=n_steps, trace_path=trace_path,
-                                                 trace_step=3, log=lambda line: None))
-            ops = json.loads(trace_path.read_text())["ops"]
-    except Exception as e:  # noqa: BLE001 - any failure: the blocks alone still work
+            d = Path(directory)
+            schedule.save(d / "keep_all.yaml")
+            ran = subprocess.run(
+                [sys.executable, "-m", "karma.cli.run", str(d / "keep_all.yaml"),
+                 "--steps", str(n_steps), "--trace", str(d / "trace.json"), "--trace-step", "3",
+                 "--report", str(d / "report.json")],
+                env=env, capture_output=True, text=True, timeout=10 * _IN_CONTEXT_BUDGET_S)
+            if ran.returncode != 0:
+                raise KarmaError((ran.stderr.strip().splitlines() or ["no message"])[-1])
+            ops = json.loads((d / "trace.json").read_text())["ops"]
+            run = json.loads((d / "report.json").read_text())
+    except (OSError, ValueError, KeyError, KarmaError, subprocess.SubprocessError) as e:
         say(f"timing a keep_all step failed ({type(e).__name__}: {str(e)[:200]}); timing "
             "the blocks one by one instead")
         return None
-    scale = _median_over_traced(run.step_s)
+    scale = _median_over_traced(run["step_s"])
     took = {(op["kind"], op["block"]): (op["end_s"] - op["start_s"]) * scale for op in ops}
     n = len(graph.blocks)
     times = tuple((took[("forward", i)], took[("backward", i)]) for i in range(n))
     steps = tuple((took.get(("device_step", i), 0.0),) * 2 for i in range(n))
-    return times, steps
+    return _Timed(times, steps, int(run["outside_private_bytes"]), "in a keep_all step")
 
 
 def _median_over_traced(step_s: list[float]) -> float:
@@ -390,19 +428,19 @@ def timing_batch(graph: BlockGraph, hw: Hardware) -> int:
     return max(1, math.floor(graph.batch_size * _TIMING_BUDGET_S / estimate_s))
 
 
-def _read_times(path: Path, n_blocks: int
-                ) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...],
-                           str] | None:
+def _read_times(path: Path, n_blocks: int) -> _Timed | None:
     data = _read(path)
     try:
         times = tuple((float(f), float(b)) for f, b in data["fwd_bwd_s"])
         steps = tuple((float(d), float(h)) for d, h in data["step_s"])
+        process_bytes = data["process_bytes"]
         where = str(data["where"])
     except (KeyError, TypeError, ValueError):
         return None
     ok = (len(times) == len(steps) == n_blocks
-          and all(math.isfinite(t) and t >= 0 for p in (*times, *steps) for t in p))
-    return (times, steps, where) if ok else None
+          and all(math.isfinite(t) and t >= 0 for p in (*times, *steps) for t in p)
+          and isinstance(process_bytes, int) and process_bytes >= 0)
+    return _Timed(times, steps, process_bytes, where) if ok else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,11 +89,17 @@ class Op:
     uses: tuple[str, ...] = ()  # buffers that must be resident when it starts
 
 
+# The CPU backend's process outside its tensors while it trains (thread pools, small tensors,
+# Python objects), measured when the blocks were timed and planned alive all iteration
+# (karma/calibrate.py, [Note: the process's own memory])
+PROCESS_BUFFER = "process"
+
+
 @dataclass(frozen=True)
 class Buffer:
     """Device memory that an operation allocates and a later one frees."""
 
-    name: str  # e.g. "act.3", "w.3@fwd", "grad.3"
+    name: str  # e.g. "act.3", "w.3@fwd", "grad.3"; PROCESS_BUFFER
     block: int
     bytes: int
     alloc: int | None  # op whose start allocates it; None: allocated before the iteration
@@ -208,6 +214,11 @@ class Schedule:
     ops: tuple[Op, ...]
     buffers: tuple[Buffer, ...]
     version: int = SCHEDULE_VERSION
+
+    @property
+    def process_bytes(self) -> int:
+        """What the plan counts for the process outside its tensors (0: nothing measured)."""
+        return sum(b.bytes for b in self.buffers if b.name == PROCESS_BUFFER)
 
     def save(self, path: str | Path) -> None:
         """Write the schedule's YAML to `path` atomically (load it with load_schedule)."""

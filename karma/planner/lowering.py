@@ -31,7 +31,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from karma.planner.problem import Problem
-from karma.schedule import BARRIER_STREAMS, STREAMS, Buffer, Op, round_seconds
+from karma.schedule import BARRIER_STREAMS, PROCESS_BUFFER, STREAMS, Buffer, Op, round_seconds
 
 # (activations, weights, optimizer)
 ACT = ("keep", "swap", "recompute")
@@ -336,12 +336,15 @@ def _stream_weights(f: Fragment, problem: Problem, st: Stages, owner: int, user:
 
 
 def common_fragment(problem: Problem) -> Fragment:
-    """What every plan has: the batch, the loss, and the tensors flowing between blocks."""
+    """What every plan has: the batch, the loss, the tensors flowing between blocks, and the
+    process's own memory where it was measured (Problem.process_bytes)."""
     n = len(problem.blocks)
     st = Stages(n, problem.world_size)
     f = Fragment()
     loss = f.op(("loss", n - 1), "loss", n - 1, st.fwd(n - 1), "compute", problem.loss_s)
     f.buffer("inputs", 0, problem.input_bytes, None, None)
+    if problem.process_bytes:
+        f.buffer(PROCESS_BUFFER, 0, problem.process_bytes, None, None)
     f.buffer("loss", n - 1, problem.loss_act_bytes, loss, ("backward", n - 1))
     for i, b in enumerate(problem.blocks):
         last_use = ("forward", i + 1) if i + 1 < n else ("backward", i)

@@ -43,6 +43,9 @@ class PlanRequest:
     measured_s: Sequence[tuple[float, float]] | None = None  # per-block (fwd, bwd) seconds
     # per-block (device, host) seconds of the optimizer step
     measured_step_s: Sequence[tuple[float, float]] | None = None
+    # what the process holds outside its tensors while training, measured (CPU backend:
+    # Problem.process_bytes)
+    process_bytes: int = 0
     accumulate: int = 1  # micro-batches per optimizer step
     clip_grad_norm: float | None = None  # clip gradients to this global norm (None: never)
 
@@ -61,7 +64,8 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
     if request.strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {request.strategy!r}")
     problem = build_problem(graph, request.hardware, request.dtype, request.world_size,
-                            request.optimizer, request.measured_s, request.measured_step_s)
+                            request.optimizer, request.measured_s, request.measured_step_s,
+                            request.process_bytes)
     cap = request.capacity_bytes
     training = Training(request.accumulate, request.clip_grad_norm is not None)
     baselines = {name: evaluate(problem, fn(problem, cap, training), cap, training)
@@ -102,7 +106,8 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
     single = chosen.step_s
     if request.world_size > 1:
         one = build_problem(graph, request.hardware, request.dtype, 1,
-                            request.optimizer, request.measured_s, request.measured_step_s)
+                            request.optimizer, request.measured_s, request.measured_step_s,
+                            request.process_bytes)
         single = evaluate(one, chosen.plan, cap, training).step_s
     # the ideal: keep_all's time, its memory unlimited (see Predicted.ideal_s)
     schedule = schedule_from(graph, model, request, chosen, single,

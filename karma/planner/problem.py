@@ -120,12 +120,17 @@ class Problem:
     host_temps_on_device: bool = False  # cpu: the host optimizer's temporaries are private
     held_saved: tuple[HeldSaved, ...] = ()
     contention: Contention = INDEPENDENT  # streams sharing cores (the CPU; hardware.py)
+    # the CPU backend's process outside its tensors, in every stage (calibrate.py, [Note:
+    # the process's own memory]); 0 on a GPU, whose measure is its allocator's
+    process_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.blocks:
             raise ValueError("a problem needs at least one block")
         if self.world_size < 1:
             raise ValueError(f"world_size = {self.world_size} < 1")
+        if self.process_bytes < 0:
+            raise ValueError(f"process_bytes = {self.process_bytes} < 0")
         spans = [(h.made_by, h.first_reader, h.next_reader) for h in self.held_saved]
         if len(set(spans)) != len(spans) or any(
                 not 0 <= p <= r0 < r1 < len(self.blocks) for p, r0, r1 in spans):
@@ -169,13 +174,15 @@ def ring_allreduce_s(nbytes: int, world_size: int, net_bytes_per_s: float,
 def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_size: int = 1,
                   optimizer: OptimizerProfile | None = None,
                   measured_s: Sequence[tuple[float, float]] | None = None,
-                  measured_step_s: Sequence[tuple[float, float]] | None = None) -> Problem:
+                  measured_step_s: Sequence[tuple[float, float]] | None = None,
+                  process_bytes: int = 0) -> Problem:
     """Per-block costs of `graph` on `hw`.
 
     optimizer: the optimizer's state and temporaries per parameter byte (default AdamW's:
     2 and 2). measured_s: (forward, backward) seconds per block, replacing the roofline
     estimate; measured_step_s: (device, host) seconds of each block's optimizer step, replacing
-    the estimate from the profile's rates.
+    the estimate from the profile's rates. process_bytes: what the process holds outside its
+    tensors while training, measured (Problem.process_bytes).
     """
     optimizer = optimizer or OptimizerProfile(state_factor=2, temp_factor=2.0)
     if dtype not in DTYPES:
@@ -250,4 +257,5 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         held_saved=tuple(HeldSaved(p, r0, r1, nbytes)
                          for (p, r0, r1), nbytes in sorted(held.items())),
         contention=Contention.of(vars(hw)),
+        process_bytes=process_bytes,
     )

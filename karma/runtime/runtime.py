@@ -194,8 +194,8 @@ class Runtime:
         self._cache_baseline_bytes = (self.cpu_cache.stats().live_bytes
                                       if self.cpu_cache is not None else 0)
         # the most the process held outside its tensors at a step's start after the first
-        # (CPU backend, with the CPU cache): the plan does not count it ([Note: the first
-        # step's reserve])
+        # (CPU backend, with the CPU cache; [Note: the first step's reserve]): the plan
+        # counts what calibration measured of it (Schedule.process_bytes)
         self.outside_bytes = 0
         self.baseline_data_bytes = data_bytes()
         self.log(f"training: {schedule.config.training_text()}")

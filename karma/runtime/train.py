@@ -73,8 +73,9 @@ class RunReport:
     evals: list[dict] = field(default_factory=list)  # {"step", "loss", "peak_bytes"} each eval
     # CPU backend with its cache: the most the process held outside its tensors (thread
     # pools, small tensors, Python objects) at a step's start after the first; in the
-    # measured peak, not in the plan's
+    # measured peak, and in the plan's as planned_outside_bytes (measured when calibrating)
     outside_private_bytes: int = 0
+    planned_outside_bytes: int = 0
     predicted_ideal_s: float | None = None  # the schedule's ideal_s (unlimited memory)
     # per step: seconds the compute thread waited, per stream blamed (the traced step's
     # intervals are in the trace file)
@@ -123,6 +124,7 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         predicted_step_s=schedule.predicted.iteration_s,
         predicted_ideal_s=schedule.predicted.ideal_s,
         predicted_peak_device_bytes=schedule.predicted.peak_device_bytes,
+        planned_outside_bytes=schedule.process_bytes,
         capacity_bytes=schedule.config.capacity_bytes, host_tier_peak_bytes=0,
         batch_size=schedule.config.batch_size, baseline_private_bytes=rt.baseline_private_bytes,
         baseline_data_bytes=rt.baseline_data_bytes, rank=ranks.rank,
