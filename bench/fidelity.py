@@ -6,30 +6,40 @@
     .venv/bin/python bench/fidelity.py --model mlp --batch-size 64
 
 Plans an example (GPT-2 by default; --model resnet or mlp, --env KEY=VALUE for its size) as `karma-plan --hardware cpu` does by default (this machine's rates and block
-times, measured once and cached: karma/calibrate.py; --no-measure: the roofline), then in one
-process runs the plain PyTorch loop and karma-run's engine for each strategy, alternating,
-and prints a markdown table: median step time (measured and predicted), peak private memory
-above the baseline (measured and predicted). The process runs as karma-run does (huge pages,
-freed memory returned promptly), the plain loop in it too: its column is a reference for the
-machine's drift, not the plain loop as users run it (bench/overhead.py measures that). The
+times, measured once and cached: karma/calibrate.py; --no-measure: the roofline), then runs
+the plain PyTorch loop (`python -m karma.reference`) and `karma-run` for each strategy, each
+in a fresh process as users run them, alternating, and prints a markdown table: median step
+time (measured and predicted), peak private memory above the baseline (measured and
+predicted). The plain loop's column is a reference for the machine's drift. The
 "independent" columns time the same plan as if the streams did not share cores (the profile's
 contention fractions set to 0: the prediction before they existed).
+
+Until stop 15 the runs shared this process, after the plain loop's: its thread pools and
+freed pages were already there, so runs measured 5-6 MiB under the peak a fresh karma-run
+has, and 10-16% under step times calibrated in a fresh process (bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as karma-run (cli/common.py), before torch
+BIN = Path(sys.executable).parent
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return r
 
 
 def main() -> None:
@@ -55,8 +65,6 @@ def main() -> None:
     os.environ.update(dict(kv.split("=", 1) for kv in args.env))
     example = f"examples/{args.model}.py"
 
-    import torch
-
     from karma.calibrate import calibrate
     from karma.ir import build_block_graph
     from karma.modelfile import load_model_file, optimizer_profile
@@ -65,12 +73,9 @@ def main() -> None:
     from karma.planner.pipeline import PlanRequest, make_schedule
     from karma.planner.plan import evaluate
     from karma.planner.problem import build_problem
-    from karma.runtime.host import private_bytes, return_freed_memory_promptly
-    from karma.runtime.train import RunOptions, train
     from karma.schedule import ModelRef
     from karma.units import format_bytes
 
-    return_freed_memory_promptly()
     mf = load_model_file(ROOT / example)
     graph = build_block_graph(mf, args.batch_size, model_name=example)
     opt_profile = optimizer_profile(mf)
@@ -85,21 +90,9 @@ def main() -> None:
     keep_peak = evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
     model = ModelRef.now(example, mf.sha256, graph.to_json())
 
-    def reference_step_times() -> list[float]:
-        torch.manual_seed(0)
-        m = mf.build_model()
-        opt = mf.make_optimizer(m.parameters())
-        data = mf.batches(args.batch_size, 0, 1)
-        times = []
-        for _ in range(args.steps):
-            x, y = next(data)
-            t0 = time.perf_counter()
-            loss = mf.loss_fn(m(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t0)
-        return times
+    tmp = Path(tempfile.mkdtemp(prefix="karma-fidelity-"))
+    ref_cmd = [sys.executable, "-m", "karma.reference", example,
+               "--batch-size", str(args.batch_size), "--steps", str(args.steps)]
 
     cases = [(case.split(":")[0], float(case.split(":")[1])) for case in args.cases.split(",")]
     independent = build_problem(graph, hw.independent_streams(), optimizer=opt_profile,
@@ -128,20 +121,23 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"| {strategy} | {format_bytes(cap)} | {type(e).__name__}: {e} |")
             continue
-        planned.append((strategy, cap, report.schedule, report.chosen.plan))
+        path = tmp / f"case{len(planned)}.yaml"
+        report.schedule.save(path)
+        planned.append((strategy, cap, path, report.schedule, report.chosen.plan))
     # every round runs every case once (the plain loop first), so that a machine that drifts
     # within the hour spreads its drift over all of them; medians over steps 2.. of all rounds
     run_s = {k: [] for k in range(len(planned))}
     plain_s = {k: [] for k in range(len(planned))}
     peaks = {k: 0 for k in range(len(planned))}
     for _ in range(args.rounds):
-        for k, (_, _, schedule, _) in enumerate(planned):
-            plain_s[k] += reference_step_times()[1:]
-            gc.collect()
-            run = train(schedule, mf, RunOptions(steps=args.steps, log=lambda s: None))
-            run_s[k] += run.step_s[1:]
-            peaks[k] = max(peaks[k], run.peak_device_bytes)
-    for k, (strategy, cap, schedule, plan) in enumerate(planned):
+        for k, (_, _, path, _, _) in enumerate(planned):
+            plain_s[k] += json.loads(_run(ref_cmd).stdout.strip().splitlines()[-1])["step_s"][1:]
+            _run([str(BIN / "karma-run"), str(path), "--steps", str(args.steps),
+                  "--report", str(tmp / "report.json")])
+            run = json.loads((tmp / "report.json").read_text())
+            run_s[k] += run["step_s"][1:]
+            peaks[k] = max(peaks[k], run["peak_device_bytes"])
+    for k, (strategy, cap, _, schedule, plan) in enumerate(planned):
         measured, ref = statistics.median(run_s[k]), statistics.median(plain_s[k])
         predicted = schedule.predicted
         alone_s = evaluate(independent, plan, cap).step_s
@@ -150,7 +146,8 @@ def main() -> None:
               f"{measured / alone_s:.2f} | {format_bytes(peaks[k])}"
               f" | {format_bytes(predicted.peak_device_bytes)} | "
               f"{'yes' if peaks[k] <= cap else 'NO'} | {ref:.3f} |", flush=True)
-    print(f"\nprivate memory now {format_bytes(private_bytes())}")
+    print(f"\n(commands: {' '.join(ref_cmd)} ; karma-run SCHEDULE --steps {args.steps}; "
+          f"schedules in {tmp})")
 
 
 if __name__ == "__main__":

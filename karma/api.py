@@ -36,7 +36,8 @@ def plan(model_file: str | Path, gpu_mem: str | int = "16G", hardware: str | Har
     precision), accumulate (micro-batches per optimizer step), clip_grad_norm (a float, or
     None), strategy, seed, time_limit_s, gap, blocks, measure (default: measure block times
     when `hardware` is this machine; False: the roofline estimate, as --no-measure; see
-    karma/calibrate.py). Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
+    karma/calibrate.py), remeasure (True: measure again what is cached, as --remeasure).
+    Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
     return plan_report(model_file, gpu_mem, hardware, batch_size, **options).schedule
 
 
@@ -46,11 +47,12 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
                 gap: float = 0.01, blocks: str | None = None, measure: bool | None = None,
                 accumulate: int = 1, clip_grad_norm: float | None = None,
                 log: Callable[[str], None] | None = None,
-                profile_blocks: bool = False) -> PlanReport:
+                profile_blocks: bool = False, remeasure: bool = False) -> PlanReport:
     """`plan`, with everything karma-plan prints: the chosen plan's evaluation and every
     baseline's. `log` gets notes about the model (e.g. a KV cache turned off) and about
     measuring (default: printed to stderr). profile_blocks=True is the old name of
-    measure=True."""
+    measure=True. remeasure=True measures the machine and the blocks again instead of reading
+    them from the cache (karma-plan --remeasure)."""
     capacity = gpu_mem if isinstance(gpu_mem, int) else parse_size(str(gpu_mem), "gpu_mem")
     if capacity <= 0:
         raise KarmaError(f"the memory budget {gpu_mem!r} (gpu_mem, --gpu-mem) must be more than "
@@ -62,6 +64,9 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
         raise KarmaError(f"the time limit {time_limit_s:g} s (--time-limit) must be positive "
                          f"and the gap {gap:g} (--gap) in [0, 1), e.g. 60 and 0.01")
     check_training_options(dtype, accumulate, clip_grad_norm)
+    if remeasure and measure is False:
+        raise KarmaError("remeasure (--remeasure) and measure=False (--no-measure) contradict "
+                         "each other; give one")
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     mf = load_model_file(model_file)
     graph = build_block_graph(mf, batch_size, blocks, model_name=str(model_file), dtype=dtype)
@@ -69,7 +74,7 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
         (log or _note_to_stderr)(note)
     model = ModelRef.now(str(model_file), mf.sha256, graph.to_json())
     cal = calibrate(mf, graph, hardware, hw, True if profile_blocks else measure, blocks,
-                    log or _note_to_stderr)
+                    log or _note_to_stderr, remeasure=remeasure)
     request = PlanRequest(
         capacity_bytes=capacity, hardware=cal.hardware, batch_size=graph.batch_size,
         dtype=dtype, world_size=world_size, seed=seed, strategy=strategy,

@@ -26,6 +26,14 @@ What is measured, once, then cached as JSON under $XDG_CACHE_HOME/karma (default
   model file's sha256 and the KARMA_* environment, the block graph's hash, the batch size,
   the dtype and --blocks.
 A cache file that cannot be read or does not check out is measured again, never an error.
+
+[Note: a machine whose speed drifts] A shared machine's speed changes under its other
+tenants: on the 2-core CI machine the same in-context calibration of the fidelity MLP (2048
+wide, 8 deep, batch 512) put its keep_all step at 1.50 s at 07:36 and at 1.04 s at 08:20 the
+same morning, and plans calibrated at the first ran 0.68-0.76x their predictions at the
+second. The cache keeps the first measurement, so `remeasure` (karma-plan --remeasure)
+measures the machine and the blocks again, and karma-run says so when the steps take outside
+0.85-1.15x the predicted time of a measured plan.
 If timing the blocks fails when measuring was not asked for (measure=None), the plan uses the
 roofline estimate and says so: a plan that worked before calibration keeps working.
 
@@ -132,11 +140,13 @@ def local_device(hardware: str | Hardware) -> str | None:
 
 def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Hardware,
               measure: bool | None = None, blocks_regex: str | None = None,
-              log: Callable[[str], None] | None = None) -> Calibration:
+              log: Callable[[str], None] | None = None, remeasure: bool = False) -> Calibration:
     """The profile and block times to plan `graph` with on `hw` (loaded from `hardware`).
 
     measure: None (default) measures when `hardware` is this machine (see `local_device`);
     False never does; True times the blocks on the local device of hw's kind in any case.
+    remeasure: measure again what the cache holds (the machine and the blocks), and cache
+    that ([Note: a machine whose speed drifts]).
     """
     say = log or (lambda line: None)
     if measure is False:
@@ -151,12 +161,13 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
         device = _device_for(hw)
     if local:
         with _allocating_as_the_runtime_does(device):
-            hw = _measured_machine(device, hw, say)
+            hw = _measured_machine(device, hw, say, remeasure)
     start = time.perf_counter()
     try:
         timed, path, fresh = _block_times(
             mf, graph, profile, device, blocks_regex, say,
-            in_context_hw=hw if local and device == "cpu" and blocks_regex is None else None)
+            in_context_hw=hw if local and device == "cpu" and blocks_regex is None else None,
+            remeasure=remeasure)
     except KarmaError as e:
         if measure:  # asked for: the error is the answer
             raise
@@ -236,11 +247,12 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _measured_machine(device: str, hw: Hardware, say: Callable[[str], None]) -> Hardware:
+def _measured_machine(device: str, hw: Hardware, say: Callable[[str], None],
+                      remeasure: bool = False) -> Hardware:
     """`hw` with this machine's measured rates (cached)."""
     key = _machine_key(device)
     path = _cache_path("machine", key)
-    measured = _read_machine(path)
+    measured = None if remeasure else _read_machine(path)
     if measured is None:
         from karma.planner.measure_hw import measure_local
 
@@ -264,7 +276,8 @@ def _read_machine(path: Path) -> Hardware | None:
 
 def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
                  blocks_regex: str | None, say: Callable[[str], None],
-                 in_context_hw: Hardware | None = None) -> tuple[_Timed, Path, bool]:
+                 in_context_hw: Hardware | None = None, remeasure: bool = False
+                 ) -> tuple[_Timed, Path, bool]:
     """Every block's (fwd s, bwd s) at the graph's batch and (device s, host s) of its
     optimizer step, where they were timed, and whether now (else from the cache). With
     `in_context_hw` (this machine's CPU profile), in a whole training step if one fits
@@ -280,7 +293,7 @@ def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
     }
     key["in_context"] = in_context_hw is not None
     path = _cache_path("blocks", key)
-    cached = _read_times(path, len(graph.blocks))
+    cached = None if remeasure else _read_times(path, len(graph.blocks))
     if cached is not None:
         return cached, path, False
     if in_context_hw is not None:

@@ -312,3 +312,18 @@ def test_karma_plan_says_where_block_times_came_from(own_cache, capsys):
         assert "block times: measured on this machine, " in capsys.readouterr().out
         assert plan_main([*args, "--no-measure", "--profile-blocks"]) == 2
     assert "contradict" in capsys.readouterr().err
+
+
+def test_remeasure_measures_the_machine_and_the_blocks_again(own_cache):
+    # [Note: a machine whose speed drifts]: the cache keeps the first measurement
+    notes = []
+    with environment(TINY):
+        plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
+        cached = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
+        again = plan_report(GPT, BUDGET, "cpu", 2, remeasure=True, log=notes.append)
+        with pytest.raises(KarmaError, match="contradict"):
+            plan_report(GPT, BUDGET, "cpu", 2, remeasure=True, measure=False)
+    assert cached.block_times.startswith("measured on this machine")
+    assert again.block_times.startswith("measured now in ")
+    assert sum(n.startswith("measuring this machine") for n in notes) == 1  # own_cache had it
+    assert sum(n.startswith("timing the blocks") for n in notes) == 2

@@ -338,3 +338,34 @@ def test_a_device_cap_that_is_not_a_size_is_refused(schedule_for, capsys):
     assert_one_line_error(*run_main(capsys, schedule_for(), "--steps", 1,
                                     "--cap-device-memory", "16Q"),
                           "--cap-device-memory '16Q' is not a size")
+
+
+@pytest.mark.parametrize("calibration, ratio, said", [
+    ("measured", 1.6, True), ("measured", 0.7, True), ("measured", 1.1, False),
+    (None, 1.6, False),  # the roofline: its error is not the machine's drift
+])
+def test_a_measured_plan_far_off_its_time_suggests_remeasuring(tmp_path, capsys, monkeypatch,
+                                                               calibration, ratio, said):
+    # [Note: a machine whose speed drifts] (karma/calibrate.py)
+    import karma.runtime.train
+    from karma.runtime.train import RunReport
+
+    s = tiny_schedule()
+    s = replace(s, predicted=replace(s.predicted, calibration=calibration))
+    path = tmp_path / "S.yaml"
+    path.write_text(dump_schedule(s))
+    predicted = s.predicted.iteration_s
+
+    def trained(schedule, mf, options):
+        return RunReport(steps=[1, 2, 3], losses=[1.0] * 3, step_s=[predicted * ratio] * 3,
+                         lrs=[None] * 3, grad_norms=[None] * 3, peak_device_bytes=1,
+                         predicted_step_s=predicted, predicted_peak_device_bytes=1,
+                         capacity_bytes=1, host_tier_peak_bytes=0, batch_size=2,
+                         baseline_private_bytes=0, baseline_data_bytes=0)
+
+    monkeypatch.setattr(karma.runtime.train, "open_model_file", lambda *args: None)
+    monkeypatch.setattr(karma.runtime.train, "train", trained)
+    code, out, _ = run_main(capsys, path, "--steps", 3)
+    assert code == 0 and out.startswith("done: 3 steps")
+    assert (f"note: the steps took {ratio:.2f}x the predicted time" in out) == said
+    assert ("karma-plan --remeasure" in out) == said

@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="estimate block times from FLOPs and bytes (roofline) even when "
                         "--hardware is this machine, where they are measured by default "
                         "(once; cached in ~/.cache/karma)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure this machine and the blocks again instead of reading them "
+                        "from the cache: a shared machine's speed drifts (the 2-core CI "
+                        "machine's by 45%% within an hour)")
     p.add_argument("--profile-blocks", action="store_true",
                    help=argparse.SUPPRESS)  # the old flag: measure, even for other hardware
     p.add_argument("-o", "--output", metavar="FILE", help="write the schedule YAML here")
@@ -97,7 +101,8 @@ def _plan(args: argparse.Namespace) -> int:
             dtype=args.dtype, strategy=args.strategy, seed=args.seed,
             accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
             time_limit_s=args.time_limit, gap=args.gap, blocks=args.blocks,
-            measure=_measure(args), log=lambda note: _notes([note]))
+            measure=_measure(args), remeasure=args.remeasure,
+            log=lambda note: _notes([note]))
     except InfeasiblePlan as e:
         if args.json:
             print(json.dumps({"feasible": False, "capacity_bytes": capacity,
