@@ -65,8 +65,11 @@ def main() -> int:
     print("karma demo: train GPT-2 small (124M parameters, sequence 64, batch 2) in a budget "
           f"it does not fit, {BUDGET} of private memory, on the CPU backend.")
 
+    # --remeasure: this machine and the blocks measured now, not read from a cache of another
+    # hour, so that the predictions printed beside the measurements are this hour's (a
+    # shared machine's speed drifts: [Note: a machine whose speed drifts]); about 45 s
     r = _run([_bin("karma-plan"), "examples/gpt.py", "--hardware", "cpu", "--gpu-mem", BUDGET,
-              "--batch-size", BATCH, "-o", str(schedule)], env)
+              "--batch-size", BATCH, "--remeasure", "-o", str(schedule)], env)
     if r.returncode != 0:
         return r.returncode
 
