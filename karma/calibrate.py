@@ -256,7 +256,8 @@ def _measured_machine(device: str, hw: Hardware, say: Callable[[str], None],
     if measured is None:
         from karma.planner.measure_hw import measure_local
 
-        say(f"measuring this machine ({device}; once, cached in {path})")
+        say(f"measuring this machine ({device}; {'again' if remeasure else 'once'}, cached in "
+            f"{path})")
         measured = measure_local(device, quick=True)
         _write(path, {"key": key, "hardware": dump_hardware(measured)}, say)
     return replace(hw, **{f: getattr(measured, f) for f in _RATE_FIELDS})
@@ -297,7 +298,7 @@ def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
     if cached is not None:
         return cached, path, False
     if in_context_hw is not None:
-        timed = _timed_in_context(mf, graph, in_context_hw, path, say)
+        timed = _timed_in_context(mf, graph, in_context_hw, path, say, remeasure)
         if timed is not None:
             _write(path, {"key": key, **vars(timed)}, say)
             return timed, path, True
@@ -306,7 +307,7 @@ def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
     batch = timing_batch(graph, hw)
     say(f"timing the blocks of {graph.model} on this machine ({device}, batch {batch}"
         + (f", scaled to {graph.batch_size}" if batch != graph.batch_size else "")
-        + f"; once, cached in {path})")
+        + f"; {'again' if remeasure else 'once'}, cached in {path})")
     with _allocating_as_the_runtime_does(device):
         timed = time_blocks(mf, batch, blocks_regex, device, graph.dtype, log=say)
     if timed.names != tuple(b.name for b in graph.blocks):
@@ -323,7 +324,7 @@ def _block_times(mf: ModelFile, graph: BlockGraph, hw: Hardware, device: str,
 
 
 def _timed_in_context(mf: ModelFile, graph: BlockGraph, hw: Hardware, path: Path,
-                      say: Callable[[str], None]) -> _Timed | None:
+                      say: Callable[[str], None], remeasure: bool = False) -> _Timed | None:
     """[Note: block times in context] Timed alone, a block runs with its weights and inputs
     warm in the caches and its allocations served at once; inside a training step it runs
     after the others evicted them, under the runtime's bounded CPU cache, and the tied
@@ -381,7 +382,7 @@ def _timed_in_context(mf: ModelFile, graph: BlockGraph, hw: Hardware, path: Path
             "timing its blocks one by one instead")
         return None
     say(f"timing the blocks of {graph.model} in {n_steps} keep_all steps on this machine (cpu, "
-        f"batch {graph.batch_size}; once, cached in {path})")
+        f"batch {graph.batch_size}; {'again' if remeasure else 'once'}, cached in {path})")
     # the karma this process runs, wherever it was imported from
     source = str(Path(karma.__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

@@ -327,3 +327,4 @@ def test_remeasure_measures_the_machine_and_the_blocks_again(own_cache):
     assert again.block_times.startswith("measured now in ")
     assert sum(n.startswith("measuring this machine") for n in notes) == 1  # own_cache had it
     assert sum(n.startswith("timing the blocks") for n in notes) == 2
+    assert "; again, cached in " in notes[-1] and "; once, cached in " in notes[0]
