@@ -32,8 +32,9 @@ tenants: on the 2-core CI machine the same in-context calibration of the fidelit
 wide, 8 deep, batch 512) put its keep_all step at 1.50 s at 07:36 and at 1.04 s at 08:20 the
 same morning, and plans calibrated at the first ran 0.68-0.76x their predictions at the
 second. The cache keeps the first measurement, so `remeasure` (karma-plan --remeasure)
-measures the machine and the blocks again, and karma-run says so when the steps take outside
-0.85-1.15x the predicted time of a measured plan.
+measures the machine and the blocks again, and karma-run says so when the steps of a
+measured plan take outside 0.8-1.25x the predicted time (wider than the fidelity bound: a
+demo calibrated a minute before ran 1.16x, the noise of eight steps on this machine).
 If timing the blocks fails when measuring was not asked for (measure=None), the plan uses the
 roofline estimate and says so: a plan that worked before calibration keeps working.
 
