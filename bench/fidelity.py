@@ -25,21 +25,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-BIN = Path(sys.executable).parent
-
-
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
-    return r
+from bench.overhead import BIN  # noqa: E402
+from bench.overhead import run as run_in_root  # noqa: E402 - exits with its stderr
 
 
 def main() -> None:
@@ -131,9 +124,10 @@ def main() -> None:
     peaks = {k: 0 for k in range(len(planned))}
     for _ in range(args.rounds):
         for k, (_, _, path, _, _) in enumerate(planned):
-            plain_s[k] += json.loads(_run(ref_cmd).stdout.strip().splitlines()[-1])["step_s"][1:]
-            _run([str(BIN / "karma-run"), str(path), "--steps", str(args.steps),
-                  "--report", str(tmp / "report.json")])
+            ref = run_in_root(ref_cmd, dict(os.environ))
+            plain_s[k] += json.loads(ref.stdout.strip().splitlines()[-1])["step_s"][1:]
+            run_in_root([str(BIN / "karma-run"), str(path), "--steps", str(args.steps),
+                         "--report", str(tmp / "report.json")], dict(os.environ))
             run = json.loads((tmp / "report.json").read_text())
             run_s[k] += run["step_s"][1:]
             peaks[k] = max(peaks[k], run["peak_device_bytes"])
