@@ -157,7 +157,7 @@ class HostStepped:
     CPU optimizer made by the model file's make_optimizer steps the masters (per parameter,
     as each block's optimizer does: the same bits whatever the grouping), and the device
     weights are copied from them. With clipping, each gradient's norm is taken where karma
-    takes it (engine.py, _grads_to_host_with_norms): on the device before the copy, or on the
+    takes it (update.py, Updates._grads_to_host_with_norms): on the device before the copy, or on the
     CPU for a gradient summed there over micro-batches; the total and the scaling are PyTorch's
     get_total_norm and clip_grads_with_norm_ over the same list, as GradClip does. The
     hyperparameters of the plain optimizer's param group k (an LR schedule's) are copied into
@@ -228,7 +228,7 @@ def main() -> None:
                    help="on CUDA: emulate a GPU of SIZE, as karma-run --cap-device-memory does")
     args = p.parse_args()
     if args.cap_device_memory is not None:
-        from karma.runtime.backend import cap_device_memory
+        from karma.runtime.cuda_backend import cap_device_memory
         from karma.units import parse_size
 
         cap_device_memory(parse_size(args.cap_device_memory, "--cap-device-memory"))

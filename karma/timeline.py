@@ -9,7 +9,7 @@ step) and one row per op: its stream and its start and end in seconds since the
 iteration's start (runtime/tracing.py records them). With --accumulate N it is the step's
 last micro-batch, the one that steps, as karma-inspect --plot shows. `waits` are the
 intervals in which the compute thread waited for another stream, each blamed on one
-(engine.py, [Note: which stream a wait is blamed on]).
+(runtime/streams.py, [Note: which stream a wait is blamed on]).
 
 `chrome_trace` writes the Chrome trace event format that Perfetto (ui.perfetto.dev) and
 chrome://tracing open, as torch.profiler's export_chrome_trace does: the plan and the

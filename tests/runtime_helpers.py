@@ -29,7 +29,7 @@ from karma.planner.pipeline import PlanRequest, make_schedule
 from karma.planner.plan import evaluate
 from karma.planner.problem import build_problem
 from karma.reference import train_reference
-from karma.runtime.train import RunOptions, RunReport, train
+from karma.runtime.loop import RunOptions, RunReport, train
 from karma.schedule import ModelRef, Schedule
 from tests.conftest import EXAMPLES, SMALL_ENV, environment
 

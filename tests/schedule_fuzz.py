@@ -41,7 +41,7 @@ from karma.planner.hardware import load_hardware
 from karma.planner.pipeline import PlanRequest, schedule_from
 from karma.planner.plan import Plan, evaluate
 from karma.planner.problem import build_problem
-from karma.runtime.train import RunOptions, open_model_file, train
+from karma.runtime.loop import RunOptions, open_model_file, train
 from karma.schedule import (
     ACT_CHOICES,
     DTYPES,
@@ -187,7 +187,7 @@ def training_options(s: Schedule) -> tuple:
 
 
 def run_schedule(s: Schedule, mf: ModelFile, steps: int = STEPS) -> Result:
-    """Train as karma-run does (karma.runtime.train.train), quietly; the final checkpoint's
+    """Train as karma-run does (karma.runtime.loop.train), quietly; the final checkpoint's
     weights and the losses."""
     with tempfile.TemporaryDirectory(prefix="karma-fuzz-") as d:
         report = train(s, mf, RunOptions(steps=steps, checkpoint_dir=Path(d),

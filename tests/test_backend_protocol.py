@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from karma.runtime.backend import CudaBackend
+from karma.runtime.cuda_backend import CudaBackend
 from karma.runtime.distributed import Ranks
 from tests.protocol import CheckingBackend
 from tests.runtime_helpers import load_small, plan, run

@@ -141,7 +141,7 @@ def test_every_family_of_exactness_tests_holds_under_chaos(case, seed, tmp_path,
     options, scheduled = OPTIONS.get(case.option, ({}, False))
     schedule = plan(load_small(case.model), case.strategy, case.fraction, **options)
     if case.built_in_tier:
-        monkeypatch.setattr("karma.runtime.runtime.TIER_MIN_BYTES", 1)
+        monkeypatch.setattr("karma.runtime.bringup.TIER_MIN_BYTES", 1)
     monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{CASE_PAUSE_MS}")
     report = run(schedule, model_file(case.model, scheduled), CASE_STEPS,
                  checkpoint_dir=tmp_path)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from karma.cli.run import main
-from karma.runtime.train import open_model_file
+from karma.runtime.loop import open_model_file
 from karma.schedule import dump_schedule, load_schedule
 from karma.units import format_bytes
 from tests.conftest import EXAMPLES, ROOT
@@ -189,12 +189,12 @@ def test_a_keep_block_whose_ops_swap_it_is_refused_before_the_model_is_built(
         tmp_path, capsys, monkeypatch):
     """Issue 12's original failure: block 3's act said keep while its ops still swapped it
     out, and karma-run ended in "internal error: KeyError: 3"."""
-    import karma.runtime.train
+    import karma.runtime.loop
 
     def built(*args):
         raise AssertionError("the model file was opened")
 
-    monkeypatch.setattr(karma.runtime.train, "open_model_file", built)
+    monkeypatch.setattr(karma.runtime.loop, "open_model_file", built)
     text = dump_schedule(tiny_schedule())
     assert text.count("name: head, act: swap") == 1
     s = tmp_path / "S.yaml"
@@ -221,12 +221,12 @@ def test_a_parameter_the_model_lacks_is_refused(schedule_for, capsys):
 def test_a_host_tier_larger_than_the_machine_is_refused_at_start(tmp_path, capsys,
                                                                  monkeypatch):
     """Issue 12, item 5: the numbers, before the model is built, instead of a kill mid-step."""
-    import karma.runtime.runtime
+    import karma.runtime.bringup
 
     def built(*args, **kwargs):
         raise AssertionError("the host tier was allocated")
 
-    monkeypatch.setattr(karma.runtime.runtime, "HostPool", built)
+    monkeypatch.setattr(karma.runtime.bringup, "HostPool", built)
     monkeypatch.setenv("KARMA_TIER_DIR", str(tmp_path))  # the tier's directory, named in it
     schedule = plan(load_small("gpt"), "ilp", 0.6)
     huge = replace(schedule, predicted=replace(schedule.predicted, host_bytes=10 << 40))
@@ -347,8 +347,8 @@ def test_a_device_cap_that_is_not_a_size_is_refused(schedule_for, capsys):
 def test_a_measured_plan_far_off_its_time_suggests_remeasuring(tmp_path, capsys, monkeypatch,
                                                                calibration, ratio, said):
     # [Note: a machine whose speed drifts] (karma/calibrate.py)
-    import karma.runtime.train
-    from karma.runtime.train import RunReport
+    import karma.runtime.loop
+    from karma.runtime.loop import RunReport
 
     s = tiny_schedule()
     s = replace(s, predicted=replace(s.predicted, calibration=calibration))
@@ -363,8 +363,8 @@ def test_a_measured_plan_far_off_its_time_suggests_remeasuring(tmp_path, capsys,
                          capacity_bytes=1, host_tier_peak_bytes=0, batch_size=2,
                          baseline_private_bytes=0, baseline_data_bytes=0)
 
-    monkeypatch.setattr(karma.runtime.train, "open_model_file", lambda *args: None)
-    monkeypatch.setattr(karma.runtime.train, "train", trained)
+    monkeypatch.setattr(karma.runtime.loop, "open_model_file", lambda *args: None)
+    monkeypatch.setattr(karma.runtime.loop, "train", trained)
     code, out, _ = run_main(capsys, path, "--steps", 3)
     assert code == 0 and out.startswith("done: 3 steps")
     assert (f"note: the steps took {ratio:.2f}x the predicted time" in out) == said

@@ -147,34 +147,25 @@ def test_the_runtime_reuses_memory_step_after_step_within_its_plan():
     assert report.peak_device_bytes <= report.capacity_bytes
 
 
-def test_the_first_step_keeps_a_reserve_for_what_the_process_grows(monkeypatch):
+def test_the_first_step_keeps_a_reserve_for_what_the_process_grows():
     """[Note: the first step's reserve]: in step 1 the cache may keep FIRST_STEP_RESERVE_BYTES
     less than the plan's peak leaves it; from step 2 on (what grew is measured at the step's
     start) only STEP_RESERVE_BYTES less."""
     from types import SimpleNamespace
 
-    import karma.runtime.runtime as rt_module
-    from karma.runtime.runtime import FIRST_STEP_RESERVE_BYTES, STEP_RESERVE_BYTES, Runtime
+    from karma.runtime.cpu_cache import FIRST_STEP_RESERVE_BYTES, STEP_RESERVE_BYTES, PlannedBound
 
     limits = []
     stats = SimpleNamespace(live_bytes=0, idle_bytes=0)
-    rt = Runtime.__new__(Runtime)
-    rt.cpu_cache = SimpleNamespace(stats=lambda: stats, limit=limits.append)
-    rt._cache_baseline_bytes = 0
-    rt.outside_bytes = 0
-    rt.baseline_private_bytes = 100 * MIB
-    rt.schedule = SimpleNamespace(predicted=SimpleNamespace(peak_device_bytes=800 * MIB))
-    monkeypatch.setattr(rt_module, "private_bytes", lambda: 130 * MIB)  # 30 MiB outside
-    rt.iterations = 0
-    rt._bound_cpu_cache()
-    rt.iterations = 1
-    rt._bound_cpu_cache()
+    cache = SimpleNamespace(stats=lambda: stats, limit=limits.append)
+    bound = PlannedBound(cache, 100 * MIB, 800 * MIB, private=lambda: 130 * MIB)  # 30 outside
+    bound.bound(0)
+    bound.bound(1)
     assert limits == [770 * MIB - FIRST_STEP_RESERVE_BYTES, 770 * MIB - STEP_RESERVE_BYTES]
-    assert rt.outside_bytes == 30 * MIB  # what step 2 found outside at its start
-    rt.schedule.predicted.peak_device_bytes = 100 * MIB  # later steps: 1% of a small plan
-    rt._bound_cpu_cache()
+    assert bound.outside_bytes == 30 * MIB  # what step 2 found outside at its start
+    bound.peak_bytes = 100 * MIB  # later steps: 1% of a small plan
+    bound.bound(1)
     assert limits[-1] == 70 * MIB - MIB
-    rt.schedule.predicted.peak_device_bytes = 10 * MIB  # a reserve larger than the plan
-    rt.iterations = 0
-    rt._bound_cpu_cache()
+    bound.peak_bytes = 10 * MIB  # a reserve larger than the plan
+    bound.bound(0)
     assert limits[-1] == 0

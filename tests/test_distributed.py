@@ -374,7 +374,7 @@ def test_the_collective_backend_defaults_to_nccl_on_cuda_and_gloo_on_the_cpu():
 
 
 def test_ranks_beyond_the_gpus_share_them_and_the_gpus_shared_are_found():
-    from karma.runtime.backend import local_device_index
+    from karma.runtime.bringup import local_device_index
     from karma.runtime.distributed import shared_gpus
 
     assert local_device_index({}, 4, current=2) == 2  # no torchrun: the current device

@@ -11,7 +11,8 @@ import threading
 
 import torch
 
-from karma.runtime.backend import CpuBackend, CudaBackend
+from karma.runtime.backend import CpuBackend
+from karma.runtime.cuda_backend import CudaBackend
 from karma.runtime.distributed import Ranks
 from karma.runtime.exchange import GradientExchange
 

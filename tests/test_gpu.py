@@ -34,7 +34,7 @@ import torch
 
 from karma.planner.plan import InfeasiblePlan
 from karma.reference import train_reference
-from karma.runtime.backend import CudaBackend
+from karma.runtime.cuda_backend import CudaBackend
 from karma.runtime.swap import SwapStore
 from karma.runtime.weights import SharedStorage
 from karma.schedule import dump_schedule

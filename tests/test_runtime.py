@@ -20,7 +20,7 @@ import torch
 from karma.planner.plan import InfeasiblePlan
 from karma.runtime.checkpoint import latest_checkpoint
 from karma.runtime.host import ALIGN
-from karma.runtime.swap import DivergedError
+from karma.runtime.replay import DivergedError
 from tests.runtime_helpers import (
     LAYERS_MODEL,
     assert_bitwise_equal,
@@ -179,7 +179,7 @@ def test_a_model_built_in_the_host_tier_trains_exactly(name, strategy, fraction,
                                                        monkeypatch):
     """Every factory tensor of the build goes to the host tier (the threshold is what makes a
     real model's weights go there); the weights then move where the schedule puts them."""
-    monkeypatch.setattr("karma.runtime.runtime.TIER_MIN_BYTES", 1)
+    monkeypatch.setattr("karma.runtime.bringup.TIER_MIN_BYTES", 1)
     schedule = schedule_or_skip(name, strategy, fraction)
     ref_sd, ref_losses = reference(name, STEPS)
     probe = Probe(load_small(name), schedule)

@@ -211,6 +211,6 @@ def test_norms_of_host_gradients_are_taken_where_they_become_final():
     data = mf.checked_batches(mf.default_batch_size, 0, 1)
     with Runtime(schedule, model_file=mf, log=lambda line: None) as rt:
         rt.step(*next(data))
-        taken = rt.engine._norms  # noqa: SLF001 - what the streams recorded this step
+        taken = rt.engine.updates.norms  # what the streams recorded this step
         assert set(taken) == {id(p) for p in rt.model.parameters()}
         assert rt.last.grad_norm > 0

@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from karma.runtime.train import RunOptions, open_model_file, train
+    from karma.runtime.loop import RunOptions, open_model_file, train
     from karma.schedule import load_schedule
     from karma.units import format_bytes, format_seconds, parse_size
 

@@ -1,4 +1,4 @@
-"""The two backends behind the engine: where compute runs and how the streams order work.
+"""The backend contract: where compute runs and how the streams order work; the CPU backend.
 
 Every operation of the schedule has two moments: *issued* (its work has been handed to its
 stream) and *done* (the work has finished). The engine and the stream workers wait for the
@@ -7,10 +7,10 @@ order their own work after those dependencies:
 
 - `cpu`: operations run synchronously on their stream's worker thread, so issued is done and
   there is nothing more to order. The host tier is file-backed.
-- `cuda`: operations are enqueued on CUDA streams (compute on the current stream, one stream
-  for each of h2d and d2h); each records a CUDA event when issued, and a device stream orders
-  itself after a dependency with `wait_event`, without blocking the CPU. Work on the host
-  (the host optimizer) waits for the event itself. The host tier is pinned memory.
+- `cuda` (cuda_backend.py): operations are enqueued on CUDA streams (compute on the current
+  stream, one stream for each of h2d, d2h and net); each records a CUDA event when issued,
+  and a device stream orders itself after a dependency with `wait_event`, without blocking
+  the CPU. Work on the host (the host optimizer) waits for the event itself. The host tier is pinned memory.
 
 [Note: device memory across streams, without record_stream] A tensor that a copy stream reads
 (a swap-out's activations, a gradient on its way to the host) stays referenced until that
@@ -18,7 +18,7 @@ copy's event has completed (`release_after`), and only then goes back to the cac
 allocator; a pinned host slot that a copy reads or writes is freed the same way. Device
 memory that a copy stream fills (a swap-in, a weight fetch, an all-reduce's flat buffer) is
 allocated on the compute stream by the compute thread when it issues the copy (`allocating`,
-engine._prepare), and the copy stream waits for the compute stream up to that point
+Engine._prepare), and the copy stream waits for the compute stream up to that point
 (`allocated`): the allocator may hand out a block the compute stream freed moments ago.
 `record_stream` would tie each block to the copy stream until the allocator next polls it,
 which fragments memory (PYTORCH_NOTES).
@@ -38,22 +38,93 @@ release earlier.
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 import time
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed
 
+from karma.errors import KarmaError
 
-class PendingRelease(NamedTuple):
-    """What an in-flight copy still holds, and the event after which it may go."""
 
-    op_id: int  # the op whose work reads or fills what `release` drops
-    done: torch.cuda.Event
-    release: Callable[[], None]
+class Backend(Protocol):
+    """What the engine, its streams and its roles ask of a backend; both backends name it.
+
+    The rules a backend relies on, which tests/protocol.py's CheckingBackend checks on the CPU
+    for every schedule the tests run (on CUDA a break is silent: a stream that waits for an
+    event never recorded does not wait at all, memory released before its copy has finished
+    is corrupted, a collective whose stream was never ordered after the gradients' event
+    all-reduces whatever its buffer held):
+
+    - `order_after(deps, ...)` only after every dependency has been `issued`;
+    - `release_after(op, ...)` only after the op has been `issued`; a release of a side op on
+      a barrier stream is forced by `release_due` before any compute op of a later stage
+      starts ([Note: released where the schedule frees]);
+    - `allocated(op)` once, before the op's stream is ordered after it;
+    - `issued(op)` once per op per iteration, every op by the end of its iteration or of the
+      next one for the updates left running into it (update.py); ops are known by the
+      engine's gids, unique across iterations ([Note: operation ids across iterations]);
+    - each collective runs on a net stream already ordered after the event of the op that
+      made its block's gradients final and after its flat buffer's allocation, and hands the
+      buffer's release to `release_after` (exchange.py).
+    """
+
+    name: str  # "cpu" or "cuda"
+    pool_kind: str  # the host tier's memory: "file" (CPU backend) or "pinned" (CUDA)
+    device: torch.device  # where compute runs
+    clock: Any  # stamps for the all-reduces' times (WallClock, or CudaClock on CUDA)
+
+    def stream(self, name: str) -> contextlib.AbstractContextManager:
+        """Entered by stream `name`'s worker thread for its whole life."""
+
+    def begin_iteration(self, op_ids: Iterable[int]) -> None:
+        """An iteration starts; its ops have these gids."""
+
+    def issued(self, op_id: int, stream: str) -> None:
+        """Op `op_id`'s work has been handed to `stream`: its end is marked."""
+
+    def order_after(self, deps, stream: str, op_id: int | None = None) -> None:
+        """`stream`'s next work comes after the work of `deps` (issued) and after where op
+        `op_id`'s memory was allocated."""
+
+    def allocating(self) -> contextlib.AbstractContextManager:
+        """Around the allocation of memory a side stream will fill (on the compute thread)."""
+
+    def allocated(self, op_id: int) -> None:
+        """Op `op_id`'s memory was just allocated."""
+
+    def allocate(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`make()` from a side stream's worker, as memory compute will own."""
+
+    def collective(self, tensor: torch.Tensor, group) -> None:
+        """Sum `tensor` over the ranks of `group`, in place (the exchange's all-reduce)."""
+
+    def marker(self) -> Callable[[], None] | None:
+        """A point on the calling thread's stream; calling the result makes the then-current
+        stream wait for it (None: nothing to wait for)."""
+
+    def release_after(self, op_id: int, release: Callable[[], None]) -> None:
+        """Run `release` once op `op_id`'s work has finished."""
+
+    def release_due(self, op_ids) -> None:
+        """The schedule frees what ops `op_ids` hold by now: release it."""
+
+    def take_net_waits(self) -> list[tuple[float, float]] | None:
+        """When compute waited for an all-reduce since the last call (None: the compute
+        thread's own waits say it)."""
+
+    def end_iteration(self) -> None:
+        """Every stream's work of the iteration has been issued: finish it."""
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch's tensor on the compute device."""
+
+    def device_id(self) -> str | None:
+        """The device's identity, the same in every process that uses it (None: no GPU)."""
+
+    def cap(self, nbytes: int):
+        """Emulate a device of `nbytes` (--cap-device-memory)."""
 
 
 class WallClock:
@@ -70,32 +141,7 @@ class WallClock:
         return stamp
 
 
-class CudaClock:
-    """Stamps on the device's clock: a timing event recorded on the calling thread's current
-    stream, read as seconds since this clock's origin once the work has finished (the
-    all-reduces' times, and when compute waited for them: see CudaBackend.order_after). The
-    origin moves to the start of each step (`restart`): event times are single-precision
-    milliseconds, too coarse hours after one origin."""
-
-    def __init__(self, device: torch.device):
-        self._device = device
-        self._origin = self.stamp()
-
-    def restart(self) -> None:
-        self._origin = self.stamp()
-
-    def stamp(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream or torch.cuda.current_stream(self._device))
-        return event
-
-    def seconds(self, stamp: torch.cuda.Event) -> float:
-        self._origin.synchronize()
-        stamp.synchronize()
-        return self._origin.elapsed_time(stamp) / 1e3  # milliseconds
-
-
-class CpuBackend:
+class CpuBackend(Backend):
     """Compute on the CPU; copies and host steps finish on their worker thread."""
 
     name = "cpu"
@@ -140,7 +186,7 @@ class CpuBackend:
         pass  # released when their ops finished
 
     def take_net_waits(self) -> list[tuple[float, float]] | None:
-        return None  # the compute thread's own waits (engine.blocked) are compute's
+        return None  # the compute thread's own waits (Engine.blocked) are compute's
 
     def end_iteration(self) -> None:
         pass
@@ -154,268 +200,5 @@ class CpuBackend:
     # No device-memory counters: the peak is the process's private memory (peak.PrivatePeak).
 
     def cap(self, nbytes: int) -> int:
-        from karma.errors import KarmaError
         raise KarmaError("--cap-device-memory caps a GPU's memory; on the CPU backend cap the "
                          "process with prlimit --data=BYTES (see make demo)")
-
-
-class CudaBackend:
-    """Compute on the current CUDA device's current stream; h2d, d2h and net streams of their
-    own."""
-
-    name = "cuda"
-    pool_kind = "pinned"
-
-    def __init__(self, device: torch.device | None = None):
-        self.device = device or torch.device("cuda", torch.cuda.current_device())
-        # compute: forward (main thread) and backward (autograd's device thread, which runs
-        # each node on its forward's stream); it waits for the swap-ins and fetches of its op
-        self.compute = torch.cuda.current_stream(self.device)
-        self.streams = {"compute": self.compute,
-                        # swap-ins, weight fetches, uploads: wait for compute up to where their
-                        # memory was allocated, and for their stage barrier
-                        "h2d": torch.cuda.Stream(self.device),
-                        # swap-outs, gradients to the host: wait for the compute that made them
-                        "d2h": torch.cuda.Stream(self.device),
-                        # all-reduces (several ranks): wait for the event of the backward that
-                        # made the block's gradients final, and for compute up to where their
-                        # flat buffer was allocated; the device step, the gradients' copy to
-                        # the host and the host step wait for the all-reduce's event
-                        "net": torch.cuda.Stream(self.device)}
-        # op id -> recorded where the op's work ends on its stream (issued); streams wait on
-        # it with wait_event, the host optimizer with synchronize
-        self._events: dict[int, torch.cuda.Event] = {}
-        self._stream_of: dict[int, str] = {}  # op id -> the stream it was issued on
-        # op id -> recorded on compute where a fetch's or swap-in's memory was allocated; its
-        # copy stream waits on it before writing
-        self._allocated: dict[int, torch.cuda.Event] = {}
-        self._pending: list[PendingRelease] = []  # released once their copy is done
-        self._lock = threading.Lock()
-        self.clock = CudaClock(self.device)  # the all-reduces' times (exchange.py)
-        # (start, end) stamps of compute's waits for an all-reduce, this step
-        self._net_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def stream(self, name: str):
-        """The worker thread of `name` enqueues its work on this CUDA stream."""
-        if name in self.streams:
-            return torch.cuda.stream(self.streams[name])  # and its device, for the thread
-        return torch.cuda.device(self.device)  # host: CPU work, on a thread of this GPU
-
-    def begin_iteration(self, op_ids) -> None:
-        """Events for this iteration's ops (the engine's ids, unique across iterations);
-        the previous iteration's stay, for the updates it left running (engine.py, [Note:
-        updates overlapped with the next forward])."""
-        op_ids = list(op_ids)
-        floor = min(op_ids, default=0) - len(op_ids)
-        self._events = {k: e for k, e in self._events.items() if k >= floor}
-        self._stream_of = {k: s for k, s in self._stream_of.items() if k >= floor}
-        self._events.update({i: torch.cuda.Event() for i in op_ids})
-
-    def issued(self, op_id: int, stream: str) -> None:
-        """The op's work is enqueued on `stream`: mark the point it ends at."""
-        if stream in self.streams:
-            self._events[op_id].record(self.streams[stream])
-            self._stream_of[op_id] = stream
-
-    def order_after(self, deps, stream: str, op_id: int | None = None) -> None:
-        """Make `stream`'s next work wait for the device work of `deps` (already issued), and
-        for the compute stream up to where op `op_id`'s memory was allocated."""
-        if stream == "compute":
-            self._poll()  # what finished copies hold goes back before compute allocates more
-        events = [self._events[d] for d in deps]
-        if op_id in self._allocated:
-            events.append(self._allocated.pop(op_id))
-        if stream not in self.streams:
-            for event in events:
-                event.synchronize()  # the host needs the bytes themselves
-            return
-        # compute waiting for an all-reduce is stamped before and after the wait: the part
-        # of the all-reduce that compute did not hide (allreduce_hidden_s)
-        on_net = stream == "compute" and any(self._stream_of.get(d) == "net" for d in deps)
-        before = self.clock.stamp(self.compute) if on_net else None
-        for event in events:
-            self.streams[stream].wait_event(event)
-        if on_net:
-            self._net_waits.append((before, self.clock.stamp(self.compute)))
-
-    def allocating(self):
-        """Allocate device memory that a copy stream will fill on the compute stream (see the
-        Note), from the compute thread."""
-        return torch.cuda.stream(self.compute)
-
-    def allocated(self, op_id: int) -> None:
-        """Op `op_id`'s memory was just allocated: its copy stream must not write it before
-        the compute stream reaches this point (the memory may have been compute's a moment
-        ago)."""
-        event = torch.cuda.Event()
-        event.record(self.compute)
-        self._allocated[op_id] = event
-
-    def allocate(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """`make()` on the compute stream, from a side stream's worker, with the calling
-        stream ordered after that point: memory a side stream fills and compute then owns
-        (a gradient the all-reduce gives a parameter that had none on this rank)."""
-        with torch.cuda.stream(self.compute):
-            t = make()
-            event = torch.cuda.Event()
-            event.record(self.compute)
-        torch.cuda.current_stream(self.device).wait_event(event)
-        return t
-
-    def collective(self, tensor: torch.Tensor, group) -> None:
-        """Sum `tensor` over the ranks of `group`, in place, on the calling thread's current
-        stream (the net stream: exchange.py says how NCCL and gloo meet it)."""
-        torch.distributed.all_reduce(tensor, group=group)
-
-    def marker(self) -> Callable[[], None]:
-        """A point on the calling thread's stream; calling the result makes the then-current
-        stream wait for it (an unpack waiting for its swap-in)."""
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return lambda: torch.cuda.current_stream(self.device).wait_event(event)
-
-    def release_after(self, op_id: int, release: Callable[[], None]) -> None:
-        """Run `release` once op `op_id`'s device work has finished (call after issued())."""
-        with self._lock:
-            self._pending.append(PendingRelease(op_id, self._events[op_id], release))
-        self._poll()
-
-    def release_due(self, op_ids) -> None:
-        """The schedule frees what ops `op_ids` hold by now: wait for their work and release
-        it ([Note: released where the schedule frees])."""
-        due = set(op_ids)
-        with self._lock:
-            ready = [p for p in self._pending if p.op_id in due]
-            self._pending = [p for p in self._pending if p.op_id not in due]
-        for p in ready:
-            p.done.synchronize()
-            p.release()
-
-    def _poll(self) -> None:
-        with self._lock:
-            finished = [p.done.query() for p in self._pending]  # once each: it may change
-            ready = [p for p, f in zip(self._pending, finished) if f]
-            self._pending = [p for p, f in zip(self._pending, finished) if not f]
-        for p in ready:
-            p.release()
-
-    def take_net_waits(self) -> list[tuple[float, float]]:
-        """When compute waited for an all-reduce since the last call, on the clock's axis
-        (call once the step's work has finished)."""
-        waits, self._net_waits = self._net_waits, []
-        return [(self.clock.seconds(a), self.clock.seconds(b)) for a, b in waits]
-
-    def end_iteration(self) -> None:
-        for s in self.streams.values():
-            s.synchronize()
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for p in pending:
-            p.release()
-
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device)
-
-    def device_id(self) -> str:
-        """This GPU's UUID: the same for every process that uses it, whatever the device
-        index each sees (distributed.py, [Note: choosing the collective backend])."""
-        props = torch.cuda.get_device_properties(self.device)
-        return str(getattr(props, "uuid", f"{os.uname().nodename}:cuda{self.device.index}"))
-
-    def warm_up(self) -> None:
-        """Make the allocations CUDA libraries keep for the process (cuBLAS workspaces on the
-        compute stream) before the baseline is taken."""
-        with torch.cuda.stream(self.compute):
-            warm_up(self.device)
-
-    def memory_baseline(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak_bytes(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
-
-    def peak_reserved_bytes(self) -> int:
-        return torch.cuda.max_memory_reserved(self.device)
-
-    def outside_allocator_bytes(self) -> int:
-        return outside_allocator_bytes(self.device)
-
-    def cap(self, nbytes: int) -> DeviceCap:
-        """Emulate a GPU of `nbytes` (cap_device_memory)."""
-        return cap_device_memory(nbytes, self.device)
-
-
-class DeviceCap(NamedTuple):
-    """What --cap-device-memory set: the card's size, the memory in use outside PyTorch's
-    allocator when it was set, and what the allocator may hold."""
-
-    total_bytes: int
-    outside_bytes: int
-    allocator_bytes: int
-
-
-def warm_up(device: torch.device) -> None:
-    """A matrix product forward and backward on the current stream: cuBLAS makes its handle
-    (outside the allocator) and its workspace (inside) now, not in the middle of a step."""
-    a = torch.ones(64, 64, device=device, requires_grad=True)
-    (a @ a).sum().backward()
-    torch.cuda.synchronize(device)
-
-
-def outside_allocator_bytes(device: torch.device) -> int:
-    """Device memory in use that PyTorch's caching allocator does not hold: the CUDA context,
-    library handles, NCCL's buffers (and other processes' memory)."""
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free - torch.cuda.memory_reserved(device)
-
-
-def cap_device_memory(nbytes: int, device: torch.device | None = None) -> DeviceCap:
-    """Emulate a GPU of `nbytes`: PyTorch's caching allocator may hold `nbytes` less what is
-    already in use outside it (the CUDA context, measured now), so that the whole card's use
-    stays within `nbytes` as on a GPU of that size. karma-run --cap-device-memory, the
-    reference and every contender of bench/gpu_throughput.py emulate a card this one way."""
-    from karma.errors import KarmaError
-    from karma.units import format_bytes
-
-    device = device or torch.device("cuda", torch.cuda.current_device())
-    warm_up(device)  # the context and cuBLAS's handle are then part of what is measured
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    outside = outside_allocator_bytes(device)
-    limit = nbytes - outside
-    if limit <= 0:
-        raise KarmaError(
-            f"a GPU of {format_bytes(nbytes)} leaves nothing for PyTorch: "
-            f"{format_bytes(outside)} of the device is already in use outside its allocator "
-            "(the CUDA context); emulate a larger GPU")
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
-    return DeviceCap(total, outside, limit)
-
-
-def make_backend(device_kind: str):
-    if device_kind == "cuda":
-        if not torch.cuda.is_available():
-            from karma.errors import KarmaError
-            raise KarmaError("this schedule was planned for a CUDA GPU and none is available "
-                             "here; re-plan with --hardware cpu to train on the CPU backend")
-        device = torch.device("cuda", local_device_index(os.environ, torch.cuda.device_count(),
-                                                         torch.cuda.current_device()))
-        torch.cuda.set_device(device)  # before anything else touches the GPU (NCCL uses it)
-        return CudaBackend(device)
-    return CpuBackend()
-
-
-def local_device_index(env, device_count: int, current: int) -> int:
-    """The GPU of this rank: LOCAL_RANK's (torchrun sets it; ranks beyond the GPUs share them
-    round-robin, which only gloo can all-reduce on), else the current device."""
-    if "LOCAL_RANK" not in env:
-        return current
-    try:
-        return int(env["LOCAL_RANK"]) % max(device_count, 1)
-    except ValueError:
-        from karma.errors import KarmaError
-        raise KarmaError(f"LOCAL_RANK={env['LOCAL_RANK']!r} is not a whole number; launch "
-                         "with torchrun, which sets it") from None

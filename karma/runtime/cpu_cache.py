@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from karma.fileio import cache_dir, write_text_atomic
+from karma.runtime.host import private_bytes
 from karma.units import format_bytes
 
 _SOURCE = Path(__file__).with_name("cpu_cache.cpp")
@@ -79,6 +80,55 @@ class CPUCache:
         out = (ctypes.c_uint64 * _STATS)()
         self._lib.karma_cache_stats(out)
         return CacheStats(*(int(v) for v in out))
+
+
+# On the CPU backend, what the cache keeps stays this much under the planned peak: in the
+# first step ([Note: the first step's reserve]), and in every later step at most 1% of it.
+FIRST_STEP_RESERVE_BYTES = 64 << 20
+STEP_RESERVE_BYTES = 8 << 20
+
+
+class PlannedBound:
+    """Keeps what the cache holds, with what the process holds outside it (small tensors,
+    the data, Python objects: measured at each step's start), within the schedule's planned
+    peak, so that keeping freed tensors never takes the measured peak above the prediction
+    ([Note: a caching allocator for the CPU backend])."""
+
+    def __init__(self, cache: CPUCache, baseline_private_bytes: int, peak_bytes: int,
+                 private: Callable[[], int] = private_bytes):
+        self.cache = cache
+        self.baseline_private_bytes = baseline_private_bytes
+        self.peak_bytes = peak_bytes  # the schedule's predicted peak above the baseline
+        self._private = private
+        # tensors of this process older than the run (others' models, say) that the cache
+        # gave out: in the baseline, so not in what the cache may keep for this run
+        self.cache_baseline_bytes = cache.stats().live_bytes
+        # the most the process held outside its tensors at a step's start after the first:
+        # the plan counts what calibration measured of it (Schedule.process_bytes)
+        self.outside_bytes = 0
+
+    def bound(self, steps_done: int) -> None:
+        """Set the cache's limit at the start of a step, `steps_done` steps into the run.
+
+        [Note: the first step's reserve] The first step grows what the process holds outside
+        the cache after its start (the stream workers' first kernels make their OpenMP pools,
+        malloc arenas and stacks; first calls fill PyTorch's and Python's caches): 17-30 MiB
+        measured (GPT-2 small's 861 MiB plan peaked at 870 MiB in step 1, 851 from step 2
+        on). From step 2 on it is measured at the step's start; in step 1 the cache keeps
+        FIRST_STEP_RESERVE_BYTES less. In every later step it keeps STEP_RESERVE_BYTES (at
+        most 1% of the peak) less: small tensors and Python objects made during the step
+        still grow the outside a little (the demo's plan, 797 MiB of an 800 MiB budget,
+        peaked at 798 MiB without it)."""
+        held = self.cache.stats()
+        base = self.cache_baseline_bytes
+        outside = (self._private() - self.baseline_private_bytes
+                   - (held.live_bytes - base) - held.idle_bytes)
+        if steps_done > 0:  # step 1's start is before the stream workers' first ops
+            self.outside_bytes = max(self.outside_bytes, outside)
+        peak = self.peak_bytes
+        reserve = FIRST_STEP_RESERVE_BYTES if steps_done == 0 else \
+            min(STEP_RESERVE_BYTES, peak // 100)
+        self.cache.limit(max(base + peak - max(outside, 0) - reserve, base))
 
 
 _loaded: list[CPUCache | str] = []  # one load per process: the cache, or why there is none
@@ -143,4 +193,4 @@ def _ninja_on_path():
         os.environ["PATH"] = saved
 
 
-__all__ = ["CPUCache", "CacheStats", "load"]
+__all__ = ["CPUCache", "CacheStats", "PlannedBound", "load"]

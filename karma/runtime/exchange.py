@@ -14,7 +14,7 @@ on gloo from 45 ms to 8 ms a step. Gradients accumulated on the host over micro-
 all-reduced there the same way, staged through the same flat buffer on the device.
 
 [Note: the flat buffer's life] The buffer is allocated when the all-reduce is issued
-(`prepare`, called by engine._prepare on the compute thread when the all-reduce's stage
+(`prepare`, called by Engine._prepare on the compute thread when the all-reduce's stage
 starts), on the compute stream, and the backend records where (`allocated`). The net stream's
 worker then orders the net stream after the event of the op that made the gradients final
 (the block's backward, or its copy to the host) and after that allocation, and `reduce`

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Hashable
+import time
+from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
 from karma.runtime.chaos import Chaos, pause
+from karma.schedule import Op
 
 
 class OpFailed(RuntimeError):
@@ -85,10 +87,88 @@ class StreamWorker:
                 self._events[item.op_id].set()
 
 
+class OpEvents:
+    """Each op's *issued* event, for the ops in flight, and the compute thread's waits.
+
+    [Note: operation ids across iterations] Events and the backend know an op by
+    `gid = generation * len(ops) + op.id`, the generation counting iterations: an update
+    deferred into the next iteration (update.py) keeps its own events while the next
+    iteration's ops get theirs. Events of the last two generations are kept. Work queued
+    behind the deferred updates has keys of its own, `("after", generation, n)`.
+    """
+
+    def __init__(self, ops: Sequence[Op], chaos: Chaos | None = None):
+        self.events: dict[Hashable, threading.Event] = {}  # shared with every StreamWorker
+        self.errors: list = []  # (stream, op label, exception): the first failure stops all
+        self._ops = ops
+        self._n_ops = len(ops)
+        self._chaos = chaos
+        self.generation = -1
+        self.base = 0  # gid of this generation's op 0
+        # (start, end) of each time the compute thread waited for another stream, this
+        # iteration, and the stream each wait is blamed on ([Note: which stream a wait is
+        # blamed on])
+        self.blocked: list[tuple[float, float]] = []
+        self.blocked_on: list[str] = []
+
+    def next_generation(self) -> list[int]:
+        """Start an iteration: drop the events of generations before the previous one (once
+        done) and make this one's; returns its gids, in op order."""
+        self.generation += 1
+        self.base = self.generation * self._n_ops
+        stale = [k for k in self.events if self._generation(k) < self.generation - 1]
+        self.wait(stale)  # (done long ago: their waiters have run) before they are dropped
+        for k in stale:
+            del self.events[k]
+        gids = [self.base + op.id for op in self._ops]
+        for gid in gids:
+            self.events[gid] = threading.Event()
+        self.blocked = []
+        self.blocked_on = []
+        return gids
+
+    def gids(self, ids) -> list[int]:
+        """This generation's gids of local op ids."""
+        return [self.base + i for i in ids]
+
+    def done(self, key: Hashable) -> None:
+        self.events[key].set()
+
+    def wait(self, deps) -> None:
+        """Block until `deps` are done; a wait is recorded with the stream it is blamed on.
+
+        [Note: which stream a wait is blamed on] The compute thread waits for its
+        dependencies one after another, so the last of them it finds not yet done is the last
+        to finish: the one that held it. The whole wait is blamed on that op's stream, even
+        when another stream was late too (a late swap-in behind a later fetch shows as h2d
+        alone); karma-inspect --trace blames the planned waits the same way (timeline.py).
+        """
+        # [Note: a failed stream is seen at the next wait] A stream that fails sets the events
+        # of the op that failed and of every op it then skips, so the early return below must
+        # not hide the failure: without this check a run went on with its streams stopped
+        # (no swap-outs, no host optimizer steps) and ended as if nothing had happened.
+        raise_stream_failure(self.errors)
+        pause(self._chaos)
+        if all(self.events[d].is_set() for d in deps):
+            return
+        start = time.perf_counter()
+        last = wait_for(self.events, deps, self.errors)
+        pause(self._chaos)
+        self.blocked.append((start, time.perf_counter()))
+        self.blocked_on.append(self._stream_of(deps[-1] if last is None else last))
+
+    def _generation(self, key: Hashable) -> int:
+        return key // self._n_ops if isinstance(key, int) else key[1]
+
+    def _stream_of(self, key: Hashable) -> str:
+        """The stream of the op behind an event key (a gid, or work queued on the host)."""
+        return self._ops[key % self._n_ops].stream if isinstance(key, int) else "host"
+
+
 def wait_for(events: dict[int, threading.Event], deps, errors: list) -> Hashable | None:
     """Block the compute thread until `deps` are done; raise a stream's failure if any.
     Returns the last of `deps` that was not done yet when the wait reached it: the last to
-    finish (engine.py, [Note: which stream a wait is blamed on]); None if none blocked."""
+    finish ([Note: which stream a wait is blamed on], OpEvents.wait); None if none blocked."""
     last = None
     for d in deps:
         if not events[d].is_set():

@@ -4,8 +4,8 @@ The engine calls `began` and `ended` around every operation of the traced iterat
 ops on the compute thread, the others on their stream's worker), and nothing at all when no
 step is traced. The result is a `timeline.StepTrace`, relative to the iteration's start.
 
-A compute op runs from when the compute thread has its dependencies (engine._start) to when
-the next compute op arrives (engine._finish_previous). A recompute has no boundary of its own
+A compute op runs from when the compute thread has its dependencies (Engine._start) to when
+the next compute op arrives (Engine._finish_previous). A recompute has no boundary of its own
 that the hooks see: autograd runs it inside the block's backward, when the backward unpacks
 what it saved. So a recompute is recorded as an instant at the backward's start, and the
 backward's span holds both.
@@ -33,7 +33,7 @@ from karma.timeline import ComputeWait, OpSpan, StepTrace
 
 class TraceRecorder:
     """Collects the stamps of one iteration's ops (by gid, the engine's id across
-    iterations: engine.py, [Note: operation ids across iterations])."""
+    iterations: streams.py, [Note: operation ids across iterations])."""
 
     def __init__(self, schedule: Schedule, backend, kept: Callable[[], int] | None = None):
         """`kept`: the bytes the CPU cache keeps now (cpu_cache.CPUCache), read at each compute

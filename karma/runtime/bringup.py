@@ -1,0 +1,209 @@
+"""Bringing a run up, and down again: everything a Runtime trains with.
+
+    backend = make_backend(device_kind)            # before the ranks join (their GPUs)
+    parts = bring_up(schedule, mf, backend, ranks, seed, log)
+    parts.engine, parts.model, parts.optimizer ...
+    parts.close()                                  # in the reverse order of bring-up
+
+In order: the host-memory check, the CPU backend's cache, the baseline the peak is measured
+above, the peak meter, the device cap, the host tier, the model (built in the tier on the
+CPU backend), the gradient exchange, the engine, the optimizers and the LR schedule. Each
+piece that must be closed is pushed on one `contextlib.ExitStack` as it is made, so a failure
+halfway closes what was made, newest first, and `Parts.close` does the same for a whole run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from karma.errors import KarmaError
+from karma.modelfile import ModelFile
+from karma.runtime import cpu_cache, distributed
+from karma.runtime.backend import Backend, CpuBackend
+from karma.runtime.cuda_backend import CudaBackend
+from karma.runtime.distributed import Ranks
+from karma.runtime.engine import Engine
+from karma.runtime.exchange import GradientExchange
+from karma.runtime.host import (
+    BuildInTier,
+    HostPool,
+    data_bytes,
+    pool_bytes,
+    private_bytes,
+    return_freed_memory_promptly,
+)
+from karma.runtime.hostmem import host_memory_problem, measure_host_memory
+from karma.runtime.lr import LRSchedule
+from karma.runtime.peak import DevicePeak, PrivatePeak
+from karma.runtime.training_options import GradClip, MixedPrecision
+from karma.schedule import Schedule
+from karma.units import format_bytes
+
+# On the CPU backend, factory tensors of at least this size are built in the host tier.
+TIER_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a run trains with; `close` takes it down."""
+
+    model: torch.nn.Module
+    engine: Engine
+    pool: HostPool
+    meter: PrivatePeak | DevicePeak  # each step's peak memory
+    exchange: GradientExchange | None  # on several ranks
+    precision: MixedPrecision
+    optimizer: BlockOptimizers
+    lr_schedule: LRSchedule | None  # the model file's make_scheduler, if any (lr.py)
+    cache_bound: cpu_cache.PlannedBound | None  # the CPU backend's cache, where it runs
+    baseline_private_bytes: int  # before the model was built: what the peak is measured above
+    baseline_data_bytes: int  # VmData then: the process's fixed cost under prlimit --data
+    stack: contextlib.ExitStack
+
+    @property
+    def host_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers of host-stepped blocks, whose steps may run on into the next
+        iteration (update.py)."""
+        return [w.optimizer for w in self.engine.weights
+                if w.optim == "host" and w.optimizer is not None]
+
+    def close(self) -> None:
+        """Stop the streams, free the host tier, stop the meter and the cache. Idempotent."""
+        self.stack.close()
+
+
+def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, seed: int,
+             log: Callable[[str], None], cap_device_memory: bool | int = False,
+             timeout_s: float = 60.0) -> Parts:
+    """Everything `schedule` trains with, in the reference's order: torch.manual_seed(seed),
+    build_model() on the CPU, the optimizers, the model file's LR scheduler."""
+    with contextlib.ExitStack() as stack:
+        # before anything is allocated: [Note: where the host tier's bytes live]
+        host_memory = measure_host_memory(schedule, backend.name)
+        problem = host_memory_problem(host_memory)
+        if problem is not None:
+            raise KarmaError(problem)
+        return_freed_memory_promptly()
+        cache = cpu_cache.load(log) if backend.name == "cpu" else None
+        if cache is not None:  # [Note: a caching allocator for the CPU backend]
+            cache.start(1 << 62)  # bounded below, once the baseline is known
+            stack.callback(_stop_cache, cache, log)
+        # The first optimizer a process makes imports torch._dynamo (about 70 MiB): a one-time
+        # cost of PyTorch, not of the schedule, so it happens before the baseline is taken.
+        mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
+        gc.collect()  # what an earlier model in this process left is not this run's baseline
+        baseline_private = private_bytes()
+        bound = None if cache is None else cpu_cache.PlannedBound(
+            cache, baseline_private, schedule.predicted.peak_device_bytes)
+        baseline_data = data_bytes()
+        log(f"training: {schedule.config.training_text()}")
+        log(f"baseline before the model: {format_bytes(baseline_private)} private, "
+            f"{format_bytes(baseline_data)} data segment (what prlimit --data caps)")
+        meter = PrivatePeak(baseline_private) if backend.name == "cpu" else DevicePeak(backend)
+        stack.callback(meter.close)
+        if cap_device_memory:
+            _cap(backend, schedule.config.capacity_bytes if cap_device_memory is True
+                 else int(cap_device_memory), log)
+
+        built = time.perf_counter()
+        pool = HostPool(pool_bytes(schedule.predicted.host_bytes), kind=backend.pool_kind,
+                        directory=host_memory.tier_dir)
+        stack.callback(pool.close)
+        if backend.name == "cpu" and schedule.predicted.host_bytes:
+            log(f"host tier: {format_bytes(schedule.predicted.host_bytes)} in "
+                f"{pool.directory} " + (
+                    "(memory: a tmpfs)" if host_memory.tier_in_memory else
+                    "(a file on disk, whose pages the kernel writes back: slower than a "
+                    "tmpfs; set KARMA_TIER_DIR to one with room)"))
+        # on the CPU backend the model is built in the host tier (host.BuildInTier): its
+        # weights need not fit in the memory the schedule allows
+        tier = BuildInTier(pool, TIER_MIN_BYTES) if backend.name == "cpu" else None
+        torch.manual_seed(seed)
+        with tier or contextlib.nullcontext():
+            model = mf.build(log)  # on the CPU: initial values do not depend on it
+        model.train()
+        exchange = GradientExchange(ranks, backend) if ranks.world_size > 1 else None
+        precision = MixedPrecision.of(schedule, backend.device.type)
+        clip = schedule.config.clip_grad_norm
+        engine = Engine(schedule, model, mf.make_optimizer, pool, backend, exchange, tier,
+                        precision, GradClip(clip) if clip is not None else None)
+        stack.callback(engine.close)
+        optimizer = BlockOptimizers([w.optimizer for w in engine.weights
+                                     if w.optimizer is not None])
+        lr_schedule = None if mf.make_scheduler is None else LRSchedule(
+            mf.make_optimizer, mf.make_scheduler, list(model.parameters()),
+            optimizer.optimizers, mf.path)
+        if bound is not None:
+            bound.bound(0)
+        # every rank has built its model (ranks that build slower than the timeout get longer)
+        distributed.barrier(ranks, "before the first step",
+                            timeout_s + time.perf_counter() - built)
+        return Parts(model, engine, pool, meter, exchange, precision, optimizer, lr_schedule,
+                     bound, baseline_private, baseline_data, stack.pop_all())
+
+
+class BlockOptimizers:
+    """The per-block optimizers as one: their param_groups (the model file's make_scheduler,
+    through lr.LRSchedule, sets `lr` in each), zero_grad, and their states."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> list[dict]:
+        return [opt.state_dict() for opt in self.optimizers]
+
+
+def make_backend(device_kind: str) -> Backend:
+    """The backend of a schedule planned for `device_kind`; on CUDA, this rank's GPU, made
+    current before anything else touches the GPU (NCCL uses it)."""
+    if device_kind != "cuda":
+        return CpuBackend()
+    if not torch.cuda.is_available():
+        raise KarmaError("this schedule was planned for a CUDA GPU and none is available "
+                         "here; re-plan with --hardware cpu to train on the CPU backend")
+    device = torch.device("cuda", local_device_index(os.environ, torch.cuda.device_count(),
+                                                     torch.cuda.current_device()))
+    torch.cuda.set_device(device)
+    return CudaBackend(device)
+
+
+def local_device_index(env, device_count: int, current: int) -> int:
+    """The GPU of this rank: LOCAL_RANK's (torchrun sets it; ranks beyond the GPUs share them
+    round-robin, which only gloo can all-reduce on), else the current device."""
+    if "LOCAL_RANK" not in env:
+        return current
+    try:
+        return int(env["LOCAL_RANK"]) % max(device_count, 1)
+    except ValueError:
+        raise KarmaError(f"LOCAL_RANK={env['LOCAL_RANK']!r} is not a whole number; launch "
+                         "with torchrun, which sets it") from None
+
+
+def _cap(backend: Backend, size: int, log: Callable[[str], None]) -> None:
+    cap = backend.cap(size)
+    log(f"device memory capped as on a GPU of {format_bytes(size)}: PyTorch's allocator may "
+        f"hold {format_bytes(cap.allocator_bytes)}, the {format_bytes(cap.outside_bytes)} in "
+        f"use outside it (the CUDA context) counted in (the card has "
+        f"{format_bytes(cap.total_bytes)})")
+
+
+def _stop_cache(cache: cpu_cache.CPUCache, log: Callable[[str], None]) -> None:
+    stats = cache.stats()
+    if stats.hits + stats.misses:  # a run that trained: how the cache served it
+        log(stats.text())
+    cache.stop()
