@@ -4,7 +4,8 @@ On CUDA an operation's device work is ordered by events: a stream that waits for
 that was never recorded does not wait at all, memory released before its copy has finished
 is corrupted, and a collective whose stream was never ordered after the gradients' event
 all-reduces whatever the buffer held. All of it silently. `CheckingBackend` runs a schedule
-on the CPU and records the first call that would be wrong on CUDA:
+on the CPU and records the first call that would be wrong on CUDA, against the rules of the
+`Backend` protocol (karma/runtime/backend.py):
 
 - `order_after(deps, ...)`: every dependency has been issued (its event recorded);
 - `release_after(op, ...)`: the op has been issued; the release is then held, as on a GPU
@@ -14,7 +15,7 @@ on the CPU and records the first call that would be wrong on CUDA:
   schedule frees]);
 - `allocated(op)`: called once, before the op's stream orders itself after it;
 - `issued(op)`: once per op per iteration, and every op by the end of the iteration, or of
-  the next one for the updates that the engine leaves running into it (engine.py, [Note:
+  the next one for the updates that the engine leaves running into it (update.py, [Note:
   updates overlapped with the next forward]); ops are known by the engine's ids, unique
   across iterations;
 - the `net` stream (several ranks, exchange.py): each collective runs on a net stream
