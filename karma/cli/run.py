@@ -66,21 +66,9 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     from karma.runtime.loop import RunOptions, open_model_file, train
     from karma.schedule import load_schedule
-    from karma.units import format_bytes, format_seconds, parse_size
+    from karma.units import parse_size
 
-    if args.resume and args.checkpoint_dir is None:
-        raise KarmaError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
-    if args.checkpoint_every < 0:
-        raise KarmaError(f"--checkpoint-every {args.checkpoint_every} must be 0 or more")
-    if args.eval_every < 0:
-        raise KarmaError(f"--eval-every {args.eval_every} must be 0 (never) or more")
-    if args.timeout <= 0:
-        raise KarmaError(f"--timeout {args.timeout:g} must be a positive number of seconds")
-    if args.trace_step is not None and args.trace is None:
-        raise KarmaError("--trace-step needs --trace FILE (where the timeline goes)")
-    if args.trace_step is not None and args.trace_step > args.steps:
-        raise KarmaError(f"--trace-step {args.trace_step} is after the last step "
-                         f"(--steps {args.steps}); choose a step from 1 to {args.steps}")
+    _check_args(args)
     signal.signal(signal.SIGTERM, _stopped)
     # [Note: a file past ulimit -f is an error, not a kill] Writing past RLIMIT_FSIZE sends
     # SIGXFSZ, whose default action ends the process with a core dump and no word of which
@@ -88,10 +76,6 @@ def _run(args: argparse.Namespace) -> int:
     # wrote it stops the run with the path and the limit (fileio.write_failure). karma-run
     # owns its process; the Runtime library leaves signals to its caller.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    for path in filter(None, (args.checkpoint_dir, args.report and args.report.parent)):
-        _check_writable(Path(path))
-    if args.trace is not None:
-        _check_trace_path(args.trace)
     cap = args.cap_device_memory
     if isinstance(cap, str):
         cap = parse_size(cap, "--cap-device-memory")
@@ -110,7 +94,41 @@ def _run(args: argparse.Namespace) -> int:
         if reported is None:
             raise
         raise reported from e
-    if report.step_s and report.rank == 0:
+    if report.rank == 0:
+        _summary(report, schedule.predicted.calibration == "measured")
+    if args.report and report.rank == 0:
+        tmp = args.report.with_name(f".{args.report.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(report.to_json(), indent=2))
+        os.replace(tmp, args.report)
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse what cannot run before anything starts."""
+    if args.resume and args.checkpoint_dir is None:
+        raise KarmaError("--resume needs --checkpoint-dir DIR (where the checkpoints are)")
+    if args.checkpoint_every < 0:
+        raise KarmaError(f"--checkpoint-every {args.checkpoint_every} must be 0 or more")
+    if args.eval_every < 0:
+        raise KarmaError(f"--eval-every {args.eval_every} must be 0 (never) or more")
+    if args.timeout <= 0:
+        raise KarmaError(f"--timeout {args.timeout:g} must be a positive number of seconds")
+    if args.trace_step is not None and args.trace is None:
+        raise KarmaError("--trace-step needs --trace FILE (where the timeline goes)")
+    if args.trace_step is not None and args.trace_step > args.steps:
+        raise KarmaError(f"--trace-step {args.trace_step} is after the last step "
+                         f"(--steps {args.steps}); choose a step from 1 to {args.steps}")
+    for path in filter(None, (args.checkpoint_dir, args.report and args.report.parent)):
+        _check_writable(Path(path))
+    if args.trace is not None:
+        _check_trace_path(args.trace)
+
+
+def _summary(report, measured: bool) -> None:
+    """The run's closing lines: measured against predicted, the drift note, all-reduces."""
+    from karma.units import format_bytes, format_seconds
+
+    if report.step_s:
         median = statistics.median(report.step_s)
         print(f"done: {len(report.steps)} steps; median step {format_seconds(median)} against "
               f"{format_seconds(report.predicted_step_s)} predicted; peak "
@@ -124,22 +142,17 @@ def _run(args: argparse.Namespace) -> int:
                                  "which the plan does not count")
                  if report.outside_private_bytes else ""))
         ratio = median / report.predicted_step_s if report.predicted_step_s else 1.0
-        if schedule.predicted.calibration == "measured" and not 0.8 <= ratio <= 1.25:
-            # [Note: a machine whose speed drifts] in karma/calibrate.py
+        if measured and not 0.8 <= ratio <= 1.25:
+            # [Note: a machine whose speed drifts] in karma/calibrate
             print(f"note: the steps took {ratio:.2f}x the predicted time. A shared machine's "
                   "speed drifts, and this one's may have since its blocks were measured; "
                   "`karma-plan --remeasure` measures them again")
-    if report.world_size > 1 and report.rank == 0 and report.allreduce_s:
+    if report.world_size > 1 and report.allreduce_s:
         total, hidden = sum(report.allreduce_s), sum(report.allreduce_hidden_s)
         print(f"all-reduce: {format_seconds(total / len(report.allreduce_s))} per step on "
               f"{report.world_size} ranks (predicted "
               f"{format_seconds(report.predicted_allreduce_s)}), "
               f"{100 * hidden / total if total else 100:.0f}% of it hidden under backward")
-    if args.report and report.rank == 0:
-        tmp = args.report.with_name(f".{args.report.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(report.to_json(), indent=2))
-        os.replace(tmp, args.report)
-    return 0
 
 
 def user_error(e: BaseException) -> KarmaError | None:

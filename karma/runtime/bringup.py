@@ -95,17 +95,9 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
         if cache is not None:  # [Note: a caching allocator for the CPU backend]
             cache.start(1 << 62)  # bounded below, once the baseline is known
             stack.callback(_stop_cache, cache, log)
-        # The first optimizer a process makes imports torch._dynamo (about 70 MiB): a one-time
-        # cost of PyTorch, not of the schedule, so it happens before the baseline is taken.
-        mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
-        gc.collect()  # what an earlier model in this process left is not this run's baseline
-        baseline_private = private_bytes()
+        baseline_private, baseline_data = _baseline(mf, schedule, log)
         bound = None if cache is None else cpu_cache.PlannedBound(
             cache, baseline_private, schedule.predicted.peak_device_bytes)
-        baseline_data = data_bytes()
-        log(f"training: {schedule.config.training_text()}")
-        log(f"baseline before the model: {format_bytes(baseline_private)} private, "
-            f"{format_bytes(baseline_data)} data segment (what prlimit --data caps)")
         meter = PrivatePeak(baseline_private) if backend.name == "cpu" else DevicePeak(backend)
         stack.callback(meter.close)
         if cap_device_memory:
@@ -147,6 +139,20 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
                             timeout_s + time.perf_counter() - built)
         return Parts(model, engine, pool, meter, exchange, precision, optimizer, lr_schedule,
                      bound, baseline_private, baseline_data, stack.pop_all())
+
+
+def _baseline(mf: ModelFile, schedule: Schedule, log: Callable[[str], None]) -> tuple[int, int]:
+    """The process's private bytes and data segment before the model: what the peak is
+    measured above, and the fixed cost under prlimit --data."""
+    # The first optimizer a process makes imports torch._dynamo (about 70 MiB): a one-time
+    # cost of PyTorch, not of the schedule, so it happens before the baseline is taken.
+    mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
+    gc.collect()  # what an earlier model in this process left is not this run's baseline
+    private, data = private_bytes(), data_bytes()
+    log(f"training: {schedule.config.training_text()}")
+    log(f"baseline before the model: {format_bytes(private)} private, {format_bytes(data)} "
+        "data segment (what prlimit --data caps)")
+    return private, data
 
 
 class BlockOptimizers:

@@ -105,20 +105,8 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
     schedule, ranks, log = rt.schedule, rt.ranks, rt.log
     data = rt.model_file.checked_batches(schedule.config.batch_size, ranks.rank,
                                           ranks.world_size)
-    start_step = 0
-    if options.resume:
-        found = latest_checkpoint(options.checkpoint_dir) if options.checkpoint_dir else None
-        distributed.agree(ranks, "checkpoint to resume from", found.name if found else "none",
-                          "all ranks must see the same --checkpoint-dir (a shared file system)")
-        if found is None:
-            log("resume: no complete checkpoint found; starting from step 0")
-        else:
-            start_step = load_checkpoint(found, rt.model, rt.engine, rt.lr_schedule)
-            for _ in range(start_step * rt.accumulate):  # the data continues where it stopped
-                next(data)
-            log(f"resumed from {found} (step {start_step})")
+    start_step = _resume(rt, options, data) if options.resume else 0
     trace_step = traced_step(options, start_step)
-
     report = RunReport(
         steps=[], losses=[], step_s=[], lrs=[], grad_norms=[], peak_device_bytes=0,
         predicted_step_s=schedule.predicted.iteration_s,
@@ -136,58 +124,87 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         for _ in range(rt.accumulate):  # one micro-batch each
             inputs, targets = next(data)
             rt.step(inputs, targets)
-        stats = rt.last
-        report.steps.append(step)
-        report.losses.append(stats.loss)
-        report.step_s.append(stats.step_s)
-        report.lrs.append(stats.lr)
-        report.grad_norms.append(stats.grad_norm)
-        report.wait_s.append(stats.wait_s_by_stream())
-        samples = schedule.config.batch_size * ranks.world_size * rt.accumulate
-        line = _progress(step, options.steps, stats.loss, stats.lr, stats.step_s, samples,
-                         stats.peak_bytes, schedule.predicted.peak_device_bytes,
-                         schedule.predicted.iteration_s)
-        if stats.grad_norm is not None:
-            line += f"  grad norm {stats.grad_norm:.4g}"
-        if rt.exchange is not None:
-            calls = stats.allreduce_intervals
-            report.allreduce_s.append(sum(end - begin for begin, end in calls))
-            report.allreduce_hidden_s.append(hidden_s(calls, stats.allreduce_blocked))
-            line += (f"  all-reduce {format_seconds(report.allreduce_s[-1])} "
-                     f"({format_seconds(report.allreduce_hidden_s[-1])} hidden; predicted "
-                     f"{format_seconds(report.predicted_allreduce_s)})")
-        log(line)
-        if stats.trace is not None and options.trace_path is not None:
+        log(_record(report, step, options.steps, rt))
+        if rt.last.trace is not None and options.trace_path is not None:
             if ranks.main:  # the ranks run the same schedule: one writes its timeline
-                write_trace(options.trace_path, stats.trace)
+                write_trace(options.trace_path, rt.last.trace)
             report = dataclasses.replace(report, traced_step=step)
             waits = ", ".join(f"{s} {format_seconds(t)}" for s, t in report.wait_s[-1].items())
             log(f"trace of step {step} written to {options.trace_path} (compute waited for: "
                 f"{waits or 'nothing'})")
         if options.eval_every and step % options.eval_every == 0:
-            losses, peak = [], 0
-            for x, y in evals:
-                losses.append(rt.evaluate(x, y))
-                peak = max(peak, rt.last_eval_peak_bytes)
-            mean = sum(losses) / len(losses)
-            report.evals.append({"step": step, "loss": mean, "peak_bytes": peak})
-            log(f"eval at step {step}: loss {mean:.4f} (mean of {len(losses)} held-out "
-                f"batches)  peak {format_bytes(peak)}")
-        final = step == options.steps
+            report.evals.append(_evaluate(rt, evals, step))
         every = options.checkpoint_every
-        if options.checkpoint_dir is not None and (final or (every and step % every == 0)):
-            if ranks.main:  # the ranks hold the same weights: one writes them
-                path = save_checkpoint(options.checkpoint_dir, step, rt.model, rt.engine,
-                                       schedule, rt.seed, rt.lr_schedule)
-                log(f"checkpoint {path}")
-            distributed.barrier(ranks, f"after the checkpoint of step {step}",
-                                options.timeout_s, distributed.CHECKPOINT_WAIT_S)
+        if options.checkpoint_dir is not None and (
+                step == options.steps or (every and step % every == 0)):
+            _checkpoint(rt, options, step)
     # the ranks stepped the same averaged gradients: their weights must be equal
     if ranks.world_size > 1:
         distributed.agree(ranks, "parameters after the last step", _digest(rt.engine),
                           "this is a bug in karma: please report it with the schedule")
     return dataclasses.replace(report, peak_device_bytes=rt.meter.peak,
                                **rt.meter.absolute())
+
+
+def _resume(rt: Runtime, options: RunOptions, data) -> int:
+    """Load the newest complete checkpoint, if any, and move the data on to where it
+    stopped; the step it was taken after (0: none found)."""
+    found = latest_checkpoint(options.checkpoint_dir) if options.checkpoint_dir else None
+    distributed.agree(rt.ranks, "checkpoint to resume from", found.name if found else "none",
+                      "all ranks must see the same --checkpoint-dir (a shared file system)")
+    if found is None:
+        rt.log("resume: no complete checkpoint found; starting from step 0")
+        return 0
+    start_step = load_checkpoint(found, rt.model, rt.engine, rt.lr_schedule)
+    for _ in range(start_step * rt.accumulate):  # the data continues where it stopped
+        next(data)
+    rt.log(f"resumed from {found} (step {start_step})")
+    return start_step
+
+
+def _record(report: RunReport, step: int, steps: int, rt: Runtime) -> str:
+    """Add the step's figures to `report`; its progress line."""
+    stats, predicted = rt.last, rt.schedule.predicted
+    report.steps.append(step)
+    report.losses.append(stats.loss)
+    report.step_s.append(stats.step_s)
+    report.lrs.append(stats.lr)
+    report.grad_norms.append(stats.grad_norm)
+    report.wait_s.append(stats.wait_s_by_stream())
+    samples = rt.batch_size * rt.ranks.world_size * rt.accumulate
+    line = _progress(step, steps, stats.loss, stats.lr, stats.step_s, samples,
+                     stats.peak_bytes, predicted.peak_device_bytes, predicted.iteration_s)
+    if stats.grad_norm is not None:
+        line += f"  grad norm {stats.grad_norm:.4g}"
+    if rt.exchange is not None:
+        calls = stats.allreduce_intervals
+        report.allreduce_s.append(sum(end - begin for begin, end in calls))
+        report.allreduce_hidden_s.append(hidden_s(calls, stats.allreduce_blocked))
+        line += (f"  all-reduce {format_seconds(report.allreduce_s[-1])} "
+                 f"({format_seconds(report.allreduce_hidden_s[-1])} hidden; predicted "
+                 f"{format_seconds(report.predicted_allreduce_s)})")
+    return line
+
+
+def _evaluate(rt: Runtime, evals: list, step: int) -> dict:
+    """The mean loss over the held-out batches, and the evaluation's peak."""
+    losses, peak = [], 0
+    for x, y in evals:
+        losses.append(rt.evaluate(x, y))
+        peak = max(peak, rt.last_eval_peak_bytes)
+    mean = sum(losses) / len(losses)
+    rt.log(f"eval at step {step}: loss {mean:.4f} (mean of {len(losses)} held-out "
+           f"batches)  peak {format_bytes(peak)}")
+    return {"step": step, "loss": mean, "peak_bytes": peak}
+
+
+def _checkpoint(rt: Runtime, options: RunOptions, step: int) -> None:
+    if rt.ranks.main:  # the ranks hold the same weights: one writes them
+        path = save_checkpoint(options.checkpoint_dir, step, rt.model, rt.engine,
+                               rt.schedule, rt.seed, rt.lr_schedule)
+        rt.log(f"checkpoint {path}")
+    distributed.barrier(rt.ranks, f"after the checkpoint of step {step}",
+                        options.timeout_s, distributed.CHECKPOINT_WAIT_S)
 
 
 def traced_step(options: RunOptions, start_step: int) -> int | None:
