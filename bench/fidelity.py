@@ -14,9 +14,9 @@ predicted). The plain loop's column is a reference for the machine's drift. The
 "independent" columns time the same plan as if the streams did not share cores (the profile's
 contention fractions set to 0: the prediction before they existed).
 
-Until stop 15 the runs shared this process, after the plain loop's: its thread pools and
-freed pages were already there, so runs measured 5-6 MiB under the peak a fresh karma-run
-has, and 10-16% under step times calibrated in a fresh process (bench/RESULTS.md).
+Fresh processes matter: run inside this process, after the plain loop, a run finds thread
+pools and freed pages already there, and measures 5-6 MiB under the peak a fresh karma-run
+has and 10-16% under step times calibrated in a fresh process.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # The device check: everything the CUDA backend does that no CPU can show, in one run.
 #
-#   bash bench/gpu_check.sh --prepare   # HERE, before a GPU is lent (CPU and network, a few
+#   bash bench/gpu_check.sh --prepare   # on a machine with network access (CPU, a few
 #                                       # minutes): plans the throughput schedule into
 #                                       # .gpu_check/ and fetches the pulp wheel into .whl/
-#   bash bench/gpu_check.sh             # THERE, on the GPU machine, from the repository root;
-#                                       # with the device tool: run(command="bash
-#                                       # bench/gpu_check.sh", carry=[".whl", ".gpu_check"],
-#                                       # timeout_s=540)
+#   bash bench/gpu_check.sh             # on the GPU machine, from the repository root, with
+#                                       # .gpu_check/ and .whl/ copied beside it
 #
 # On the GPU (PyTorch 2.11 there, no network, no pulp), each part with its own timeout,
 # 7.5 minutes at most in all:
@@ -22,7 +20,7 @@
 #      emulated: karma first from the carried schedule (planned at 14.5G), then the plain loop,
 #      checkpoint and save_on_cpu, each with its own timeout       (75 s + 3 x 40 s)
 # It writes $OUT/summary.md, the one file bench/RESULTS.md quotes, with the logs beside it
-# ($OUT: the device tool's folder; /tmp/karma-gpu-check elsewhere).
+# ($OUT when it is set, else /tmp/karma-gpu-check).
 set -uo pipefail
 SCHEDULE=.gpu_check/gpt2-medium-h200-14.5G.yaml
 PY=${PYTHON:-python3}
