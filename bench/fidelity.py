@@ -59,8 +59,9 @@ def main() -> None:
     example = f"examples/{args.model}.py"
 
     from karma.calibrate import calibrate
-    from karma.ir import build_block_graph
-    from karma.modelfile import load_model_file, optimizer_profile
+    from karma.ir.build import build_block_graph
+    from karma.ir.optimizer import optimizer_profile
+    from karma.modelfile import load_model_file
     from karma.planner.baselines import BASELINES
     from karma.planner.hardware import dump_hardware, load_hardware
     from karma.planner.pipeline import PlanRequest, make_schedule

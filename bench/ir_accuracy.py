@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from karma.ir import build_block_graph  # noqa: E402
+from karma.ir.build import build_block_graph  # noqa: E402
 from karma.modelfile import load_model_file  # noqa: E402
 from tests.conftest import SMALL_ENV, environment  # noqa: E402
 from tests.test_ir import real_saved_bytes_per_block  # noqa: E402

@@ -19,8 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from karma.ir import build_block_graph  # noqa: E402
-from karma.modelfile import load_model_file, optimizer_profile  # noqa: E402
+from karma.ir.build import build_block_graph  # noqa: E402
+from karma.ir.optimizer import optimizer_profile  # noqa: E402
+from karma.modelfile import load_model_file  # noqa: E402
 from karma.planner.baselines import BASELINES, keep_all  # noqa: E402
 from karma.planner.hardware import load_hardware  # noqa: E402
 from karma.planner.ilp import solve_ilp  # noqa: E402

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from karma.calibrate import calibrate
 from karma.errors import KarmaError
-from karma.ir import build_block_graph
-from karma.modelfile import load_model_file, optimizer_profile
+from karma.ir.build import build_block_graph
+from karma.ir.optimizer import optimizer_profile
+from karma.modelfile import load_model_file
 from karma.planner.hardware import Hardware, load_hardware
 from karma.planner.pipeline import STRATEGIES, PlanReport, PlanRequest, make_schedule
 from karma.planner.plan import InfeasiblePlan

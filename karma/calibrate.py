@@ -365,7 +365,7 @@ def _timed_in_context(mf: ModelFile, graph: BlockGraph, hw: Hardware, path: Path
     import tempfile
 
     import karma
-    from karma.modelfile import optimizer_profile
+    from karma.ir.optimizer import optimizer_profile
     from karma.planner.measure_hw import _mem_available_bytes
     from karma.planner.pipeline import PlanRequest, make_schedule
     from karma.schedule import ModelRef

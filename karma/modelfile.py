@@ -169,7 +169,7 @@ class ModelFile:
                 batches = list(self.eval_batches(batch_size))
         except Exception as e:  # noqa: BLE001 - user code; report where it failed
             raise ModelFileError(f"{where} raised {type(e).__name__}: {e}"
-                                 f"{_user_frame(e, self.path)}") from e
+                                 f"{user_frame(e, self.path)}") from e
         if not batches:
             raise ModelFileError(f"{where} gave no batches; return at least one")
         return [check_batch(b, where) for b in batches]
@@ -199,7 +199,7 @@ class ModelFile:
         except Exception as e:  # noqa: BLE001 - user code; report where it failed
             raise ModelFileError(
                 f"{self.path}: example_batch({batch_size}) raised {type(e).__name__}: {e}"
-                f"{_user_frame(e, self.path)}"
+                f"{user_frame(e, self.path)}"
             ) from e
         return check_batch(result, f"{self.path}: example_batch({batch_size})")
 
@@ -275,7 +275,7 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
-def _user_frame(e: BaseException, path: Path) -> str:
+def user_frame(e: BaseException, path: Path) -> str:
     """' (at FILE:LINE: code)' for the innermost frame of the traceback inside `path`."""
     frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path]
     if not frames:
@@ -314,7 +314,7 @@ def load_model_file(path: str | Path) -> ModelFile:
     except Exception as e:  # noqa: BLE001 - user code; report where it failed
         del sys.modules[name]
         raise ModelFileError(
-            f"importing model file {path} failed: {type(e).__name__}: {e}{_user_frame(e, path)}"
+            f"importing model file {path} failed: {type(e).__name__}: {e}{user_frame(e, path)}"
         ) from e
 
     for required in ("build_model", "example_batch"):
@@ -359,39 +359,3 @@ def use_cache_off(model: torch.nn.Module) -> bool:
         config.use_cache = False
         return True
     return False
-
-
-@dataclass(frozen=True)
-class OptimizerProfile:
-    """What the model file's optimizer costs in memory, per byte of parameter."""
-
-    state_factor: int  # parameter-sized state tensors it keeps (AdamW: 2)
-    temp_factor: float  # parameter-sized temporaries a step makes (AdamW: 2)
-
-
-def optimizer_profile(mf: ModelFile) -> OptimizerProfile:
-    """Step the model file's optimizer on a small parameter and count what it allocates.
-
-    A first step creates the state; a second one, under a counting dispatch mode, shows the
-    temporaries. Any optimizer works, with no table of known ones.
-    """
-    from karma.ir.measure import LiveBytes
-
-    param = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(0)))
-    try:
-        opt = mf.make_optimizer([param])
-        param.grad = torch.ones_like(param)
-        opt.step()
-        state = [v for v in opt.state.get(param, {}).values() if isinstance(v, torch.Tensor)]
-        live = LiveBytes(known=[param, param.grad, *state])
-        with live, torch.no_grad():
-            opt.step()
-    except Exception as e:  # noqa: BLE001 - user code
-        raise ModelFileError(
-            f"{mf.path}: make_optimizer(params) failed on a test parameter: "
-            f"{type(e).__name__}: {e}{_user_frame(e, mf.path)}") from e
-    nbytes = param.numel() * param.element_size()
-    return OptimizerProfile(
-        state_factor=sum(1 for v in state if v.shape == param.shape),
-        temp_factor=round(live.peak / nbytes, 3),
-    )

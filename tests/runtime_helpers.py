@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from karma.ir import build_block_graph
+from karma.ir.build import build_block_graph
 from karma.ir.graph import BlockGraph
-from karma.modelfile import ModelFile, load_model_file, optimizer_profile
+from karma.ir.optimizer import optimizer_profile
+from karma.modelfile import ModelFile, load_model_file
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import load_hardware
 from karma.planner.lowering import PLAIN, Training

@@ -35,7 +35,7 @@ MIXED = tuple(Choice(*c) for c in [("swap", "resident", "host"), ("recompute", "
 @cache
 def tiny_graph():
     """The block graph of examples/gpt.py at KARMA_GPT=tiny (4 blocks), batch 2."""
-    from karma.ir import build_block_graph
+    from karma.ir.build import build_block_graph
     from karma.modelfile import load_model_file
 
     with environment(dict(TINY_ENV)):

@@ -36,7 +36,8 @@ import torch
 
 from karma.cli.run import user_error
 from karma.errors import KarmaError
-from karma.modelfile import ModelFile, optimizer_profile
+from karma.ir.optimizer import optimizer_profile
+from karma.modelfile import ModelFile
 from karma.planner.hardware import load_hardware
 from karma.planner.pipeline import PlanRequest, schedule_from
 from karma.planner.plan import Plan, evaluate

@@ -22,7 +22,7 @@ from karma.calibrate import (
 )
 from karma.cli.plan import main as plan_main
 from karma.errors import KarmaError
-from karma.ir import build_block_graph
+from karma.ir.build import build_block_graph
 from karma.ir.timing import time_blocks
 from karma.modelfile import load_model_file
 from karma.planner.hardware import load_hardware

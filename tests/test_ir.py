@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from karma.ir import build_block_graph
+from karma.ir.build import build_block_graph
 from karma.ir.graph import BlockGraph
 from karma.modelfile import load_model_file
 from tests.conftest import MODELS

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import karma.api
-from karma.ir import build_block_graph
+from karma.ir.build import build_block_graph
 from karma.planner.hardware import load_hardware
 from karma.planner.problem import build_problem
 from tests.conftest import EXAMPLES, environment

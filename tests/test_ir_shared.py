@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from karma.ir import build_block_graph
+from karma.ir.build import build_block_graph
 from karma.ir.measure import _reroute_sdpa
 from karma.ir.trace import trace
 from karma.modelfile import ModelFile, load_model_file

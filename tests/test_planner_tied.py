@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from karma.ir import build_block_graph
+from karma.ir.build import build_block_graph
 from karma.modelfile import load_model_file
 from karma.planner.hardware import load_hardware
 from karma.planner.ilp import min_capacity_bytes, solve_ilp

@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace) -> int:
     from karma.api import plan_report
-    from karma.ir import build_block_graph
+    from karma.ir.build import build_block_graph
     from karma.modelfile import load_model_file
     from karma.planner.hardware import load_hardware
     from karma.planner.plan import InfeasiblePlan

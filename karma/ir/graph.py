@@ -82,6 +82,18 @@ class SharedSaved:
 
 
 @dataclass(frozen=True)
+class OptimizerProfile:
+    """What the model file's optimizer costs in memory, per byte of parameter (measured by
+    karma.ir.optimizer.optimizer_profile)."""
+
+    state_factor: int  # parameter-sized state tensors it keeps (AdamW: 2)
+    temp_factor: float  # parameter-sized temporaries a step makes (AdamW: 2)
+
+
+ADAMW = OptimizerProfile(state_factor=2, temp_factor=2.0)  # the default optimizer's
+
+
+@dataclass(frozen=True)
 class BlockGraph:
     """A model's blocks in execution order and the tensors between them."""
 

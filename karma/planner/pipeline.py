@@ -12,8 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from karma.ir.graph import BlockGraph
-from karma.modelfile import OptimizerProfile
+from karma.ir.graph import ADAMW, BlockGraph, OptimizerProfile
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import Hardware, dump_hardware
 from karma.planner.ilp import min_capacity_bytes, solve_ilp
@@ -39,7 +38,7 @@ class PlanRequest:
     strategy: str = "ilp"  # "ilp" or a baseline's name
     time_limit_s: float = 60.0
     gap: float = 1e-2  # relative optimality gap at which the ILP stops
-    optimizer: OptimizerProfile = OptimizerProfile(state_factor=2, temp_factor=2.0)  # AdamW
+    optimizer: OptimizerProfile = ADAMW
     measured_s: Sequence[tuple[float, float]] | None = None  # per-block (fwd, bwd) seconds
     # per-block (device, host) seconds of the optimizer step
     measured_step_s: Sequence[tuple[float, float]] | None = None

@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from karma.ir.graph import BlockGraph
-from karma.modelfile import OptimizerProfile
+from karma.ir.graph import ADAMW, BlockGraph, OptimizerProfile
 from karma.planner.hardware import Hardware
 from karma.planner.simulate import INDEPENDENT, Contention
 
@@ -184,7 +183,7 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
     the estimate from the profile's rates. process_bytes: what the process holds outside its
     tensors while training, measured (Problem.process_bytes).
     """
-    optimizer = optimizer or OptimizerProfile(state_factor=2, temp_factor=2.0)
+    optimizer = optimizer or ADAMW
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if graph.dtype != dtype:
