@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from karma.errors import KarmaError
     from karma.planner.plan import InfeasiblePlan
     from karma.runtime.runtime import Runtime
-    from karma.schedule import Schedule, load_schedule
+    from karma.schedule import Schedule
+    from karma.schedule_load import load_schedule
 
 # Imported on first use: `import karma` stays cheap, and the runtime never loads the planner.
 _LAZY = {
@@ -35,7 +36,7 @@ _LAZY = {
     "InfeasiblePlan": "karma.planner.plan",
     "Runtime": "karma.runtime.runtime",
     "Schedule": "karma.schedule",
-    "load_schedule": "karma.schedule",
+    "load_schedule": "karma.schedule_load",
 }
 
 

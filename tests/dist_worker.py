@@ -31,7 +31,8 @@ import torch.distributed as dist
 import karma.runtime.engine
 import karma.runtime.runtime
 from karma.runtime.loop import RunOptions, open_model_file, train
-from karma.schedule import Schedule, load_schedule
+from karma.schedule import Schedule
+from karma.schedule_load import load_schedule
 from tests.conftest import environment
 from tests.protocol import CheckingBackend
 

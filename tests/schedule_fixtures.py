@@ -14,12 +14,8 @@ import hashlib
 from functools import cache
 
 from karma.planner.lowering import Choice
-from karma.schedule import (
-    ModelRef,
-    Schedule,
-    dump_schedule,
-    load_schedule,
-)
+from karma.schedule import ModelRef, Schedule, dump_schedule
+from karma.schedule_load import load_schedule
 from tests.conftest import EXAMPLES, ROOT, environment
 
 TINY_ENV = (("KARMA_GPT", "tiny"),)

@@ -55,8 +55,8 @@ from karma.schedule import (
     Op,
     Schedule,
     dump_schedule,
-    load_schedule,
 )
+from karma.schedule_load import load_schedule
 from tests.runtime_helpers import (
     HARDWARE,
     block_graph,

@@ -17,7 +17,8 @@ import torch
 
 from karma.cli.run import main
 from karma.runtime.loop import open_model_file
-from karma.schedule import dump_schedule, load_schedule
+from karma.schedule import dump_schedule
+from karma.schedule_load import load_schedule
 from karma.units import format_bytes
 from tests.conftest import EXAMPLES, ROOT
 from tests.runtime_helpers import (

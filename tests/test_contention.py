@@ -194,7 +194,8 @@ def _cpu_schedule():
     """The tiny GPT's offload_all schedule on the cpu profile, as karma-plan writes it."""
     from karma.planner.pipeline import PlanRequest, schedule_from
     from karma.planner.problem import build_problem
-    from karma.schedule import ModelRef, dump_schedule, load_schedule
+    from karma.schedule import ModelRef, dump_schedule
+    from karma.schedule_load import load_schedule
     from tests.schedule_fixtures import TINY_CAPACITY_BYTES, tiny_graph
 
     _, graph = tiny_graph()

@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from karma.schedule import load_schedule
+from karma.schedule_load import load_schedule
 from tests import schedule_fuzz
 from tests.conftest import ROOT
 from tests.schedule_fuzz import KINDS, Base, Tally, Verdict, judge, mutate, training_options

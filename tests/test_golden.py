@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from karma.schedule import load_schedule
+from karma.schedule_load import load_schedule
 from tests.conftest import ROOT
 
 

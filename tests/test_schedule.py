@@ -14,10 +14,10 @@ from karma.schedule import (
     Schedule,
     ScheduleFileError,
     dump_schedule,
-    load_schedule,
     round_seconds,
     schedule_sha256,
 )
+from karma.schedule_load import load_schedule
 from tests.schedule_fixtures import rounded, tiny_schedule
 
 TOP_KEYS = ["karma_schedule", "model", "config", "hardware", "strategy", "status", "solve_s",

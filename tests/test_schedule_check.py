@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 
 from karma.planner.plan import InfeasiblePlan
-from karma.schedule import Op, Schedule, ScheduleFileError, dump_schedule, load_schedule
+from karma.schedule import Op, Schedule, ScheduleFileError, dump_schedule
 from karma.schedule_check import check_model_names, validate, walk_peak_bytes
+from karma.schedule_load import load_schedule
 from tests.conftest import ROOT
 from tests.schedule_fixtures import MIXED, rounded, tiny_graph, tiny_schedule
 

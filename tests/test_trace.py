@@ -16,7 +16,8 @@ from karma.cli.run import main as run_main
 from karma.planner.simulate import simulate
 from karma.runtime import cpu_cache
 from karma.runtime.streams import wait_for
-from karma.schedule import STREAMS, dump_schedule, load_schedule, schedule_sha256
+from karma.schedule import STREAMS, dump_schedule, schedule_sha256
+from karma.schedule_load import load_schedule
 from karma.timeline import (
     MEMORY_ROWS,
     StepTrace,

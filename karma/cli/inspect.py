@@ -23,7 +23,8 @@ from pathlib import Path
 from karma.cli.common import run_cli
 from karma.errors import KarmaError
 from karma.planner.simulate import Contention, ScheduleError, SimResult, simulate
-from karma.schedule import STREAMS, Schedule, ScheduleFileError, load_schedule, schedule_sha256
+from karma.schedule import STREAMS, Schedule, ScheduleFileError, schedule_sha256
+from karma.schedule_load import load_schedule
 from karma.timeline import (
     check_trace,
     compare,

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     from karma.runtime.loop import RunOptions, open_model_file, train
-    from karma.schedule import load_schedule
+    from karma.schedule_load import load_schedule
     from karma.units import parse_size
 
     _check_args(args)

@@ -44,7 +44,8 @@ from karma.runtime.stats import StepStats, StepTally
 from karma.runtime.streams import OpFailed
 from karma.runtime.tracing import TraceRecorder
 from karma.runtime.training_options import Accumulation
-from karma.schedule import Schedule, load_schedule, schedule_sha256
+from karma.schedule import Schedule, schedule_sha256
+from karma.schedule_load import load_schedule
 
 __all__ = ["Runtime", "StepStats", "open_model_file"]
 
