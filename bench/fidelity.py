@@ -6,7 +6,7 @@
     .venv/bin/python bench/fidelity.py --model mlp --batch-size 64
 
 Plans an example (GPT-2 by default; --model resnet or mlp, --env KEY=VALUE for its size) as `karma-plan --hardware cpu` does by default (this machine's rates and block
-times, measured once and cached: karma/calibrate.py; --no-measure: the roofline), then runs
+times, measured once and cached: karma/calibrate; --no-measure: the roofline), then runs
 the plain PyTorch loop (`python -m karma.reference`) and `karma-run` for each strategy, each
 in a fresh process as users run them, alternating, and prints a markdown table: median step
 time (measured and predicted), peak private memory above the baseline (measured and
@@ -58,7 +58,7 @@ def main() -> None:
     os.environ.update(dict(kv.split("=", 1) for kv in args.env))
     example = f"examples/{args.model}.py"
 
-    from karma.calibrate import calibrate
+    from karma.api import calibration
     from karma.ir.build import build_block_graph
     from karma.ir.optimizer import optimizer_profile
     from karma.modelfile import load_model_file
@@ -74,9 +74,9 @@ def main() -> None:
     graph = build_block_graph(mf, args.batch_size, model_name=example)
     opt_profile = optimizer_profile(mf)
     # what karma-plan --hardware cpu does by default: this machine's rates and block times
-    # (measured once, cached: karma/calibrate.py); --no-measure: the roofline
-    cal = calibrate(mf, graph, "cpu", load_hardware("cpu"), False if args.no_measure else None,
-                    log=print)
+    # (measured once, cached: karma/calibrate); --no-measure: the roofline
+    cal = calibration(mf, graph, "cpu", load_hardware("cpu"), opt_profile,
+                      False if args.no_measure else None, log=print)
     hw, measured_s, steps_s = cal.hardware, cal.measured_s, cal.measured_step_s
     Path(tempfile.gettempdir(), "karma-fidelity-cpu.yaml").write_text(dump_hardware(hw))
     problem = build_problem(graph, hw, optimizer=opt_profile, measured_s=measured_s,

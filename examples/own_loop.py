@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(Path(__file__).with_name("gpt.py")))
     # the tiny GPT's keep_all needs under 1 MiB of tensors; its process outside them measured
-    # 1.2-5.1 MiB ([Note: the process's own memory] in karma/calibrate.py)
+    # 1.2-5.1 MiB ([Note: the process's own memory] in karma/calibrate/in_context.py)
     p.add_argument("--gpu-mem", default="16M", help="the memory budget (default 16M)")
     p.add_argument("--hardware", default="cpu")
     p.add_argument("--batch-size", type=int, default=2)

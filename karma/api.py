@@ -17,14 +17,16 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from karma.calibrate import calibrate
+from karma.calibrate import Calibration, FromPlanning, calibrate
 from karma.errors import KarmaError
 from karma.ir.build import build_block_graph
+from karma.ir.graph import BlockGraph, OptimizerProfile
 from karma.ir.optimizer import optimizer_profile
-from karma.modelfile import load_model_file
+from karma.modelfile import ModelFile, load_model_file
 from karma.planner.hardware import Hardware, load_hardware
 from karma.planner.pipeline import STRATEGIES, PlanReport, PlanRequest, make_schedule
 from karma.planner.plan import InfeasiblePlan
+from karma.planner.problem import build_problem
 from karma.schedule import DTYPES, ModelRef, Schedule
 from karma.units import parse_size
 
@@ -37,7 +39,7 @@ def plan(model_file: str | Path, gpu_mem: str | int = "16G", hardware: str | Har
     precision), accumulate (micro-batches per optimizer step), clip_grad_norm (a float, or
     None), strategy, seed, time_limit_s, gap, blocks, measure (default: measure block times
     when `hardware` is this machine; False: the roofline estimate, as --no-measure; see
-    karma/calibrate.py), remeasure (True: measure again what is cached, as --remeasure).
+    karma/calibrate), remeasure (True: measure again what is cached, as --remeasure).
     Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
     return plan_report(model_file, gpu_mem, hardware, batch_size, **options).schedule
 
@@ -74,12 +76,13 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
     for note in graph.notes:
         (log or _note_to_stderr)(note)
     model = ModelRef.now(str(model_file), mf.sha256, graph.to_json())
-    cal = calibrate(mf, graph, hardware, hw, True if profile_blocks else measure, blocks,
-                    log or _note_to_stderr, remeasure=remeasure)
+    optimizer = optimizer_profile(mf)
+    cal = calibration(mf, graph, hardware, hw, optimizer, True if profile_blocks else measure,
+                      blocks, log or _note_to_stderr, remeasure)
     request = PlanRequest(
         capacity_bytes=capacity, hardware=cal.hardware, batch_size=graph.batch_size,
         dtype=dtype, world_size=world_size, seed=seed, strategy=strategy,
-        time_limit_s=time_limit_s, gap=gap, optimizer=optimizer_profile(mf),
+        time_limit_s=time_limit_s, gap=gap, optimizer=optimizer,
         measured_s=cal.measured_s, measured_step_s=cal.measured_step_s,
         process_bytes=cal.process_bytes, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
     )
@@ -89,6 +92,25 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
         e.batch_size = graph.batch_size  # for the advice of a smaller batch
         raise
     return replace(report, block_times=cal.summary)
+
+
+def calibration(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Hardware,
+                optimizer: OptimizerProfile, measure: bool | None = None,
+                blocks: str | None = None, log: Callable[[str], None] | None = None,
+                remeasure: bool = False) -> Calibration:
+    """What to plan `graph` with on `hw` (karma/calibrate): calibration entered once, with
+    what it needs from planning handed in (`optimizer`: the model file's, measured)."""
+    roofline = build_problem(graph, hw, graph.dtype)
+
+    def keep_all(measured: Hardware) -> Schedule:
+        # the model file by its absolute path: karma-run trains it from another directory
+        model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json())
+        return make_schedule(graph, model, PlanRequest(
+            capacity_bytes=1 << 62, hardware=measured, batch_size=graph.batch_size,
+            dtype=graph.dtype, strategy="keep_all", optimizer=optimizer)).schedule
+
+    planning = FromPlanning(tuple(b.fwd_s + b.bwd_s for b in roofline.blocks), keep_all)
+    return calibrate(mf, graph, hardware, hw, planning, measure, blocks, log, remeasure)
 
 
 def check_training_options(dtype: str, accumulate: int, clip_grad_norm: float | None) -> None:

@@ -91,7 +91,7 @@ class Op:
 
 # The CPU backend's process outside its tensors while it trains (thread pools, small tensors,
 # Python objects), measured when the blocks were timed and planned alive all iteration
-# (karma/calibrate.py, [Note: the process's own memory])
+# (karma/calibrate/in_context.py, [Note: the process's own memory])
 PROCESS_BUFFER = "process"
 
 
@@ -174,7 +174,7 @@ class Predicted:
     # recomputed or offloaded); iteration_s / ideal_s is the price of the budget. None in
     # schedules from before it.
     ideal_s: float | None = None
-    # "measured": the block times were measured on the planning machine (karma/calibrate.py);
+    # "measured": the block times were measured on the planning machine (karma/calibrate);
     # None (the key left out): the roofline estimate, as in schedules from before it
     calibration: str | None = None
 

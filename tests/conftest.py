@@ -47,7 +47,7 @@ def environment(env: dict[str, str]):
 
 @pytest.fixture(scope="session", autouse=True)
 def _karma_cache(tmp_path_factory):
-    """Measurements (karma/calibrate.py) go to a cache of this session's own, shared with the
+    """Measurements (karma/calibrate) go to a cache of this session's own, shared with the
     commands the tests start, never to the user's ~/.cache/karma: the machine is measured
     once a session and each small model's blocks once."""
     with environment({"XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg-cache"))}):

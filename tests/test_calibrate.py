@@ -1,4 +1,4 @@
-"""Calibrated planning (karma/calibrate.py, karma/ir/timing.py): blocks timed on this machine,
+"""Calibrated planning (karma/calibrate, karma/ir/timing.py): blocks timed on this machine,
 same-shaped blocks once, cached; the roofline for other hardware and with --no-measure."""
 
 from __future__ import annotations
@@ -12,20 +12,17 @@ import torch
 
 import karma
 from karma.api import plan_report
-from karma.calibrate import (
-    CACHE_VERSION,
-    _median_over_traced,
-    _owned_share,
-    cache_dir,
-    local_device,
-    timing_batch,
-)
+from karma.calibrate import CACHE_VERSION, local_device, timing_batch
+from karma.calibrate.blocks import _owned_share
+from karma.calibrate.in_context import median_over_traced
 from karma.cli.plan import main as plan_main
 from karma.errors import KarmaError
+from karma.fileio import cache_dir
 from karma.ir.build import build_block_graph
 from karma.ir.timing import time_blocks
 from karma.modelfile import load_model_file
 from karma.planner.hardware import load_hardware
+from karma.planner.problem import build_problem
 from tests.conftest import EXAMPLES, environment
 
 GPT = str(EXAMPLES / "gpt.py")
@@ -38,9 +35,9 @@ BUDGET = "8M"
 @pytest.fixture(scope="module")
 def machine_files():
     """This machine's measured rates, in the session's cache (measured once a session)."""
-    from karma.calibrate import _measured_machine
+    from karma.calibrate.machine import measured_machine
 
-    _measured_machine("cpu", load_hardware("cpu"), lambda line: None)
+    measured_machine("cpu", load_hardware("cpu"), lambda line: None)
     return list(cache_dir().glob("machine-*.json"))
 
 
@@ -121,9 +118,9 @@ def test_a_blocks_step_is_its_own_weights_share_and_not_scaled_by_the_batch():
 
 def test_the_traced_step_is_scaled_to_the_median_step():
     # [Note: block times in context]: steps 2-6's median (1.92 s) over the third's 1.74 s
-    assert _median_over_traced([3.10, 2.41, 1.74, 1.92, 1.88, 2.18]) == \
+    assert median_over_traced([3.10, 2.41, 1.74, 1.92, 1.88, 2.18]) == \
         pytest.approx(1.92 / 1.74)
-    assert _median_over_traced([3.0, 2.0, 2.0]) == 1.0  # the fewest steps: 2 and 3 alike
+    assert median_over_traced([3.0, 2.0, 2.0]) == 1.0  # the fewest steps: 2 and 3 alike
 
 
 def test_blocks_are_timed_in_a_keep_all_step_where_one_fits(own_cache):
@@ -143,7 +140,7 @@ def test_blocks_are_timed_in_a_keep_all_step_where_one_fits(own_cache):
 
 
 def test_a_keep_all_step_too_big_for_memory_times_the_blocks_alone(own_cache, monkeypatch):
-    monkeypatch.setattr("karma.planner.measure_hw._mem_available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr("karma.calibrate.in_context.mem_available_bytes", lambda: 1 << 20)
     notes = []
     with environment(TINY):
         report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
@@ -235,7 +232,7 @@ def test_no_measure_and_other_hardware_use_the_roofline(own_cache, tmp_path):
 
 
 def test_a_corrupt_cache_file_is_measured_again(own_cache):
-    from karma.calibrate import _read_machine
+    from karma.calibrate.machine import read_machine
 
     with environment(TINY):
         plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
@@ -246,7 +243,7 @@ def test_a_corrupt_cache_file_is_measured_again(own_cache):
     assert json.loads(blocks.read_text())["version"] == CACHE_VERSION
     for text in ("", "[]", json.dumps({"hardware": "version: 99"}), json.dumps({"x": 1})):
         blocks.write_text(text)
-        assert _read_machine(blocks) is None
+        assert read_machine(blocks) is None
 
 
 def test_a_block_that_fails_to_run_falls_back_to_the_roofline_unless_asked(own_cache,
@@ -256,8 +253,8 @@ def test_a_block_that_fails_to_run_falls_back_to_the_roofline_unless_asked(own_c
     def fail(*args, **kwargs):
         raise IRError("timing block h.0 on cpu failed: RuntimeError: boom")
 
-    monkeypatch.setattr("karma.ir.timing.time_blocks", fail)
-    monkeypatch.setattr("karma.calibrate._timed_in_context", lambda *args: None)
+    monkeypatch.setattr("karma.calibrate.blocks.time_blocks", fail)
+    monkeypatch.setattr("karma.calibrate.timed_in_context", lambda *args: None)
     notes = []
     with environment(TINY):
         report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
@@ -296,9 +293,13 @@ def test_measuring_gpu_hardware_without_a_gpu_says_what_to_do(own_cache):
 def test_a_slow_estimate_times_blocks_at_a_smaller_batch(example):
     graph = build_block_graph(example("gpt"), 8)
     cpu = load_hardware("cpu")
-    assert timing_batch(graph, cpu) == 8  # tiny: cheap enough at the plan's batch
+
+    def roofline_s(hw):
+        return [b.fwd_s + b.bwd_s for b in build_problem(graph, hw).blocks]
+
+    assert timing_batch(graph, roofline_s(cpu)) == 8  # tiny: cheap enough at the plan's batch
     slow = replace(cpu, flops_per_s={"fp32": 1e3, "bf16": 1e3}, mem_bytes_per_s=1e3)
-    assert timing_batch(graph, slow) == 1
+    assert timing_batch(graph, roofline_s(slow)) == 1
 
 
 def test_karma_plan_says_where_block_times_came_from(own_cache, capsys):

@@ -347,7 +347,7 @@ def test_a_device_cap_that_is_not_a_size_is_refused(schedule_for, capsys):
 ])
 def test_a_measured_plan_far_off_its_time_suggests_remeasuring(tmp_path, capsys, monkeypatch,
                                                                calibration, ratio, said):
-    # [Note: a machine whose speed drifts] (karma/calibrate.py)
+    # [Note: a machine whose speed drifts] (karma/calibrate)
     import karma.runtime.loop
     from karma.runtime.loop import RunReport
 

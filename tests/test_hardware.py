@@ -294,7 +294,7 @@ def test_format_seconds(s, expected):
 
 
 def test_measure_local_quick_on_cpu_gives_plausible_numbers():
-    from karma.planner.measure_hw import measure_local
+    from karma.calibrate.measure_hw import measure_local
 
     hw = measure_local("cpu", quick=True)
     assert hw.device_kind == "cpu" and hw.name == "local-cpu"
@@ -317,7 +317,7 @@ def test_measure_local_quick_on_cpu_gives_plausible_numbers():
 def test_measure_local_rejects_a_missing_cuda_device():
     import torch
 
-    from karma.planner.measure_hw import measure_local
+    from karma.calibrate.measure_hw import measure_local
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -214,7 +214,7 @@ def _check_writable(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    huge_pages_for_large_tensors()  # blocks are timed as karma-run runs them (calibrate.py)
+    huge_pages_for_large_tensors()  # blocks are timed as karma-run runs them (karma/calibrate)
     argv = list(sys.argv[1:] if argv is None else argv)
     # `--gpu-mem -1G` would read as an unknown option; glue it so it is checked as a size
     for k in range(len(argv) - 1):

@@ -6,7 +6,7 @@
 
 It measures the CUDA device if PyTorch sees one, else the CPU (whose offload tier is a file on
 local disk, and whose copies and host optimizer take cores from compute: it also measures how
-much, see [Note: measuring contention] in karma/planner/measure_hw.py). The network is not measured: edit net_bytes_per_s and net_latency_s in the file.
+much, see [Note: measuring contention] in karma/calibrate/measure_hw.py). The network is not measured: edit net_bytes_per_s and net_latency_s in the file.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _profile(args: argparse.Namespace) -> int:
         _check_writable(output)  # before spending seconds measuring
     import torch  # imported here, not at the top, to keep --help fast
 
-    from karma.planner.measure_hw import measure_local
+    from karma.calibrate.measure_hw import measure_local
 
     start = time.perf_counter()
     hw = measure_local(

@@ -143,7 +143,7 @@ def _summary(report, measured: bool) -> None:
                  if report.outside_private_bytes else ""))
         ratio = median / report.predicted_step_s if report.predicted_step_s else 1.0
         if measured and not 0.8 <= ratio <= 1.25:
-            # [Note: a machine whose speed drifts] in karma/calibrate
+            # [Note: a machine whose speed drifts] in karma/calibrate/__init__.py
             print(f"note: the steps took {ratio:.2f}x the predicted time. A shared machine's "
                   "speed drifts, and this one's may have since its blocks were measured; "
                   "`karma-plan --remeasure` measures them again")

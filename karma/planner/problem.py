@@ -11,7 +11,7 @@ numbers.
 
 Compute time is a roofline estimate: FLOPs at the profile's matmul rate plus the bytes a block
 reads and writes at the device's memory bandwidth (elementwise work is memory-bound), unless
-measured times are given (karma/calibrate.py: by default when planning for this machine).
+measured times are given (karma/calibrate: by default when planning for this machine).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class Problem:
     host_temps_on_device: bool = False  # cpu: the host optimizer's temporaries are private
     held_saved: tuple[HeldSaved, ...] = ()
     contention: Contention = INDEPENDENT  # streams sharing cores (the CPU; hardware.py)
-    # the CPU backend's process outside its tensors, in every stage (calibrate.py, [Note:
+    # the CPU backend's process outside its tensors, in every stage (calibrate/in_context.py, [Note:
     # the process's own memory]); 0 on a GPU, whose measure is its allocator's
     process_bytes: int = 0
 

@@ -89,7 +89,7 @@ def measure_local(
         flops[dtype_name] = _round3(rate)
     say("device memory bandwidth")
     mem_bytes_per_s = _round3(_copy_bytes_per_s(dev, plan.copy_bytes, plan.repeats))
-    host_mem = _mem_available_bytes()
+    host_mem = mem_available_bytes()
     if dev.type == "cuda":
         say("pinned host <-> device copies")
         h2d, d2h = _pinned_copy_bytes_per_s(dev, plan.transfer_bytes, plan.repeats)
@@ -332,7 +332,7 @@ def _beside(main: Callable[[], object], side: Callable[[], object], repeats: int
     return statistics.median(main_s), statistics.median(side_s[1:-1] or side_s)
 
 
-def _mem_available_bytes() -> int:
+def mem_available_bytes() -> int:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:

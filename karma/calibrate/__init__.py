@@ -1,0 +1,150 @@
+"""Calibrated planning: when karma plans for this machine, it measures it.
+
+    cal = calibrate(mf, graph, "cpu", load_hardware("cpu"), planning)   # planning: FromPlanning
+    cal.hardware        # the profile to plan with: built-in sizes, this machine's rates
+    cal.measured_s      # (fwd s, bwd s) per block, or None for the roofline estimate
+    cal.measured_step_s # (device s, host s) of each block's optimizer step, or None
+    cal.process_bytes   # what the process holds outside its tensors while training (CPU), or 0
+    cal.summary         # one line for karma-plan: where the block times came from
+
+One way through: `calibrate` is the entry, and what it needs from planning (the roofline
+estimate of each block, a keep_all schedule to run) comes in as `FromPlanning`, so that
+calibration never calls back into the planner. Its rooms:
+
+- machine.py: which built-in profile is this machine (`local_device`), and its rates;
+- measure_hw.py: measuring a device's rates (what `karma-profile` runs);
+- blocks.py: block times, cached, and timing blocks one by one (karma.ir.timing);
+- in_context.py: timing them in keep_all steps that karma-run trains (the CPU backend);
+- cache.py: the JSON files under $XDG_CACHE_HOME/karma, named by a hash of their key.
+
+Planning for another built-in profile, or for a karma-profile file (which may describe
+another machine), uses that profile's numbers and the roofline estimate; `measure=True`
+(karma-plan --profile-blocks) still times the blocks on the local device of the profile's
+kind, keeping the profile's other numbers. If timing the blocks fails when measuring was not
+asked for (measure=None), the plan uses the roofline estimate and says so: a plan that worked
+before calibration keeps working.
+
+[Note: a machine whose speed drifts] A shared machine's speed changes under its other
+tenants: on the 2-core CI machine the same in-context calibration of the fidelity MLP (2048
+wide, 8 deep, batch 512) put its keep_all step at 1.50 s and, 45 minutes later, at 1.04 s,
+and plans calibrated at the first ran 0.68-0.76x their predictions at the second. The cache
+keeps the first measurement, so `remeasure` (karma-plan --remeasure) measures the machine and
+the blocks again, and karma-run says so when the steps of a measured plan take outside
+0.8-1.25x the predicted time (wider than the fidelity bound: a demo calibrated a minute
+before ran 1.16x, the noise of eight steps on this machine).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from karma.calibrate.blocks import Timed, blocks_key, read_times, timed_alone, timing_batch
+from karma.calibrate.cache import CACHE_VERSION, cache_path, write
+from karma.calibrate.in_context import timed_in_context
+from karma.calibrate.machine import (
+    allocating_as_the_runtime_does,
+    device_for,
+    local_device,
+    measured_machine,
+)
+from karma.errors import KarmaError
+from karma.ir.graph import BlockGraph
+from karma.modelfile import ModelFile
+from karma.planner.hardware import Hardware
+from karma.schedule import Schedule
+
+__all__ = ["CACHE_VERSION", "Calibration", "FromPlanning", "calibrate", "local_device",
+           "timing_batch"]
+
+
+@dataclass(frozen=True)
+class FromPlanning:
+    """What calibration needs from the planner, handed in by the caller (karma.api)."""
+
+    # each block's forward + backward seconds on the profile given, by its roofline: sizes
+    # the batch blocks are timed at ([Note: timing at a smaller batch], blocks.py)
+    roofline_s: tuple[float, ...]
+    # the graph's keep_all schedule on a profile, memory unlimited, its model file named by
+    # an absolute path: what the in-context timing trains (in_context.py)
+    keep_all: Callable[[Hardware], Schedule]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What to plan with, and where its numbers came from."""
+
+    hardware: Hardware  # the profile given, with this machine's rates when it was measured
+    measured_s: tuple[tuple[float, float], ...] | None  # per block; None: roofline estimate
+    summary: str  # e.g. "measured on this machine (cached in ~/.cache/karma/blocks-....json)"
+    # (device s, host s) of each block's optimizer step; None: from the profile's rates
+    measured_step_s: tuple[tuple[float, float], ...] | None = None
+    # what the process held outside its tensors while it trained (CPU backend, measured in
+    # a keep_all step: [Note: the process's own memory], in_context.py); 0 when not measured
+    process_bytes: int = 0
+
+
+def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Hardware,
+              planning: FromPlanning, measure: bool | None = None,
+              blocks_regex: str | None = None, log: Callable[[str], None] | None = None,
+              remeasure: bool = False) -> Calibration:
+    """The profile and block times to plan `graph` with on `hw` (loaded from `hardware`).
+
+    measure: None (default) measures when `hardware` is this machine (see `local_device`);
+    False never does; True times the blocks on the local device of hw's kind in any case.
+    remeasure: measure again what the cache holds (the machine and the blocks), and cache
+    that ([Note: a machine whose speed drifts]).
+    """
+    say = log or (lambda line: None)
+    if measure is False:
+        return Calibration(hw, None, "roofline estimate (--no-measure)")
+    device = local_device(hardware)
+    if device is None and not measure:
+        return Calibration(hw, None, f"roofline estimate from the {hw.name} profile "
+                                     "(not this machine)")
+    local = device is not None
+    if not local:
+        device = device_for(hw)
+    if local:
+        with allocating_as_the_runtime_does(device):
+            hw = measured_machine(device, hw, say, remeasure)
+    start = time.perf_counter()
+    try:
+        timed, path, fresh = _block_times(
+            mf, graph, planning, device, blocks_regex, say,
+            in_context_hw=hw if local and device == "cpu" and blocks_regex is None else None,
+            remeasure=remeasure)
+    except KarmaError as e:
+        if measure:  # asked for: the error is the answer
+            raise
+        say(f"could not time the blocks ({e}); planning with the roofline estimate "
+            "(--no-measure skips trying)")
+        return Calibration(hw, None, "roofline estimate (timing the blocks failed)")
+    how = (f"measured now in {time.perf_counter() - start:.0f} s" if fresh
+           else "measured on this machine")
+    return Calibration(hw, timed.fwd_bwd_s, f"{how}, {timed.where} (cached in {path})",
+                       timed.step_s, timed.process_bytes)
+
+
+def _block_times(mf: ModelFile, graph: BlockGraph, planning: FromPlanning, device: str,
+                 blocks_regex: str | None, say: Callable[[str], None],
+                 in_context_hw: Hardware | None = None, remeasure: bool = False
+                 ) -> tuple[Timed, Path, bool]:
+    """Every block's (fwd s, bwd s) at the graph's batch and (device s, host s) of its
+    optimizer step, where they were timed, and whether now (else from the cache). With
+    `in_context_hw` (this machine's CPU profile), in a whole training step if one fits
+    ([Note: block times in context]), else block by block."""
+    key = blocks_key(mf, graph, device, blocks_regex, in_context_hw is not None)
+    path = cache_path("blocks", key)
+    cached = None if remeasure else read_times(path, len(graph.blocks))
+    if cached is not None:
+        return cached, path, False
+    if in_context_hw is not None:
+        timed = timed_in_context(graph, in_context_hw, planning.keep_all, path, say, remeasure)
+        if timed is not None:
+            write(path, {"key": key, **vars(timed)}, say)
+            return timed, path, True
+    return timed_alone(mf, graph, planning.roofline_s, device, blocks_regex, path, key, say,
+                       remeasure), path, True

@@ -1,0 +1,126 @@
+"""Block times: every distinct block's forward and backward and the model file's optimizer
+stepping its weights, measured on this machine and cached.
+
+The cache key: the machine, the model file's sha256 and KARMA_* environment, the block
+graph's hash, the batch size, the dtype, --blocks, and whether the times were taken in a
+keep_all step (in_context.py) or block by block (karma.ir.timing).
+
+[Note: timing at a smaller batch] Timing every block at the plan's batch can take minutes on
+a CPU (GPT-2 small's output layer alone does 1.9 TFLOP per step at batch 8). Blocks are timed
+at the largest batch whose roofline estimate from the profile given (not the measured one:
+a quick matmul's rate varies threefold between runs on a shared machine), one forward and
+backward of each distinct block, stays under _TIMING_BUDGET_S, and their times are scaled by
+the plan's batch over that one. A block's work is proportional to its batch, so this is close
+once a batch fills the device; what does not grow with the batch (per-call overheads, an
+embedding's dense weight gradient) is scaled up too, which errs slow. GPT-2 small (sequence
+1024) on the 2-core machine: timed at batch 2, its layers' time per sample is 1.445 s against
+1.211 s at batch 4 (1.380 s at batch 1); its output layer's 5.06 s against 4.72 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from karma.calibrate.cache import read, write
+from karma.calibrate.machine import allocating_as_the_runtime_does, machine_key
+from karma.errors import KarmaError
+from karma.ir.graph import BlockGraph
+from karma.ir.timing import time_blocks
+from karma.modelfile import ModelFile
+from karma.schedule import model_env
+
+_TIMING_BUDGET_S = 15.0  # see [Note: timing at a smaller batch]
+
+
+@dataclass(frozen=True)
+class Timed:
+    """What timing a model's blocks measured, and how."""
+
+    fwd_bwd_s: tuple[tuple[float, float], ...]  # per block
+    step_s: tuple[tuple[float, float], ...]  # (device s, host s) of each block's optimizer step
+    process_bytes: int  # Calibration.process_bytes
+    where: str  # "in a keep_all step" or "block by block"
+
+
+def blocks_key(mf: ModelFile, graph: BlockGraph, device: str, blocks_regex: str | None,
+               in_context: bool) -> dict:
+    """Everything a model's block times depend on."""
+    return {
+        "machine": machine_key(device),
+        "model_sha256": mf.sha256,
+        "env": [list(kv) for kv in model_env()],
+        "graph_sha256": hashlib.sha256(graph.to_json().encode()).hexdigest(),
+        "batch_size": graph.batch_size,
+        "dtype": graph.dtype,
+        "blocks": blocks_regex,
+        "in_context": in_context,
+    }
+
+
+def read_times(path: Path, n_blocks: int) -> Timed | None:
+    """The block times cached in `path`, or None when they do not check out."""
+    data = read(path)
+    try:
+        times = tuple((float(f), float(b)) for f, b in data["fwd_bwd_s"])
+        steps = tuple((float(d), float(h)) for d, h in data["step_s"])
+        process_bytes = data["process_bytes"]
+        where = str(data["where"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    ok = (len(times) == len(steps) == n_blocks
+          and all(math.isfinite(t) and t >= 0 for p in (*times, *steps) for t in p)
+          and isinstance(process_bytes, int) and process_bytes >= 0)
+    return Timed(times, steps, process_bytes, where) if ok else None
+
+
+def timed_alone(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float], device: str,
+                blocks_regex: str | None, path: Path, key: dict, say: Callable[[str], None],
+                remeasure: bool = False) -> Timed:
+    """Every distinct block timed by itself (karma.ir.timing), at the batch `timing_batch`
+    picks from the profile's roofline estimate `roofline_s`, scaled to the graph's batch;
+    cached in `path` under `key`."""
+    batch = timing_batch(graph, roofline_s)
+    say(f"timing the blocks of {graph.model} on this machine ({device}, batch {batch}"
+        + (f", scaled to {graph.batch_size}" if batch != graph.batch_size else "")
+        + f"; {'again' if remeasure else 'once'}, cached in {path})")
+    with allocating_as_the_runtime_does(device):
+        timed = time_blocks(mf, batch, blocks_regex, device, graph.dtype, log=say)
+    if timed.names != tuple(b.name for b in graph.blocks):
+        raise KarmaError(f"timing {graph.model} at batch {batch} found the blocks "
+                         f"{', '.join(timed.names)}, not the plan's; plan with --no-measure")
+    scale = graph.batch_size / batch
+    times = tuple((fwd * scale, bwd * scale) for fwd, bwd in timed.fwd_bwd_s)
+    steps = tuple(_owned_share(b.param_bytes, stepped, step)
+                  for b, stepped, step in zip(graph.blocks, timed.stepped_bytes, timed.step_s))
+    measured = Timed(times, steps, 0, "block by block")
+    write(path, {"key": key, "timed_batch_size": batch, "distinct_blocks": timed.distinct,
+                       **vars(measured)}, say)
+    return measured
+
+
+def timing_batch(graph: BlockGraph, roofline_s: Sequence[float]) -> int:
+    """The batch to time blocks at, from each block's forward and backward seconds by the
+    profile's roofline (see [Note: timing at a smaller batch])."""
+    distinct = {}
+    for b, seconds in zip(graph.blocks, roofline_s):
+        shape = (b.param_bytes, b.act_bytes, b.out_bytes, b.fwd_flops, b.bwd_flops)
+        distinct[shape] = seconds
+    estimate_s = sum(distinct.values())
+    if estimate_s <= _TIMING_BUDGET_S:
+        return graph.batch_size
+    return max(1, math.floor(graph.batch_size * _TIMING_BUDGET_S / estimate_s))
+
+
+def _owned_share(param_bytes: int, stepped_bytes: int, step_s: tuple[float, float]
+                 ) -> tuple[float, float]:
+    """A block's optimizer step for the weights it owns (`param_bytes`), from the step timed
+    over every weight it uses (`stepped_bytes`, a tied weight's owner's too). The step does
+    not grow with the batch: it is not scaled by it."""
+    if stepped_bytes <= 0 or param_bytes <= 0:
+        return 0.0, 0.0
+    share = min(param_bytes / stepped_bytes, 1.0)
+    return step_s[0] * share, step_s[1] * share

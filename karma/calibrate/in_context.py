@@ -1,0 +1,118 @@
+"""Block times in context: the runtime itself trains keep_all steps, in a process of its
+own, and the trace of one of them times every block (the CPU backend's default).
+
+[Note: block times in context] Timed alone, a block runs with its weights and inputs
+warm in the caches and its allocations served at once; inside a training step it runs
+after the others evicted them, under the runtime's bounded CPU cache, and the tied
+weight's two gradients meet in its backward. On GPT-2 small (sequence 64, batch 2) the
+keep_all step ran 1.16x what the blocks timed alone predicted: forwards 1.27x, the
+embedding's backward 5.9x, its optimizer step 2.2x. So on the CPU backend, where a
+keep_all step fits in RAM (its planned peak within half of MemAvailable) and takes
+seconds (three steps within _BUDGET_S by the roofline), the runtime itself
+trains keep_all steps (as many as fit the budget, three to six) and the third one's trace
+gives every block's forward, backward and optimizer step (the host optimizer's too: the
+same step on the same CPU).
+
+One step is one sample of a noisy machine, and the third an early one: on GPT-2 small
+(sequence 64, batch 2) two runs of eight keep_all steps took 1.74 and 1.99 s in their
+third step against medians of 2.16 and 2.15 s over steps 2-8, and plans calibrated on the
+third step alone ran 0.82-1.21x their predictions. So the trace's times are scaled by the
+median of the steps after the first over the third's own time.
+Otherwise, or if that fails, the blocks are timed alone (blocks.py).
+
+[Note: the process's own memory] On the CPU backend the measured peak is the process's
+private memory above its baseline, and the process holds more than its tensors while it
+trains: the stream workers' thread pools and malloc arenas, tensors under the CPU cache's
+64 KiB, the autograd graph's nodes, Python objects. The demo's plan (GPT-2 small) held
+24-25 MiB of it at every step's start after the first, and its memory through a step was
+the schedule's live buffers plus 25-28 MiB; planned at 797 MiB of an 800 MiB budget
+without it, it peaked at 804-807 MiB. The keep_all steps measure it
+(RunReport.outside_private_bytes, the most at a step's start after the first), and the
+planner counts it in every stage (Problem.process_bytes). Blocks timed alone do not
+measure it (0).
+
+The steps run in a process of their own, `karma-run` as a user runs it: the private
+memory of a process that has done other work is no measure of a run's (in a test
+process, pages its earlier work had freed served the run's first 3.8 MiB, and the
+outside came to -3.8 MiB), and its step times are not those of a fresh karma-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from karma.calibrate.blocks import Timed
+from karma.calibrate.measure_hw import mem_available_bytes
+from karma.errors import KarmaError
+from karma.ir.graph import BlockGraph
+from karma.planner.hardware import Hardware
+from karma.schedule import Schedule
+
+_BUDGET_S = 120.0  # the keep_all steps at most this long (roofline): [Note: block times in
+# context]
+
+
+def timed_in_context(graph: BlockGraph, hw: Hardware, keep_all: Callable[[Hardware], Schedule],
+                     path: Path, say: Callable[[str], None], remeasure: bool = False
+                     ) -> Timed | None:
+    """Every block of `graph` timed in keep_all steps on this machine (`keep_all(hw)`: the
+    keep_all schedule of `graph` on `hw`, this machine's profile), or None where a step does
+    not fit or fails."""
+    schedule = keep_all(hw)
+    need, free = schedule.predicted.peak_device_bytes, mem_available_bytes()
+    n_steps = min(6, int(_BUDGET_S // max(schedule.predicted.iteration_s, 1e-9)))
+    if need > free // 2 or n_steps < 3:
+        say(f"a keep_all step of {graph.model} needs {need / 2**30:.1f} GiB of the "
+            f"{free / 2**30:.1f} GiB free and about {schedule.predicted.iteration_s:.0f} s: "
+            "timing its blocks one by one instead")
+        return None
+    say(f"timing the blocks of {graph.model} in {n_steps} keep_all steps on this machine (cpu, "
+        f"batch {graph.batch_size}; {'again' if remeasure else 'once'}, cached in {path})")
+    try:
+        ops, run = _run(schedule, n_steps)
+    except (OSError, ValueError, KeyError, KarmaError, subprocess.SubprocessError) as e:
+        say(f"timing a keep_all step failed ({type(e).__name__}: {str(e)[:200]}); timing "
+            "the blocks one by one instead")
+        return None
+    scale = median_over_traced(run["step_s"])
+    took = {(op["kind"], op["block"]): (op["end_s"] - op["start_s"]) * scale for op in ops}
+    n = len(graph.blocks)
+    times = tuple((took[("forward", i)], took[("backward", i)]) for i in range(n))
+    steps = tuple((took.get(("device_step", i), 0.0),) * 2 for i in range(n))
+    return Timed(times, steps, int(run["outside_private_bytes"]), "in a keep_all step")
+
+
+def _run(schedule: Schedule, n_steps: int) -> tuple[list[dict], dict]:
+    """karma-run trains `schedule` for `n_steps` steps in a process of its own: the ops of
+    its traced third step, and its report."""
+    # the karma this process runs, wherever it was imported from
+    source = str(Path(__file__).resolve().parent.parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [source, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    with tempfile.TemporaryDirectory(prefix="karma-calibrate-") as directory:
+        d = Path(directory)
+        schedule.save(d / "keep_all.yaml")
+        ran = subprocess.run(
+            [sys.executable, "-m", "karma.cli.run", str(d / "keep_all.yaml"),
+             "--steps", str(n_steps), "--trace", str(d / "trace.json"), "--trace-step", "3",
+             "--report", str(d / "report.json")],
+            env=env, capture_output=True, text=True, timeout=10 * _BUDGET_S)
+        if ran.returncode != 0:
+            raise KarmaError((ran.stderr.strip().splitlines() or ["no message"])[-1])
+        return (json.loads((d / "trace.json").read_text())["ops"],
+                json.loads((d / "report.json").read_text()))
+
+
+def median_over_traced(step_s: list[float]) -> float:
+    """The median of the steps after the first over the third's time (the traced step):
+    what scales its trace to a typical step ([Note: block times in context])."""
+    return statistics.median(step_s[1:]) / step_s[2]
+
+

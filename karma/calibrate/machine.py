@@ -1,0 +1,147 @@
+"""This machine: which built-in profile it is, and its rates, measured once and cached.
+
+The rates (`measure_hw.measure_local(quick=True)`: matmul, memory and copy bandwidth, host
+optimizer, and on the CPU how its streams slow each other) are measured under the runtime's
+allocator settings ([Note: timing under the runtime's allocator]) and cached, keyed by the
+CPU model, core and thread counts, OMP_WAIT_POLICY, the tier's file system, the GPU's name
+and the torch version. The profile's sizes (memory, disk, network) stay the built-in ones:
+the budget is --gpu-mem, and the network is not measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from karma.calibrate.cache import cache_path, read, write
+from karma.calibrate.measure_hw import measure_local
+from karma.errors import KarmaError
+from karma.fileio import filesystem_type, tier_directory
+from karma.planner.hardware import (
+    Hardware,
+    builtin_names,
+    dump_hardware,
+    hardware_from_yaml,
+    load_hardware,
+)
+from karma.runtime import cpu_cache
+from karma.runtime.host import return_freed_memory_promptly
+
+_RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
+                "host_optim_bytes_per_s",
+                # how the streams slow each other (hardware.py, [Note: contention between
+                # streams]): measured on the CPU, 0 on a GPU
+                "compute_slowdown_copy", "copy_slowdown_compute", "compute_slowdown_host",
+                "host_slowdown_compute")
+# what is measured and how; 2: the contention fractions; 3: under the runtime's allocator;
+# 4: with its CPU cache (runtime/cpu_cache.py); 5: contention conserving work in the
+# measurement (since removed); 6: the tier measured where the runtime keeps it
+# (fileio.tier_directory); 7: the fractions recorded as measured (the simulator bounds their
+# sum: simulate.Contention.speed)
+MACHINE_VERSION = 7
+
+
+def local_device(hardware: str | Hardware) -> str | None:
+    """"cpu" or "cuda" if `hardware` (a built-in profile's name) is this machine, else None:
+    the built-in `cpu` profile (the CPU backend always runs on the local CPU), and a built-in
+    GPU profile that names the local GPU (its family, e.g. h100, in the device's name and its
+    memory within 10%)."""
+    if not isinstance(hardware, str) or hardware not in builtin_names():
+        return None
+    if hardware == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        return None
+    hw = load_hardware(hardware)
+    name = torch.cuda.get_device_name().lower()
+    total = torch.cuda.get_device_properties(0).total_memory
+    family = hardware.split("-")[0]
+    same = family in name and abs(total - hw.device_mem_bytes) <= 0.1 * hw.device_mem_bytes
+    return "cuda" if same else None
+
+
+def device_for(hw: Hardware) -> str:
+    """The local device that stands for `hw` when its blocks are timed here (measure=True)."""
+    if hw.device_kind == "cuda" and not torch.cuda.is_available():
+        raise KarmaError(f"measuring times blocks on this machine, which has no GPU, so it "
+                         f"cannot stand for --hardware {hw.name}; plan without "
+                         "--profile-blocks (measure=True) or for --hardware cpu")
+    return hw.device_kind
+
+
+@contextlib.contextmanager
+def allocating_as_the_runtime_does(device: str):
+    """[Note: timing under the runtime's allocator] On the CPU backend the runtime returns
+    freed memory to the system promptly (runtime/host.py, [Note: glibc keeps freed memory])
+    and keeps the tensors a step frees for the next step in its own cache ([Note: a caching
+    allocator for the CPU backend], runtime/cpu_cache.py). Timed under glibc's defaults, the
+    blocks of GPT-2 small (sequence 64, batch 2) predicted 1.65 s for a keep_all step that
+    took 2.44 s under the prompt return alone. So the machine and the blocks are measured as
+    the runtime allocates: the glibc setting is process-wide and the one a karma.Runtime in
+    this process would make anyway; the cache runs (unbounded) while measuring only."""
+    if device != "cpu":
+        yield
+        return
+    return_freed_memory_promptly()
+    allocator = cpu_cache.load()
+    if allocator is not None:
+        allocator.start(1 << 62)
+    try:
+        yield
+    finally:
+        if allocator is not None:
+            allocator.stop()
+
+
+def machine_key(device: str) -> dict:
+    """Everything the machine's measured rates depend on."""
+    return {
+        "version": MACHINE_VERSION,
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "tier": filesystem_type(tier_directory()) if device == "cpu" else None,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+
+
+def measured_machine(device: str, hw: Hardware, say: Callable[[str], None],
+                     remeasure: bool = False) -> Hardware:
+    """`hw` with this machine's measured rates (cached; `remeasure`: measured again)."""
+    key = machine_key(device)
+    path = cache_path("machine", key)
+    measured = None if remeasure else read_machine(path)
+    if measured is None:
+        say(f"measuring this machine ({device}; {'again' if remeasure else 'once'}, cached in "
+            f"{path})")
+        measured = measure_local(device, quick=True)
+        write(path, {"key": key, "hardware": dump_hardware(measured)}, say)
+    return replace(hw, **{f: getattr(measured, f) for f in _RATE_FIELDS})
+
+
+def read_machine(path: Path) -> Hardware | None:
+    """The machine's profile cached in `path`, or None when it does not check out."""
+    data = read(path)
+    try:
+        return hardware_from_yaml(data["hardware"], str(path))
+    except (KarmaError, KeyError, TypeError):
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
