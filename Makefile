@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.karma-installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test demo lint clean
+.PHONY: install test test-fast demo lint clean
 
 install: $(STAMP)
 
@@ -23,10 +23,15 @@ endif
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# two workers, each taking whole files (module fixtures built once): 577 s against 1093 s
-# in one process on the 2-core machine (bench/RESULTS.md, stop 14)
+# two workers, each taking whole files (module fixtures built once): about half the time of
+# one process on a 2-core machine
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+
+# the inner loop: every file, without the matrices' other cells and the tests marked slow
+# (tests/matrix.py); `make test` runs everything
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 demo: $(STAMP)
 	$(BIN)/python -m karma.demo

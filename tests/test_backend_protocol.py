@@ -15,16 +15,14 @@ import pytest
 
 from karma.runtime.cuda_backend import CudaBackend
 from karma.runtime.distributed import Ranks
+from tests.matrix import MODELS, STRATEGIES, cells
 from tests.protocol import CheckingBackend
 from tests.runtime_helpers import load_small, plan, run
-from tests.test_runtime import MODELS, STRATEGIES, schedule_or_skip
 
 
-@pytest.mark.parametrize("strategy,fraction", STRATEGIES,
-                         ids=[f"{s}@{f:g}" if s == "ilp" else s for s, f in STRATEGIES])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name,strategy,fraction", cells(MODELS, STRATEGIES))
 def test_the_engine_keeps_the_backends_protocol(name, strategy, fraction, monkeypatch):
-    schedule = schedule_or_skip(name, strategy, fraction)
+    schedule = plan(load_small(name), strategy, fraction)
     backend = CheckingBackend(schedule)
     monkeypatch.setattr("karma.runtime.runtime.make_backend", lambda kind: backend)
     report = run(schedule, load_small(name), 2)

@@ -51,6 +51,7 @@ def own_cache(tmp_path, monkeypatch, machine_files):
     return tmp_path / "xdg" / "karma"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, env", [
     ("gpt", {}), ("resnet", {}), ("mlp", {}), ("hf_gpt2", {}),
     # rotary tables and cache positions made with device=x.device inside forward
@@ -123,6 +124,7 @@ def test_the_traced_step_is_scaled_to_the_median_step():
     assert median_over_traced([3.0, 2.0, 2.0]) == 1.0  # the fewest steps: 2 and 3 alike
 
 
+@pytest.mark.slow
 def test_blocks_are_timed_in_a_keep_all_step_where_one_fits(own_cache):
     # [Note: block times in context]: the runtime's own trace of a keep_all step
     notes = []
@@ -148,6 +150,7 @@ def test_a_keep_all_step_too_big_for_memory_times_the_blocks_alone(own_cache, mo
     assert any("timing its blocks one by one instead" in n for n in notes)
 
 
+@pytest.mark.slow
 def test_measured_steps_replace_the_estimate_in_the_plan(own_cache):
     with environment(TINY):
         report = plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
@@ -158,6 +161,7 @@ def test_measured_steps_replace_the_estimate_in_the_plan(own_cache):
     assert any(d > 0 for d, _ in steps)
 
 
+@pytest.mark.slow
 def test_the_process_outside_its_tensors_is_measured_and_planned_in_every_stage(own_cache):
     # [Note: the process's own memory]: the keep_all steps measure it, the cache keeps it,
     # and the plan counts it all iteration; the roofline (nothing measured) does not
@@ -176,6 +180,7 @@ def test_the_process_outside_its_tensors_is_measured_and_planned_in_every_stage(
     assert measured.chosen.peak_device_bytes == roofline.chosen.peak_device_bytes + process
 
 
+@pytest.mark.slow
 def test_a_budget_below_the_process_says_how_much_of_the_need_it_is(own_cache):
     with environment(TINY), pytest.raises(karma.InfeasiblePlan,
                                           match="of it the process outside its tensors"):
@@ -189,6 +194,7 @@ def test_bf16_blocks_are_timed_under_autocast(example):
     assert all(f > 0 and b > 0 for f, b in times.fwd_bwd_s)
 
 
+@pytest.mark.slow
 def test_plan_for_cpu_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     cache = tmp_path / "xdg" / "karma"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -231,6 +237,7 @@ def test_no_measure_and_other_hardware_use_the_roofline(own_cache, tmp_path):
     assert not list(own_cache.glob("blocks-*"))  # nothing timed
 
 
+@pytest.mark.slow
 def test_a_corrupt_cache_file_is_measured_again(own_cache):
     from karma.calibrate.machine import read_machine
 
@@ -264,6 +271,7 @@ def test_a_block_that_fails_to_run_falls_back_to_the_roofline_unless_asked(own_c
             plan_report(GPT, BUDGET, "cpu", 2, measure=True, log=notes.append)
 
 
+@pytest.mark.slow
 def test_the_cache_is_keyed_by_the_model_environment(own_cache):
     with environment(TINY):
         plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
@@ -302,6 +310,7 @@ def test_a_slow_estimate_times_blocks_at_a_smaller_batch(example):
     assert timing_batch(graph, roofline_s(slow)) == 1
 
 
+@pytest.mark.slow
 def test_karma_plan_says_where_block_times_came_from(own_cache, capsys):
     with environment(TINY):
         args = [GPT, "--gpu-mem", BUDGET, "--hardware", "cpu", "--batch-size", "2"]
@@ -315,6 +324,7 @@ def test_karma_plan_says_where_block_times_came_from(own_cache, capsys):
     assert "contradict" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_remeasure_measures_the_machine_and_the_blocks_again(own_cache):
     # [Note: a machine whose speed drifts]: the cache keeps the first measurement
     notes = []

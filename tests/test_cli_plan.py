@@ -58,6 +58,7 @@ def test_bad_batch_size_is_a_usage_error(capsys):
     assert "not a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_untraceable_model_in_a_fresh_process_prints_no_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "karma.cli.plan", str(MODELS / "datadep.py"), "--print-ir"],

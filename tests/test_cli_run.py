@@ -75,6 +75,7 @@ def end_to_end(tmp_path_factory):
     return d, planned, ran
 
 
+@pytest.mark.slow
 def test_plan_then_run_end_to_end(end_to_end):
     d, planned, ran = end_to_end
     assert ran.returncode == 0, ran.stderr
@@ -98,6 +99,7 @@ def test_plan_then_run_end_to_end(end_to_end):
     assert_bitwise_equal(torch.load(d / "C" / "step_3" / "model.pt", weights_only=True), ref_sd)
 
 
+@pytest.mark.slow
 def test_reported_peak_is_the_schedules_memory_not_one_time_imports(end_to_end):
     d, _, ran = end_to_end
     assert ran.returncode == 0, ran.stderr
@@ -188,7 +190,7 @@ def test_unknown_schedule_version_from_the_console_script(schedule_for):
 
 def test_a_keep_block_whose_ops_swap_it_is_refused_before_the_model_is_built(
         tmp_path, capsys, monkeypatch):
-    """Issue 12's original failure: block 3's act said keep while its ops still swapped it
+    """A failure once met: block 3's act said keep while its ops still swapped it
     out, and karma-run ended in "internal error: KeyError: 3"."""
     import karma.runtime.loop
 
@@ -221,7 +223,7 @@ def test_a_parameter_the_model_lacks_is_refused(schedule_for, capsys):
 
 def test_a_host_tier_larger_than_the_machine_is_refused_at_start(tmp_path, capsys,
                                                                  monkeypatch):
-    """Issue 12, item 5: the numbers, before the model is built, instead of a kill mid-step."""
+    """The numbers, before the model is built, instead of a kill mid-step."""
     import karma.runtime.bringup
 
     def built(*args, **kwargs):

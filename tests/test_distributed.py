@@ -26,20 +26,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from karma.planner.plan import InfeasiblePlan
 from karma.reference import train_reference
 from karma.runtime.checkpoint import latest_checkpoint
 from karma.schedule import dump_schedule
 from tests.dist_helpers import ROOT, finish, free_port, start_ranks, wait_for_line
+from tests.matrix import MODELS, OPTIONS, STRATEGIES, cell_id, cells
 from tests.runtime_helpers import assert_bitwise_equal, block_graph, load_small, plan
-from tests.test_runtime import MODELS, STEPS, STRATEGIES, load_model_pt
+from tests.test_runtime import STEPS, load_model_pt
 
 RANKS = 2
-# the training options a model is planned with: all four of issue 10 for the LR-scheduled MLP
-TRAINING = {"mlp_schedule": {"dtype": "bf16", "accumulate": 4, "clip_grad_norm": 1.0}}
-# the examples under every strategy, a model with parameters that get no gradient, and one
-# with bf16, accumulation, clipping and an LR schedule together
-CASES = [(name, s, f) for name in MODELS for s, f in STRATEGIES] + [
+# the training options a model is planned with: all of them, with its LR schedule, for the
+# LR-scheduled MLP
+TRAINING = {"mlp_schedule": OPTIONS["all"]}
+# the examples under every strategy that fits on two ranks, a model with parameters that get
+# no gradient, and one with bf16, accumulation, clipping and an LR schedule together; all in
+# one two-rank launch (two_rank_runs), so all of it is slow
+CASES = [tuple(c.values) for c in cells(MODELS, STRATEGIES, world_size=RANKS)] + [
     (name, s, f) for name in ("unused_frozen", "mlp_schedule")
     for s, f in (("keep_all", 1.0), ("offload_all", 1.0), ("ilp", 0.6))]
 
@@ -53,10 +55,6 @@ CHAOS_SEEDS = (1, 2, 3)
 CHAOS_PAUSE_MS = 5
 CONTROL_PAUSE_MS = 20
 CONTROL = ("gpt", "keep_all", 1.0)
-
-
-def case_id(name: str, strategy: str, fraction: float) -> str:
-    return f"{name}-{strategy}@{fraction:g}" if strategy == "ilp" else f"{name}-{strategy}"
 
 
 @dataclass(frozen=True)
@@ -83,16 +81,13 @@ def two_rank_runs(tmp_path_factory) -> TwoRankRuns:
         return out
 
     for name, strategy, fraction in CASES:
-        try:
-            schedule = plan(load_small(name), strategy, fraction, world_size=RANKS,
-                            **TRAINING.get(name, {}))
-        except InfeasiblePlan:
-            continue
+        schedule = plan(load_small(name), strategy, fraction, world_size=RANKS,
+                        **TRAINING.get(name, {}))
         plain[(name, strategy, fraction)] = (schedule, add(schedule,
-                                                           case_id(name, strategy, fraction)))
-    chaos = {(*case, seed): add(plain[case][0], f"chaos-{case_id(*case)}-{seed}",
+                                                           cell_id(name, strategy, fraction)))
+    chaos = {(*case, seed): add(plain[case][0], f"chaos-{cell_id(*case)}-{seed}",
                                 env={"KARMA_CHAOS": f"{seed}:{CHAOS_PAUSE_MS}"})
-             for case in CHAOS_CASES if case in plain for seed in CHAOS_SEEDS}
+             for case in CHAOS_CASES for seed in CHAOS_SEEDS}
     control_schedule = plain[CONTROL][0]
     step, reduce = (next(op.id for op in reversed(control_schedule.ops) if op.kind == kind)
                     for kind in ("device_step", "allreduce"))
@@ -127,11 +122,10 @@ def max_relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() / (scale or 1.0)
 
 
-@pytest.mark.parametrize("name,strategy,fraction", CASES, ids=[case_id(*c) for c in CASES])
+@pytest.mark.slow
+@pytest.mark.parametrize("name,strategy,fraction", CASES, ids=[cell_id(*c) for c in CASES])
 def test_two_ranks_equal_one_process_averaging_their_gradients(two_rank_runs, name, strategy,
                                                               fraction):
-    if (name, strategy, fraction) not in two_rank_runs.plain:
-        pytest.skip(f"{strategy} does not fit {fraction:g} of keep_all on {name}")
     schedule, out = two_rank_runs.plain[(name, strategy, fraction)]
     assert schedule.config.world_size == RANKS
     assert sorted(op.block for op in schedule.ops if op.kind == "allreduce") == list(
@@ -163,17 +157,16 @@ def final_parameters(out: Path, ref_params: dict) -> dict[str, torch.Tensor]:
     return {n: saved[n] for n in ref_params}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", CHAOS_SEEDS)
 @pytest.mark.parametrize("name,strategy,fraction", CHAOS_CASES,
-                         ids=[case_id(*c) for c in CHAOS_CASES])
+                         ids=[cell_id(*c) for c in CHAOS_CASES])
 def test_two_ranks_under_chaos_are_bitwise_the_averaged_loop(two_rank_runs, name, strategy,
                                                              fraction, seed):
     """The net stream's hand-offs (a block's backward to its all-reduce, the all-reduce to
     the device step or the copy to the host, host gradients to their all-reduce) hold under
     random pauses on both ranks, each rank pausing differently: bitwise, not to 1e-6 (two
     ranks' gradients sum in either order to the same bits)."""
-    if (name, strategy, fraction, seed) not in two_rank_runs.chaos:
-        pytest.skip(f"{strategy} does not fit {fraction:g} of keep_all on {name}")
     out = two_rank_runs.chaos[(name, strategy, fraction, seed)]
     ref_params, ref_losses = reference(name)
     assert_bitwise_equal(final_parameters(out, ref_params), ref_params)
@@ -181,6 +174,7 @@ def test_two_ranks_under_chaos_are_bitwise_the_averaged_loop(two_rank_runs, name
         assert json.loads((out / f"rank{rank}.json").read_text())["losses"] == ref_losses[rank]
 
 
+@pytest.mark.slow
 def test_a_device_step_that_skips_its_all_reduce_is_caught_under_chaos(two_rank_runs):
     """The control: gpt keep_all with its last device step no longer waiting for its block's
     all-reduce. Under chaos the step takes gradients that are not yet averaged (or the
@@ -219,6 +213,7 @@ def karma_run(*args: str) -> list[str]:
     return ["-m", "karma.run", *args]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_a_world_size_mismatch_names_both_numbers_and_the_fix(gpt_two_ranks, world_size):
     procs = start_ranks(karma_run(gpt_two_ranks, "--steps", "1"), world_size, ranks=[0])
@@ -229,6 +224,7 @@ def test_a_world_size_mismatch_names_both_numbers_and_the_fix(gpt_two_ranks, wor
     assert "Traceback" not in stderr
 
 
+@pytest.mark.slow
 def test_an_unreachable_rendezvous_fails_within_the_timeout(gpt_two_ranks):
     start = time.monotonic()
     # rank 1 alone: nobody serves the rendezvous at MASTER_PORT
@@ -244,6 +240,7 @@ def test_an_unreachable_rendezvous_fails_within_the_timeout(gpt_two_ranks):
     assert elapsed < 3 + 30, elapsed
 
 
+@pytest.mark.slow
 def test_ranks_running_different_schedules_stop(gpt_two_ranks, tmp_path):
     other = tmp_path / "other.yaml"
     other.write_text(dump_schedule(plan(load_small("gpt"), "keep_all", world_size=RANKS)))
@@ -256,6 +253,7 @@ def test_ranks_running_different_schedules_stop(gpt_two_ranks, tmp_path):
         assert "copy one schedule to all machines" in stderr
 
 
+@pytest.mark.slow
 def test_ranks_started_with_different_options_stop(gpt_two_ranks):
     port = free_port()
     procs = [start_ranks(karma_run(gpt_two_ranks, "--steps", "1", "--seed", seed), RANKS,
@@ -274,6 +272,7 @@ def test_a_malformed_world_size_is_bad_input(gpt_two_ranks):
     assert "Traceback" not in stderr
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_others_and_resume_reproduces_the_run(gpt_two_ranks,
                                                                       tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -315,6 +314,7 @@ def test_a_killed_rank_stops_the_others_and_resume_reproduces_the_run(gpt_two_ra
     assert worst <= 1e-6
 
 
+@pytest.mark.slow
 def test_a_hung_rank_stops_the_others_after_the_timeout(gpt_two_ranks, tmp_path):
     procs = start_ranks(karma_run(gpt_two_ranks, "--steps", "400", "--checkpoint-dir",
                                   str(tmp_path), "--checkpoint-every", "2", "--timeout", "5"),
@@ -399,6 +399,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gpus,refused", [(["GPU-1", "GPU-1"], True),
                                           (["GPU-1", "GPU-2"], False)])
 def test_nccl_is_refused_on_every_rank_when_two_share_a_gpu(gpus, refused):

@@ -1,4 +1,4 @@
-"""A full disk or a file-size limit during a run (issue 12, item 4): a checkpoint or a growth
+"""A full disk or a file-size limit during a run: a checkpoint or a growth
 of the file-backed host tier that cannot be written stops karma-run with one line naming the
 path and what to free (exit 2, no kill, no traceback); the previous checkpoint stays complete,
 --resume from it trains the uninterrupted losses, and no partial step_N/ is left."""
@@ -131,6 +131,7 @@ def test_a_checkpoint_past_the_file_size_limit_is_an_error_not_a_kill(
     assert sorted(os.listdir(ckpt)) == ["step_1"]
 
 
+@pytest.mark.slow
 def test_the_host_tier_past_the_file_size_limit_under_prlimit(schedule_path, tmp_path):
     """karma-run in its own process under `prlimit --fsize`: the tier's first arena (64 MiB and
     more) passes 16 MiB, and the run ends with exit 2 and the limit, not killed by SIGXFSZ."""

@@ -1,4 +1,4 @@
-"""Fuzzing schedules (issue 12): a mutated schedule is refused, or trains bitwise equal.
+"""Fuzzing schedules: a mutated schedule is refused, or trains bitwise equal.
 
 Hypothesis draws one to three mutations of a valid schedule (tests/schedule_fuzz.py: decision
 words, numbers, lines deleted, duplicated and moved, keys reordered, ops deleted, duplicated

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from karma.schedule_load import load_schedule
 from tests.conftest import ROOT
 
@@ -15,6 +17,7 @@ def _golden_module():
     return module
 
 
+@pytest.mark.slow
 def test_golden_schedules_regenerate_identically():
     golden = _golden_module()
     problems = golden.check()

@@ -293,6 +293,7 @@ def test_format_seconds(s, expected):
 # Measuring this machine
 
 
+@pytest.mark.slow
 def test_measure_local_quick_on_cpu_gives_plausible_numbers():
     from karma.calibrate.measure_hw import measure_local
 

@@ -111,7 +111,7 @@ def test_bf16_plans_of_a_small_gpt_swap_the_measured_bytes():
 
 @pytest.mark.slow
 def test_bf16_plans_of_gpt2_xl_on_h100_swap_the_measured_bytes():
-    # issue 10: bf16 plans move fewer activation bytes than fp32 ones, measured, not halved.
+    # bf16 plans move fewer activation bytes than fp32 ones, measured, not halved.
     # swap_all: the ILP's bf16 plans at 16G and 32G recompute every layer instead (bf16
     # compute is fast on an H100), so only swap_all swaps the same blocks in both dtypes.
     swap_ratio, act_ratio = bf16_over_fp32_swap({"KARMA_GPT": "xl"}, "32G", "swap_all")

@@ -32,12 +32,14 @@ def test_plan_is_what_karma_plan_writes(tmp_path, capsys):
     assert any(b.weights == "streamed" for b in api.blocks)  # out of core, not keep_all
 
 
+@pytest.mark.slow
 def test_plan_refuses_a_budget_nothing_fits():
     with environment(TINY), pytest.raises(karma.InfeasiblePlan) as e:
         karma.plan(GPT, gpu_mem="10K", hardware="cpu", batch_size=2)
     assert e.value.min_capacity_bytes > 10 << 10
 
 
+@pytest.mark.slow
 def test_own_loop_trains_bitwise_as_karma_run(tmp_path, capsys):
     from examples.own_loop import main as own_loop
 
@@ -87,6 +89,7 @@ def _schedule(strategy="swap_all"):
                       strategy=strategy)
 
 
+@pytest.mark.slow
 def test_evaluate_before_any_step_is_a_plain_eval_forward():
     from karma.modelfile import load_model_file
     from tests.conftest import MODELS

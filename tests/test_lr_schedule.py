@@ -19,6 +19,7 @@ from karma.cli.plan import main as plan_main
 from karma.cli.run import main as run_main
 from karma.reference import train_reference
 from tests.conftest import MODELS, environment
+from tests.matrix import ONE_BUDGET, strategy_cells
 from tests.runtime_helpers import (
     assert_bitwise_equal,
     load_small,
@@ -29,8 +30,6 @@ from tests.runtime_helpers import (
 )
 
 MODEL = MODELS / "mlp_schedule.py"
-STRATEGIES = [("keep_all", 1.0), ("recompute_all", 1.0), ("swap_all", 1.0),
-              ("offload_all", 1.0), ("greedy", 1.0), ("ilp", 0.6)]
 STEPS = 4
 
 
@@ -44,8 +43,7 @@ def _model_pt(directory, step: int) -> dict[str, torch.Tensor]:
     return torch.load(directory / f"step_{step}" / "model.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("strategy,fraction", STRATEGIES,
-                         ids=[f"{s}@{f:g}" if s == "ilp" else s for s, f in STRATEGIES])
+@pytest.mark.parametrize("strategy,fraction", strategy_cells(ONE_BUDGET))
 def test_every_strategy_follows_the_schedule_bitwise(strategy, fraction, tmp_path):
     mf = _load()
     schedule = plan(mf, strategy, fraction)
@@ -71,6 +69,7 @@ def test_a_schedule_of_momentum_too(strategy, tmp_path):
     assert_bitwise_equal(_model_pt(tmp_path, STEPS), ref.model.state_dict())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,fraction", [("offload_all", 1.0), ("ilp", 0.6)])
 def test_resume_mid_schedule_continues_exactly(strategy, fraction, tmp_path):
     mf = _load()
@@ -106,6 +105,7 @@ def test_the_library_state_holds_the_schedule():
     assert again == after
 
 
+@pytest.mark.slow
 def test_progress_line_and_report_show_the_learning_rate(tmp_path, capsys):
     schedule, report = tmp_path / "s.yaml", tmp_path / "r.json"
     assert plan_main([str(MODEL), "--hardware", "cpu", "--gpu-mem", "64M", "--strategy",
@@ -116,6 +116,7 @@ def test_progress_line_and_report_show_the_learning_rate(tmp_path, capsys):
     assert json.loads(report.read_text())["lrs"] == [0.0, 0.005, 0.01]
 
 
+@pytest.mark.slow
 def test_a_scheduler_without_step_is_one_line(tmp_path, capsys):
     path = tmp_path / "model.py"
     path.write_text(MODEL.read_text() + (
@@ -144,6 +145,7 @@ def test_without_make_scheduler_the_lr_stays_as_before(tmp_path):
     assert saved["lr_schedule"] is None
 
 
+@pytest.mark.slow
 def test_a_schedule_that_ends_before_the_run_is_one_line(tmp_path, capsys):
     """OneCycleLR refuses a step past its total_steps (6 here): karma says whose it is."""
     schedule = tmp_path / "s.yaml"

@@ -26,6 +26,7 @@ from karma.modelfile import (
     output_tensors,
 )
 from tests.conftest import MODELS, environment
+from tests.matrix import ONE_BUDGET, strategy_cells
 from tests.runtime_helpers import (
     assert_bitwise_equal,
     block_graph,
@@ -35,10 +36,6 @@ from tests.runtime_helpers import (
     reference_train,
     run,
 )
-
-STRATEGIES = [("keep_all", 1.0), ("swap_all", 1.0), ("recompute_all", 1.0),
-              ("offload_all", 1.0), ("ilp", 0.6)]
-
 
 # --- the protocol's pieces ---------------------------------------------------------------
 
@@ -116,7 +113,7 @@ def test_the_ir_hands_loss_fn_the_output_in_its_real_structure(tmp_path):
     assert graph.input_bytes == 4 * (16 + 1) * 4 + 4 * 8  # features, scale, int64 labels
 
 
-@pytest.mark.parametrize("strategy,fraction", STRATEGIES)
+@pytest.mark.parametrize("strategy,fraction", strategy_cells(ONE_BUDGET))
 @pytest.mark.parametrize("own_loss", [True, False], ids=["own_loss", "targets"])
 def test_keyword_inputs_and_dict_outputs_train_bitwise(strategy, fraction, own_loss, tmp_path):
     mf = load_small("dict_io") if own_loss else _with_targets()
@@ -164,6 +161,7 @@ def test_dict_keys_the_forward_does_not_accept(tmp_path, capsys):
     assert "takes no argument 'feature'" in err and "argument names" in err
 
 
+@pytest.mark.slow
 def test_a_forward_that_returns_nothing_requiring_grad(tmp_path, capsys):
     path = _model_file(tmp_path, (
         "class Detached(Net):\n"
@@ -186,6 +184,7 @@ def test_a_forward_that_returns_nothing_requiring_grad(tmp_path, capsys):
     assert "step 1/" not in out
 
 
+@pytest.mark.slow
 def test_a_batch_of_an_unsupported_type_at_run_time(tmp_path, capsys):
     path = _model_file(tmp_path, (
         "def batches(batch_size, rank, world_size):\n"
@@ -201,6 +200,7 @@ def test_a_batch_of_an_unsupported_type_at_run_time(tmp_path, capsys):
     assert "batches(4, 0, 1) returned inputs of type list" in err
 
 
+@pytest.mark.slow
 def test_eval_every_without_eval_batches(tmp_path, capsys):
     path = tmp_path / "model.py"
     text = (MODELS / "dict_io.py").read_text()
@@ -214,6 +214,7 @@ def test_eval_every_without_eval_batches(tmp_path, capsys):
     assert code == 2 and "defines no eval_batches(batch_size)" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_report_lists_the_evals(tmp_path, capsys):
     schedule, report = tmp_path / "s.yaml", tmp_path / "r.json"
     with environment({"DICT_IO_TARGETS": "0"}):
@@ -227,6 +228,7 @@ def test_report_lists_the_evals(tmp_path, capsys):
     assert [e["step"] for e in evals] == [2] and evals[0]["loss"] > 0
 
 
+@pytest.mark.slow
 def test_a_hugging_face_model_with_its_default_config(tmp_path, capsys):
     """use_cache=True by default: karma turns it off (and says so) for planning and
     training, and loss_fn gets the ModelOutput both times."""
@@ -269,6 +271,7 @@ def test_backward_is_found_whatever_the_order_of_keyword_arguments(strategy, tmp
     assert_bitwise_equal(torch.load(tmp_path / "step_3" / "model.pt", weights_only=True), ref_sd)
 
 
+@pytest.mark.slow
 def test_a_block_karma_cannot_hook_is_not_blamed_on_control_flow(tmp_path, capsys):
     path = tmp_path / "model.py"
     path.write_text(

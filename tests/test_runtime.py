@@ -17,10 +17,10 @@ from functools import cache
 import pytest
 import torch
 
-from karma.planner.plan import InfeasiblePlan
 from karma.runtime.checkpoint import latest_checkpoint
 from karma.runtime.host import ALIGN
 from karma.runtime.replay import DivergedError
+from tests.matrix import MODELS, STRATEGIES, cells, first_fast, strategy_cells
 from tests.runtime_helpers import (
     LAYERS_MODEL,
     assert_bitwise_equal,
@@ -33,22 +33,12 @@ from tests.runtime_helpers import (
 )
 
 STEPS = 3
-MODELS = ("gpt", "resnet", "mlp")
-STRATEGIES = [("keep_all", 1.0), ("recompute_all", 1.0), ("swap_all", 1.0),
-              ("offload_all", 1.0), ("greedy", 1.0), ("ilp", 0.4), ("ilp", 0.6), ("ilp", 0.8)]
 
 
 @cache
 def reference(name: str, steps: int):
     mf = load_small(name)
     return reference_train(mf, block_graph(mf).batch_size, steps)
-
-
-def schedule_or_skip(name: str, strategy: str, fraction: float):
-    try:
-        return plan(load_small(name), strategy, fraction)
-    except InfeasiblePlan as e:
-        pytest.skip(f"{strategy} does not fit {fraction:g} of keep_all on {name}: {e}")
 
 
 def load_model_pt(directory, step: int) -> dict[str, torch.Tensor]:
@@ -107,11 +97,9 @@ def host_optimizer_bytes(schedule, model: torch.nn.Module, state_factor: int = 2
 
 # --- exactness -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("strategy,fraction", STRATEGIES,
-                         ids=[f"{s}@{f:g}" if s == "ilp" else s for s, f in STRATEGIES])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name,strategy,fraction", cells(MODELS, STRATEGIES))
 def test_training_is_bitwise_equal_to_plain_pytorch(name, strategy, fraction, tmp_path):
-    schedule = schedule_or_skip(name, strategy, fraction)
+    schedule = plan(load_small(name), strategy, fraction)
     assert schedule.strategy == strategy and schedule.status != "fallback"
     ref_sd, ref_losses = reference(name, STEPS)
     probe = Probe(load_small(name), schedule)
@@ -156,14 +144,14 @@ def test_training_is_bitwise_equal_to_plain_pytorch(name, strategy, fraction, tm
         assert report.host_tier_peak_bytes == held
 
 
-@pytest.mark.parametrize("strategy,fraction", [("keep_all", 1.0), ("offload_all", 1.0),
-                                               ("swap_all", 1.0), ("ilp", 0.6)])
+@pytest.mark.parametrize("strategy,fraction", strategy_cells(
+    (("keep_all", 1.0), ("offload_all", 1.0), ("swap_all", 1.0), ("ilp", 0.6))))
 def test_parameters_without_gradients_are_skipped_as_in_plain_pytorch(strategy, fraction,
                                                                      tmp_path):
     """An unused parameter and a frozen layer get no gradient: the optimizer must skip them
     (AdamW would otherwise decay them) wherever it runs, on the device or on the host."""
     mf = load_small("unused_frozen")
-    schedule = schedule_or_skip("unused_frozen", strategy, fraction)
+    schedule = plan(mf, strategy, fraction)
     ref_sd, ref_losses = reference("unused_frozen", STEPS)
     report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
@@ -172,15 +160,15 @@ def test_parameters_without_gradients_are_skipped_as_in_plain_pytorch(strategy, 
         assert all(b.optim == "host" for b in schedule.blocks)
 
 
-@pytest.mark.parametrize("strategy,fraction", [("keep_all", 1.0), ("offload_all", 1.0),
-                                               ("swap_all", 1.0), ("ilp", 0.6)])
-@pytest.mark.parametrize("name", ["gpt", "resnet"])
+@pytest.mark.parametrize("name,strategy,fraction", cells(
+    ("gpt", "resnet"), (("keep_all", 1.0), ("offload_all", 1.0), ("swap_all", 1.0),
+                        ("ilp", 0.6))))
 def test_a_model_built_in_the_host_tier_trains_exactly(name, strategy, fraction, tmp_path,
                                                        monkeypatch):
     """Every factory tensor of the build goes to the host tier (the threshold is what makes a
     real model's weights go there); the weights then move where the schedule puts them."""
     monkeypatch.setattr("karma.runtime.bringup.TIER_MIN_BYTES", 1)
-    schedule = schedule_or_skip(name, strategy, fraction)
+    schedule = plan(load_small(name), strategy, fraction)
     ref_sd, ref_losses = reference(name, STEPS)
     probe = Probe(load_small(name), schedule)
     report = run(schedule, probe.mf, STEPS, checkpoint_dir=tmp_path)
@@ -197,13 +185,10 @@ def test_a_model_built_in_the_host_tier_trains_exactly(name, strategy, fraction,
 def test_schedules_under_test_cover_every_decision():
     """The ILP budgets above really mix decisions (else the exactness tests prove little)."""
     seen = set()
-    for name in MODELS:
-        for strategy, fraction in STRATEGIES:
-            try:
-                s = plan(load_small(name), strategy, fraction)
-            except InfeasiblePlan:
-                continue
-            seen |= {(b.act, b.weights, b.optim) for b in s.blocks if strategy == "ilp"}
+    for cell in cells(MODELS, STRATEGIES):
+        name, strategy, fraction = cell.values
+        s = plan(load_small(name), strategy, fraction)
+        seen |= {(b.act, b.weights, b.optim) for b in s.blocks if strategy == "ilp"}
     acts, weights, optims = ({c[k] for c in seen} for k in range(3))
     assert acts == {"keep", "swap", "recompute"}
     assert weights == {"resident", "streamed"}
@@ -261,7 +246,7 @@ def test_model_checkpoint_of_host_weights_holds_only_the_weights(tmp_path):
 RESUME_CASES = [("gpt", "ilp", 0.5), ("resnet", "ilp", 0.6), ("gpt", "keep_all", 1.0)]
 
 
-@pytest.mark.parametrize("name,strategy,fraction", RESUME_CASES)
+@pytest.mark.parametrize("name,strategy,fraction", first_fast(RESUME_CASES))
 def test_resume_continues_exactly(name, strategy, fraction, tmp_path):
     mf = load_small(name)
     schedule = plan(mf, strategy, fraction)
@@ -285,6 +270,7 @@ def test_resume_continues_exactly(name, strategy, fraction, tmp_path):
     assert_bitwise_equal(load_model_pt(whole, 4), ref_sd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,before,after", [("gpt", "keep_all", "offload_all"),
                                                ("resnet", "offload_all", "swap_all")])
 def test_a_checkpoint_resumes_under_another_schedule(name, before, after, tmp_path):
@@ -350,8 +336,8 @@ def test_the_layers_model_trains_exactly_in_its_planned_order(layers_model, stra
     assert_bitwise_equal(load_model_pt(tmp_path, 2), ref_sd)
 
 
-@pytest.mark.parametrize("order", ["2,1,0", "0,2", "0,1", "0,1,2,1"])
-@pytest.mark.parametrize("strategy", ["keep_all", "swap_all", "offload_all"])
+@pytest.mark.parametrize("order", first_fast(["2,1,0", "0,2", "0,1", "0,1,2,1"]))
+@pytest.mark.parametrize("strategy", first_fast(["offload_all", "keep_all", "swap_all"]))
 def test_execution_that_leaves_the_schedule_fails_loudly(layers_model, strategy, order,
                                                          tmp_path, monkeypatch):
     # every tensor these layers save is also saved by a neighbour (x and tanh(x)), so a swap's

@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 
-from karma.planner.plan import InfeasiblePlan
 from karma.schedule import Op, Schedule, ScheduleFileError, dump_schedule
 from karma.schedule_check import check_model_names, validate, walk_peak_bytes
 from karma.schedule_load import load_schedule
@@ -116,10 +115,7 @@ def test_planned_schedules_pass(hardware, strategy, world_size, accumulate, clip
     request = PlanRequest(capacity, load_hardware(hardware), graph.batch_size,
                           world_size=world_size, strategy=strategy, accumulate=accumulate,
                           clip_grad_norm=clip, time_limit_s=10)
-    try:
-        s = make_schedule(graph, tiny_schedule().model, request).schedule
-    except InfeasiblePlan:
-        pytest.skip("nothing fits")
+    s = make_schedule(graph, tiny_schedule().model, request).schedule  # every case fits
     validate(s)
     assert load_schedule(dump_schedule(s)).blocks == s.blocks
 
@@ -141,7 +137,7 @@ def test_the_fixture_has_every_choice(sched):
 
 
 def test_the_original_failure_a_keep_block_whose_ops_swap_it(sched):
-    # issue 12: block 3's act said keep while its ops still swapped it: KeyError: 3 at run time
+    # a failure once met: block 3's act said keep while its ops still swapped it: KeyError: 3 at run time
     refused(with_block(sched, 0, act="keep"),
             f"op {op_of(sched, 'swap_out', 0).id} (swap_out of block 0 (head)) is one swap_out "
             "too many for block 0 (head)",

@@ -28,6 +28,7 @@ from karma.timeline import (
     wait_s_by_stream,
     write_trace,
 )
+from tests.matrix import first_fast
 from tests.runtime_helpers import load_small, plan, run
 from tests.schedule_fixtures import tiny_schedule
 
@@ -48,7 +49,7 @@ def by_stream(ids_and_streams) -> dict[str, list[int]]:
     return dict(lanes)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", first_fast(CASES))
 def test_traced_op_order_equals_the_schedules(case, tmp_path):
     strategy, fraction, clip = CASES[case]
     mf = load_small("gpt")

@@ -19,21 +19,17 @@ from karma.errors import KarmaError
 from karma.reference import train_reference
 from karma.runtime.runtime import Runtime
 from tests.conftest import EXAMPLES, SMALL_ENV
+from tests.matrix import FAST, MODELS, ONE_BUDGET, cell_id, first_fast, strategy_cells
+from tests.matrix import OPTIONS as PLANNED
 from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, run
 
 STEPS = 2
-MODELS = ("gpt", "resnet", "mlp")
-STRATEGIES = [("keep_all", 1.0), ("recompute_all", 1.0), ("swap_all", 1.0),
-              ("offload_all", 1.0), ("greedy", 1.0), ("ilp", 0.6)]
-CLIP = 1.0
-# (planned options, whether the model file gets a warmup + cosine LambdaLR)
-OPTIONS = {
-    "bf16": ({"dtype": "bf16"}, False),
-    "accumulate4": ({"accumulate": 4}, False),
-    "clip": ({"clip_grad_norm": CLIP}, False),
-    "lambda_lr": ({}, True),
-    "all": ({"dtype": "bf16", "accumulate": 4, "clip_grad_norm": CLIP}, True),
-}
+CLIP = PLANNED["clip"]["clip_grad_norm"]
+# (planned options, whether the model file gets a warmup + cosine LambdaLR): each of the
+# matrix's options, a LambdaLR alone, and all of them with it
+OPTIONS = {**{option: (options, option == "all") for option, options in PLANNED.items()
+              if option != "all"},
+           "lambda_lr": ({}, True), "all": (PLANNED["all"], True)}
 
 
 def warmup_cosine(step: int) -> float:
@@ -62,11 +58,14 @@ def _model_pt(directory, step: int) -> dict[str, torch.Tensor]:
     return torch.load(directory / f"step_{step}" / "model.pt", weights_only=True)
 
 
-CASES = [(m, o, s, f) for o in OPTIONS for m in MODELS for s, f in STRATEGIES]
+# every option, model and strategy; `make test-fast` trains all the options together on the
+# MLP's ILP plan
+CASES = [pytest.param(m, o, s, f, id=f"{o}-{cell_id(m, s, f)}",
+                      marks=() if (o, m, (s, f)) == ("all", "mlp", FAST) else pytest.mark.slow)
+         for o in OPTIONS for m in MODELS for s, f in ONE_BUDGET]
 
 
-@pytest.mark.parametrize("name,option,strategy,fraction", CASES, ids=[
-    f"{o}-{m}-{s}@{f:g}" if s == "ilp" else f"{o}-{m}-{s}" for m, o, s, f in CASES])
+@pytest.mark.parametrize("name,option,strategy,fraction", CASES)
 def test_every_option_and_strategy_equals_the_plain_loop(name, option, strategy, fraction,
                                                         tmp_path):
     options, scheduled = OPTIONS[option]
@@ -82,7 +81,7 @@ def test_every_option_and_strategy_equals_the_plain_loop(name, option, strategy,
     assert_bitwise_equal(_model_pt(tmp_path, STEPS), ref.model.state_dict())
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", first_fast(("mlp", "gpt", "resnet")))
 def test_each_option_changes_the_numbers(name):
     """Otherwise the equalities above could hold with the option ignored on both sides."""
     plain = train_reference(load_small(name), load_small(name).default_batch_size, STEPS)
@@ -111,7 +110,7 @@ def test_micro_batches_through_the_library(tmp_path):
         rt.state_dict()
 
 
-@pytest.mark.parametrize("strategy,fraction", [("offload_all", 1.0), ("ilp", 0.6)])
+@pytest.mark.parametrize("strategy,fraction", strategy_cells((("offload_all", 1.0), ("ilp", 0.6))))
 def test_resume_mid_schedule_and_accumulation_continues_exactly(strategy, fraction, tmp_path):
     """A run stopped after step 2 and resumed gives the uninterrupted run's losses, learning
     rates and parameters: the data resumes 2 x N micro-batches in, the LR schedule at 2."""
@@ -156,6 +155,7 @@ def test_bad_training_options_are_one_line(argv, expected, capsys):
     assert code == 2 and expected in err and "Traceback" not in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edit,expected", [
     ("  clip_grad_norm: null", "  clip_grad_norm: -1"),
     ("  accumulate: 1", "  accumulate: 0"),
@@ -175,6 +175,7 @@ def test_a_schedule_edited_to_bad_training_options_is_refused(edit, expected, tm
     assert code == 2 and f"config.{key}" in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_a_clipped_schedule_whose_steps_come_early_is_refused(tmp_path, capsys, small_mlp):
     """A schedule planned without clipping (host steps during the backward) with clipping
     written into its config: the runtime cannot clip it, and says so before any step."""
@@ -189,6 +190,7 @@ def test_a_clipped_schedule_whose_steps_come_early_is_refused(tmp_path, capsys, 
     assert "clip_grad_norm" in err and "step 1/" not in out
 
 
+@pytest.mark.slow
 def test_progress_line_and_report_show_the_options_and_the_norm(tmp_path, capsys, small_mlp):
     schedule, report = tmp_path / "s.yaml", tmp_path / "r.json"
     assert plan_main([str(MLP), "--hardware", "cpu", "--gpu-mem", "64M", "--dtype", "bf16",

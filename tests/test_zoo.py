@@ -39,7 +39,8 @@ def zoo_case(name: str):
     return mf, schedule, reference_train(mf, schedule.config.batch_size, STEPS)
 
 
-@pytest.mark.parametrize("name", ZOO)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == ZOO[0] else pytest.mark.slow)
+                                  for n in ZOO])
 def test_zoo_model_trains_bitwise_at_half_of_keep_all(name, tmp_path):
     mf, schedule, (ref_sd, ref_losses) = zoo_case(name)
     assert any(b.act != "keep" or b.weights == "streamed" for b in schedule.blocks)
