@@ -107,6 +107,7 @@ def test_reported_peak_is_the_schedules_memory_not_one_time_imports(end_to_end):
     assert report["peak_device_bytes"] < report["predicted_peak_device_bytes"] + (16 << 20)
 
 
+@pytest.mark.slow
 def test_the_memory_outside_the_plans_tensors_is_measured_and_said(end_to_end):
     # what the process held outside its tensors at a step's start (thread pools, small
     # tensors, Python objects): measured where the CPU cache runs, and planned from what the
