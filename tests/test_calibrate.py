@@ -12,9 +12,10 @@ import torch
 
 import karma
 from karma.api import plan_report
-from karma.calibrate import CACHE_VERSION, local_device, timing_batch
-from karma.calibrate.blocks import _owned_share
+from karma.calibrate.blocks import _owned_share, timing_batch
+from karma.calibrate.cache import CACHE_VERSION
 from karma.calibrate.in_context import median_over_traced
+from karma.calibrate.machine import local_device
 from karma.cli.plan import main as plan_main
 from karma.errors import KarmaError
 from karma.fileio import cache_dir

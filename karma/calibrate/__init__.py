@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from karma.calibrate.blocks import Timed, blocks_key, read_times, timed_alone, timing_batch
-from karma.calibrate.cache import CACHE_VERSION, cache_path, write
+from karma.calibrate.blocks import Timed, blocks_key, read_times, timed_alone
+from karma.calibrate.cache import cache_path, write
 from karma.calibrate.in_context import timed_in_context
 from karma.calibrate.machine import (
     allocating_as_the_runtime_does,
@@ -56,8 +56,7 @@ from karma.modelfile import ModelFile
 from karma.planner.hardware import Hardware
 from karma.schedule import Schedule
 
-__all__ = ["CACHE_VERSION", "Calibration", "FromPlanning", "calibrate", "local_device",
-           "timing_batch"]
+__all__ = ["Calibration", "FromPlanning", "calibrate"]
 
 
 @dataclass(frozen=True)
@@ -141,10 +140,11 @@ def _block_times(mf: ModelFile, graph: BlockGraph, planning: FromPlanning, devic
     cached = None if remeasure else read_times(path, len(graph.blocks))
     if cached is not None:
         return cached, path, False
+    timed, how = None, {}
     if in_context_hw is not None:
         timed = timed_in_context(graph, in_context_hw, planning.keep_all, path, say, remeasure)
-        if timed is not None:
-            write(path, {"key": key, **vars(timed)}, say)
-            return timed, path, True
-    return timed_alone(mf, graph, planning.roofline_s, device, blocks_regex, path, key, say,
-                       remeasure), path, True
+    if timed is None:  # not in context, or a keep_all step does not fit or failed
+        timed, how = timed_alone(mf, graph, planning.roofline_s, device, blocks_regex, path,
+                                 say, remeasure)
+    write(path, {"key": key, **how, **vars(timed)}, say)
+    return timed, path, True

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from karma.calibrate.cache import read, write
+from karma.calibrate.cache import read
 from karma.calibrate.machine import allocating_as_the_runtime_does, machine_key
 from karma.errors import KarmaError
 from karma.ir.graph import BlockGraph
@@ -78,11 +78,12 @@ def read_times(path: Path, n_blocks: int) -> Timed | None:
 
 
 def timed_alone(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float], device: str,
-                blocks_regex: str | None, path: Path, key: dict, say: Callable[[str], None],
-                remeasure: bool = False) -> Timed:
+                blocks_regex: str | None, path: Path, say: Callable[[str], None],
+                remeasure: bool = False) -> tuple[Timed, dict]:
     """Every distinct block timed by itself (karma.ir.timing), at the batch `timing_batch`
-    picks from the profile's roofline estimate `roofline_s`, scaled to the graph's batch;
-    cached in `path` under `key`."""
+    picks from the profile's roofline estimate `roofline_s`, scaled to the graph's batch, and
+    how (the batch timed, the number of distinct blocks), which their cache file records.
+    `path`: the cache file, named in the log."""
     batch = timing_batch(graph, roofline_s)
     say(f"timing the blocks of {graph.model} on this machine ({device}, batch {batch}"
         + (f", scaled to {graph.batch_size}" if batch != graph.batch_size else "")
@@ -96,10 +97,8 @@ def timed_alone(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float], d
     times = tuple((fwd * scale, bwd * scale) for fwd, bwd in timed.fwd_bwd_s)
     steps = tuple(_owned_share(b.param_bytes, stepped, step)
                   for b, stepped, step in zip(graph.blocks, timed.stepped_bytes, timed.step_s))
-    measured = Timed(times, steps, 0, "block by block")
-    write(path, {"key": key, "timed_batch_size": batch, "distinct_blocks": timed.distinct,
-                       **vars(measured)}, say)
-    return measured
+    how = {"timed_batch_size": batch, "distinct_blocks": timed.distinct}
+    return Timed(times, steps, 0, "block by block"), how
 
 
 def timing_batch(graph: BlockGraph, roofline_s: Sequence[float]) -> int:

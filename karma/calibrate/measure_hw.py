@@ -333,6 +333,8 @@ def _beside(main: Callable[[], object], side: Callable[[], object], repeats: int
 
 
 def mem_available_bytes() -> int:
+    """The host memory available to a new process (MemAvailable from /proc/meminfo,
+    else the free physical pages); a KarmaError where neither can be read."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
