@@ -78,7 +78,8 @@ def test_same_shaped_blocks_are_timed_once(example):
 
 
 def test_the_model_files_own_optimizer_is_timed_stepping_each_blocks_weights(example, tmp_path):
-    # [Note: timing the optimizer step]: an optimizer that takes 30 ms a step is seen as one
+    # [Note: timing the optimizer step]: an optimizer that takes 100 ms a step is seen as one
+    # (plain AdamW on these blocks: a few ms, 37 ms on the 2-core machine under load)
     mf = example("mlp")
     plain = time_blocks(mf, 2, repeats=1)
     slow_file = tmp_path / "slow_optimizer.py"
@@ -90,7 +91,7 @@ def test_the_model_files_own_optimizer_is_timed_stepping_each_blocks_weights(exa
         assert stepped == b.param_bytes  # no tied weight in the MLP
         assert host_s == device_s  # on the CPU the host optimizer is the same step
         if b.param_bytes:
-            assert device_s >= 0.03 > plain_s
+            assert device_s >= 0.1 > plain_s
         else:
             assert device_s == 0.0
 
@@ -102,7 +103,7 @@ import time as _time
 
 class _SlowAdamW(torch.optim.AdamW):
     def step(self, closure=None):
-        _time.sleep(0.03)
+        _time.sleep(0.1)
         return super().step(closure)
 
 
