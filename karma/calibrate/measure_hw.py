@@ -39,6 +39,7 @@ import torch
 from karma.errors import KarmaError
 from karma.fileio import tier_directory
 from karma.planner.hardware import Hardware
+from karma.runtime.hostmem import mem_available_bytes as meminfo_available_bytes
 
 _GiB = 1024**3
 _MiB = 1024**2
@@ -333,15 +334,12 @@ def _beside(main: Callable[[], object], side: Callable[[], object], repeats: int
 
 
 def mem_available_bytes() -> int:
-    """The host memory available to a new process (MemAvailable from /proc/meminfo,
-    else the free physical pages); a KarmaError where neither can be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    """The host memory available to a new process (MemAvailable from /proc/meminfo, as the
+    runtime's start check reads it, else the free physical pages); a KarmaError where
+    neither can be read."""
+    available = meminfo_available_bytes()
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError) as e:
