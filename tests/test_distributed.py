@@ -63,8 +63,6 @@ class TwoRankRuns:
 
     plain: dict  # (name, strategy, fraction) -> (schedule, directory)
     chaos: dict  # (name, strategy, fraction, seed) -> directory
-    control: dict  # seed -> directory (a report may be {"error": ...})
-    control_op: int  # the device step that no longer waits for its all-reduce
 
 
 @pytest.fixture(scope="module")
@@ -88,19 +86,46 @@ def two_rank_runs(tmp_path_factory) -> TwoRankRuns:
     chaos = {(*case, seed): add(plain[case][0], f"chaos-{cell_id(*case)}-{seed}",
                                 env={"KARMA_CHAOS": f"{seed}:{CHAOS_PAUSE_MS}"})
              for case in CHAOS_CASES for seed in CHAOS_SEEDS}
-    control_schedule = plain[CONTROL][0]
-    step, reduce = (next(op.id for op in reversed(control_schedule.ops) if op.kind == kind)
-                    for kind in ("device_step", "allreduce"))
-    control = {seed: add(control_schedule, f"control-{seed}", drop_dep=[step, reduce],
-                         env={"KARMA_CHAOS": f"{seed}:{CONTROL_PAUSE_MS}"}, may_fail=True,
-                         timeout_s=20.0)
-               for seed in CHAOS_SEEDS}  # last in the job: see tests/dist_worker.py
     job = root / "job.json"
     job.write_text(json.dumps({"runs": runs}))
     for rank, (code, _, stderr) in enumerate(
             finish(start_ranks(["-m", "tests.dist_worker", str(job)], RANKS), timeout_s=900)):
         assert code == 0, f"rank {rank} failed:\n{stderr[-4000:]}"
-    return TwoRankRuns(plain, chaos, control, step)
+    return TwoRankRuns(plain, chaos)
+
+
+@dataclass(frozen=True)
+class ControlRun:
+    """One launch of the control: its directory and each rank's exit code."""
+
+    out: Path
+    codes: tuple[int, ...]
+
+
+@pytest.fixture(scope="module")
+def control_runs(tmp_path_factory) -> tuple[int, dict[int, ControlRun]]:
+    """The control (CONTROL with its last device step no longer waiting for its block's
+    all-reduce) under chaos, one launch per seed: the race it sets up may end a rank with a
+    crash (a device step and the all-reduce writing the same gradients at once), which must
+    not take other runs with it. Returns the op that no longer waits, and each seed's run."""
+    root = tmp_path_factory.mktemp("control")
+    schedule = plan(load_small(CONTROL[0]), *CONTROL[1:], world_size=RANKS)
+    step, reduce = (next(op.id for op in reversed(schedule.ops) if op.kind == kind)
+                    for kind in ("device_step", "allreduce"))
+    runs = {}
+    for seed in CHAOS_SEEDS:
+        out = root / f"control-{seed}"
+        out.mkdir()
+        (out / "schedule.yaml").write_text(dump_schedule(schedule))
+        job = out / "job.json"
+        job.write_text(json.dumps({"runs": [{
+            "schedule": str(out / "schedule.yaml"), "out": str(out), "steps": STEPS,
+            "drop_dep": [step, reduce], "env": {"KARMA_CHAOS": f"{seed}:{CONTROL_PAUSE_MS}"},
+            "may_fail": True, "timeout_s": 20.0}]}))
+        codes = tuple(code for code, _, _ in finish(
+            start_ranks(["-m", "tests.dist_worker", str(job)], RANKS), timeout_s=300))
+        runs[seed] = ControlRun(out, codes)
+    return step, runs
 
 
 @cache
@@ -175,7 +200,7 @@ def test_two_ranks_under_chaos_are_bitwise_the_averaged_loop(two_rank_runs, name
 
 
 @pytest.mark.slow
-def test_a_device_step_that_skips_its_all_reduce_is_caught_under_chaos(two_rank_runs):
+def test_a_device_step_that_skips_its_all_reduce_is_caught_under_chaos(control_runs):
     """The control: gpt keep_all with its last device step no longer waiting for its block's
     all-reduce. Under chaos the step takes gradients that are not yet averaged (or the
     all-reduce writes into gradients already stepped): the ranks end with different
@@ -183,20 +208,26 @@ def test_a_device_step_that_skips_its_all_reduce_is_caught_under_chaos(two_rank_
     24 of 24 under chaos (the three seeds, eight times) and 8 of 8 without it: an all-reduce
     waits for the other rank, so a step that skips it nearly always runs first. On the net
     stream a missing wait shows without the pauses too; this control shows that the chaos
-    runs above would see one."""
+    runs above would see one. A rank that crashes (the step and the all-reduce writing the
+    same gradients at once can end a rank with a segmentation fault) is caught too."""
     caught = []
     ref_params, _ = reference(CONTROL[0])
-    for seed, out in two_rank_runs.control.items():
-        reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+    control_op, runs = control_runs
+    for seed, run in runs.items():
+        if any(run.codes):  # a rank crashed
+            caught.append(seed)
+            continue
+        reports = [json.loads((run.out / f"rank{rank}.json").read_text())
+                   for rank in range(RANKS)]
         if any("error" in r for r in reports):
             caught.append(seed)
             continue
         try:
-            assert_bitwise_equal(final_parameters(out, ref_params), ref_params)
+            assert_bitwise_equal(final_parameters(run.out, ref_params), ref_params)
         except AssertionError:
             caught.append(seed)
-    assert caught, (f"chaos timing did not expose op {two_rank_runs.control_op}, a device "
-                    "step that skips its all-reduce")
+    assert caught, (f"chaos timing did not expose op {control_op}, a device step that skips "
+                    "its all-reduce")
 
 
 # --- launching, bad input and faults -------------------------------------------------------
