@@ -126,6 +126,12 @@ def test_a_run_that_does_not_end_is_a_hang(monkeypatch):
         verdict = judge(fresh, reseeded(b), timeout_s=0.2)
     finally:
         release.set()  # the run left behind ends
+        # and restores the environment it saved: wait for that, or it could undo the
+        # KARMA_* variables a later test sets (a golden schedule then records env: {})
+        for thread in threading.enumerate():
+            if thread.name == "karma-fuzz-run":
+                thread.join(30)
+                assert not thread.is_alive(), "the run left behind did not end"
     assert verdict.outcome == "hang" and verdict.bug
 
 
