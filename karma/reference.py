@@ -157,11 +157,12 @@ class HostStepped:
     CPU optimizer made by the model file's make_optimizer steps the masters (per parameter,
     as each block's optimizer does: the same bits whatever the grouping), and the device
     weights are copied from them. With clipping, each gradient's norm is taken where karma
-    takes it (update.py, Updates._grads_to_host_with_norms): on the device before the copy, or on the
-    CPU for a gradient summed there over micro-batches; the total and the scaling are PyTorch's
-    get_total_norm and clip_grads_with_norm_ over the same list, as GradClip does. The
-    hyperparameters of the plain optimizer's param group k (an LR schedule's) are copied into
-    the CPU optimizer's before each step, as lr.py does for each block.
+    takes it (runtime/update.py, Updates._grads_to_host_with_norms): on the device before
+    the copy, or on the CPU for a gradient summed there over micro-batches; the total and the
+    scaling are PyTorch's get_total_norm and clip_grads_with_norm_ over the same list, as
+    GradClip does. The hyperparameters of the plain optimizer's param group k (an LR
+    schedule's) are copied into the CPU optimizer's before each step, as lr.py does for each
+    block.
     """
 
     def __init__(self, model: torch.nn.Module, make_optimizer, names: Collection[str]):

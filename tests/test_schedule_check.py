@@ -137,7 +137,8 @@ def test_the_fixture_has_every_choice(sched):
 
 
 def test_the_original_failure_a_keep_block_whose_ops_swap_it(sched):
-    # a failure once met: block 3's act said keep while its ops still swapped it: KeyError: 3 at run time
+    # a failure once met: block 3's act said keep while its ops still swapped it (KeyError: 3
+    # at run time)
     refused(with_block(sched, 0, act="keep"),
             f"op {op_of(sched, 'swap_out', 0).id} (swap_out of block 0 (head)) is one swap_out "
             "too many for block 0 (head)",

@@ -6,7 +6,8 @@
 
 It measures the CUDA device if PyTorch sees one, else the CPU (whose offload tier is a file on
 local disk, and whose copies and host optimizer take cores from compute: it also measures how
-much, see [Note: measuring contention] in karma/calibrate/measure_hw.py). The network is not measured: edit net_bytes_per_s and net_latency_s in the file.
+much, see [Note: measuring contention] in karma/calibrate/measure_hw.py). The network is not
+measured: edit net_bytes_per_s and net_latency_s in the file.
 """
 
 from __future__ import annotations

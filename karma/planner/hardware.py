@@ -111,7 +111,8 @@ class Hardware:
     # streams, as a GPU's copy engines and a GPU's host are); simulate.py runs the streams
     # at the reduced speeds while they overlap (processor sharing). karma-profile measures
     # them on the CPU by timing a matmul alone and beside a copying (or AdamW-stepping)
-    # thread, and that copy (step) alone and beside the matmul (calibrate/measure_hw.py, _contention).
+    # thread, and that copy (step) alone and beside the matmul (calibrate/measure_hw.py,
+    # _contention).
     # The model is deliberately small: h2d and d2h busy at once cost compute what one does;
     # where the streams share cores, the busy streams' speeds add up to at most 1, which is
     # how copies and host steps slow each other (simulate.py, [Note: every stream on shared

@@ -380,7 +380,7 @@ def host_temp_bytes(f: Fragment) -> int:
     in each stage from to_host(i) on, the largest temporary among the blocks whose host step
     may have started (host_temp_by_stage), rather than each in its own stage. With
     clipping the host steps run on into the next iteration's forward (the runtime overlaps
-    them: engine.py, [Note: updates overlapped with the next forward]), so the largest of
+    them: runtime/update.py, [Note: updates overlapped with the next forward]), so the largest of
     them counts in every stage."""
     return max((b.bytes for b in f.buffers if b.name.startswith(HOST_TEMP)), default=0)
 

@@ -61,7 +61,8 @@ class Contention:
         with each other too (a swap-out beside a host step, a fetch beside a swap-out), and
         no set of streams runs faster together than one of them alone on every core. So
         where the streams share cores, the speeds of the busy streams are scaled down to add
-        up to at most 1; the measured pairs are kept as measured (calibrate/measure_hw.py, _contention).
+        up to at most 1; the measured pairs are kept as measured (calibrate/measure_hw.py,
+        _contention).
         Traced steps of GPT-2 small's 861 MiB plan took the sum of their streams' work alone
         (2.318 s against 2.379 s, and 2.567 against 2.535 s; bench/contention_fit.py), where
         the micro-benchmark's compute and host step add up to 1.106: taken as measured, every
@@ -113,7 +114,7 @@ class SimResult:
     @property
     def step_s(self) -> float:
         """One optimizer step as the runtime runs it: with clipping the host updates overlap
-        the next iteration's forward (engine.py, [Note: updates overlapped with the next
+        the next iteration's forward (runtime/update.py, [Note: updates overlapped with the next
         forward]), so the overlapped figure; else iteration_s."""
         overlapped = self.overlapped_iteration_s
         return overlapped if overlapped is not None else self.iteration_s

@@ -10,7 +10,8 @@ order their own work after those dependencies:
 - `cuda` (cuda_backend.py): operations are enqueued on CUDA streams (compute on the current
   stream, one stream for each of h2d, d2h and net); each records a CUDA event when issued,
   and a device stream orders itself after a dependency with `wait_event`, without blocking
-  the CPU. Work on the host (the host optimizer) waits for the event itself. The host tier is pinned memory.
+  the CPU. Work on the host (the host optimizer) waits for the event itself. The host
+  tier is pinned memory.
 
 [Note: device memory across streams, without record_stream] A tensor that a copy stream reads
 (a swap-out's activations, a gradient on its way to the host) stays referenced until that

@@ -11,8 +11,8 @@
 `karma-run` is a loop over this object (loop.py). Initialisation follows the reference
 order exactly, so that runs are reproducible and equal to plain PyTorch:
 torch.manual_seed(seed), build_model() on the CPU, the optimizer, the model file's LR
-scheduler (bringup.py); the caller's data comes after. Inside torchrun the object joins the process group
-as karma-run does.
+scheduler (bringup.py); the caller's data comes after. Inside torchrun the object joins the
+process group as karma-run does.
 """
 
 from __future__ import annotations
