@@ -3,8 +3,10 @@
     karma-plan examples/gpt.py --print-ir
     KARMA_GPT=xl karma-plan examples/gpt.py --print-ir --batch-size 8
 
-Size by environment variable KARMA_GPT = tiny | small | medium | large | xl (default small);
-sequence length by KARMA_SEQ (default 1024; 32 for tiny). `tiny` is for fast tests on a CPU.
+Size by environment variable KARMA_GPT = tiny | small | medium | large | xl (default small),
+or any shape as LAYERSxWIDTHxHEADS[xVOCAB] (vocabulary 50257 unless given): KARMA_GPT=40x5888x46
+is the 17B-parameter GPT of the KARMA paper's largest run. Sequence length by KARMA_SEQ
+(default 1024; 32 for tiny). `tiny` is for fast tests on a CPU.
 The token embedding and the output head share their weight, as in GPT-2.
 
 It trains on real text that needs no download: the documentation Python ships for `help()`
@@ -35,9 +37,22 @@ SIZES = {
     "xl": (48, 25, 1600, 50257, 1024),
 }
 SIZE = os.environ.get("KARMA_GPT", "small")
-if SIZE not in SIZES:
-    raise ValueError(f"KARMA_GPT={SIZE!r} is not a GPT size; use one of {', '.join(SIZES)}")
-N_LAYER, N_HEAD, N_EMBD, VOCAB, _SEQ = SIZES[SIZE]
+
+
+def _shape(size: str) -> tuple[int, int, int, int, int]:
+    """SIZES[size], or the shape a LAYERSxWIDTHxHEADS[xVOCAB] spec gives."""
+    if size in SIZES:
+        return SIZES[size]
+    parts = size.lower().split("x")
+    if len(parts) in (3, 4) and all(part.isdigit() and int(part) > 0 for part in parts):
+        layers, width, heads, vocab = (*map(int, parts), 50257)[:4]
+        if width % heads == 0:
+            return layers, heads, width, vocab, 1024
+    raise ValueError(f"KARMA_GPT={size!r} is not a GPT size; use one of {', '.join(SIZES)}, "
+                     "or LAYERSxWIDTHxHEADS[xVOCAB] with WIDTH a multiple of HEADS (40x5888x46)")
+
+
+N_LAYER, N_HEAD, N_EMBD, VOCAB, _SEQ = _shape(SIZE)
 SEQ = int(os.environ.get("KARMA_SEQ", _SEQ))
 DROPOUT = 0.1
 BATCH_SIZE = 4 if SIZE == "tiny" else 8

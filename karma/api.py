@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from karma.calibrate import Calibration, FromPlanning, calibrate
@@ -27,7 +27,7 @@ from karma.planner.hardware import Hardware, load_hardware
 from karma.planner.pipeline import STRATEGIES, PlanReport, PlanRequest, make_schedule
 from karma.planner.plan import InfeasiblePlan
 from karma.planner.problem import build_problem
-from karma.schedule import DTYPES, ModelRef, Schedule
+from karma.schedule import DTYPES, HOST_STATES, ModelRef, Schedule
 from karma.units import parse_size
 
 
@@ -37,7 +37,10 @@ def plan(model_file: str | Path, gpu_mem: str | int = "16G", hardware: str | Har
     int) on `hardware` (a built-in profile's name, a karma-profile file, or a Hardware).
     Options, as karma-plan's flags: world_size, dtype ("fp32", or "bf16" for mixed
     precision), accumulate (micro-batches per optimizer step), clip_grad_norm (a float, or
-    None), strategy, seed, time_limit_s, gap, blocks, measure (default: measure block times
+    None), nproc_per_node (ranks per node; default the profile's devices_per_node, capped by
+    world_size; every rank on a cpu profile), host_mem (the node's host memory, "384G" or an int; default the profile's),
+    host_state ("auto", "sharded" or "replicated"), strategy, seed, time_limit_s, gap, blocks,
+    measure (default: measure block times
     when `hardware` is this machine; False: the roofline estimate, as --no-measure; see
     karma/calibrate), remeasure (True: measure again what is cached, as --remeasure).
     Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
@@ -49,7 +52,8 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
                 strategy: str = "ilp", seed: int = 0, time_limit_s: float = 60.0,
                 gap: float = 0.01, blocks: str | None = None, measure: bool | None = None,
                 accumulate: int = 1, clip_grad_norm: float | None = None,
-                log: Callable[[str], None] | None = None,
+                nproc_per_node: int | None = None, host_mem: str | int | None = None,
+                host_state: str = "auto", log: Callable[[str], None] | None = None,
                 profile_blocks: bool = False, remeasure: bool = False) -> PlanReport:
     """`plan`, with everything karma-plan prints: the chosen plan's evaluation and every
     baseline's. `log` gets notes about the model (e.g. a KV cache turned off) and about
@@ -71,6 +75,7 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
         raise KarmaError("remeasure (--remeasure) and measure=False (--no-measure) contradict "
                          "each other; give one")
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    node = node_layout(hw, world_size, nproc_per_node, host_mem, host_state)
     mf = load_model_file(model_file)
     graph = build_block_graph(mf, batch_size, blocks, model_name=str(model_file), dtype=dtype)
     for note in graph.notes:
@@ -85,6 +90,8 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
         time_limit_s=time_limit_s, gap=gap, optimizer=optimizer,
         measured_s=cal.measured_s, measured_step_s=cal.measured_step_s,
         process_bytes=cal.process_bytes, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
+        nproc_per_node=node.nproc_per_node, host_state=host_state,
+        host_mem_bytes=node.host_mem_bytes,
     )
     try:
         report = make_schedule(graph, model, request)
@@ -111,6 +118,51 @@ def calibration(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: 
 
     planning = FromPlanning(tuple(b.fwd_s + b.bwd_s for b in roofline.blocks), keep_all)
     return calibrate(mf, graph, hardware, hw, planning, measure, blocks, log, remeasure)
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """How the ranks sit on nodes: what karma-plan's --nproc-per-node and --host-mem say."""
+
+    nproc_per_node: int
+    host_mem_bytes: int | None  # the node's host memory (None: the profile's)
+
+
+def node_layout(hw: Hardware, world_size: int, nproc_per_node: int | None = None,
+                host_mem: str | int | None = None, host_state: str = "auto") -> NodeLayout:
+    """Check the node options against the profile: ranks per node (default the profile's
+    devices_per_node, capped by world_size; on a cpu profile every rank, as ranks started on
+    one machine are) divide the ranks and fit the node's devices."""
+    if host_state not in ("auto", *HOST_STATES):
+        raise KarmaError(f"host_state {host_state!r} (--host-state) is not one karma knows; use "
+                         "auto, sharded or replicated")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise KarmaError(f"world_size {world_size!r} (--world-size) must be a whole number of "
+                         "ranks, 1 or more")
+    given = nproc_per_node is not None
+    k = nproc_per_node if given else world_size if hw.device_kind == "cpu" else min(
+        hw.devices_per_node, world_size)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise KarmaError(f"nproc_per_node {k!r} (--nproc-per-node) must be a whole number of "
+                         "ranks, 1 or more")
+    if hw.device_kind == "cuda" and k > hw.devices_per_node:
+        raise KarmaError(f"--nproc-per-node {k} is more than the {hw.devices_per_node} GPUs of "
+                         f"a {hw.name} node; use at most {hw.devices_per_node} (one rank a GPU), "
+                         "or a profile of a larger node (--hardware FILE with devices_per_node)")
+    if k > world_size or world_size % k:
+        flag = "--nproc-per-node" if given else f"the profile's {hw.devices_per_node} devices " \
+                                                 "per node (--nproc-per-node)"
+        raise KarmaError(f"--world-size {world_size} is not a multiple of {flag} {k}: every "
+                         f"node runs as many ranks; use a world size of N x {k}, or set "
+                         "--nproc-per-node to a divisor of the world size")
+    host_mem_bytes = None
+    if host_mem is not None:
+        host_mem_bytes = host_mem if isinstance(host_mem, int) else parse_size(
+            str(host_mem), "--host-mem")
+        if host_mem_bytes <= 0:
+            raise KarmaError(f"--host-mem {host_mem!r} must be more than zero: the node's host "
+                             "memory, e.g. 384G")
+    return NodeLayout(k, host_mem_bytes)
 
 
 def check_training_options(dtype: str, accumulate: int, clip_grad_norm: float | None) -> None:

@@ -40,7 +40,9 @@ KIND_COLORS = {
     "fetch": "#17becf",
     "grads_to_host": "#bcbd22",
     "allreduce": "#7f7f7f",
+    "reduce_scatter": "#c7c7c7",
     "host_step": "#e377c2",
+    "all_gather": "#f7b6d2",
     "upload": "#9edae5",
 }
 assert set(KIND_COLORS) == set(OP_KINDS)

@@ -9,7 +9,16 @@ import this module; it imports neither.
 
 Streams: `compute` (forward, backward, recompute, loss, device optimizer step), `h2d`
 (host-to-device copies: swap-in, weight fetch, weight upload), `d2h` (device-to-host copies:
-swap-out, gradients to the host), `net` (all-reduce), `host` (host optimizer step).
+swap-out, gradients to the host), `net` (all-reduce, reduce-scatter), `host` (host optimizer
+step, and with sharded host state the all-gather of the stepped shards).
+
+Host state (config.host_state): `replicated`, every rank keeps the fp32 master weights,
+gradients and optimizer state of every host-stepped block; `sharded`, on several ranks each
+keeps 1/N of them (dim 0 of each parameter cut in N equal parts, the last ones padded): a
+host-stepped block's gradients are reduce-scattered (all-reduced with clipping, whose norms
+need each gradient whole), each rank steps its shard, and an all-gather (on the net stream,
+after the host step, outside the stage barrier) writes the stepped shards into the whole weights the blocks upload or fetch from, one copy
+per node.
 
 Stages: the iteration is cut into stages (a prologue, one per block's forward, one per
 block's backward, an epilogue and an update stage). An operation on `compute`, `h2d`, `d2h` or
@@ -39,6 +48,14 @@ SCHEDULE_VERSION = 1
 
 STREAMS = ("compute", "h2d", "d2h", "net", "host")
 BARRIER_STREAMS = ("compute", "h2d", "d2h", "net")
+# on a barrier stream but no barrier: an all-gather waits for its host step, which the end
+# of a stage must not wait for; it takes its turn on the network's stream all the same
+UNBARRIERED_KINDS = ("all_gather",)
+
+
+def is_barrier(stream: str, kind: str) -> bool:
+    """Whether an op of `kind` on `stream` ends with its stage (the module docstring)."""
+    return stream in BARRIER_STREAMS and kind not in UNBARRIERED_KINDS
 
 OP_KINDS = (
     "forward",  # run a block's forward (saving, swapping or dropping its activations)
@@ -50,8 +67,10 @@ OP_KINDS = (
     "fetch",  # copy a block's weights from the host into device buffers
     "grads_to_host",  # copy a block's gradients to the host; frees them on the device
     "allreduce",  # average a block's gradients over ranks
+    "reduce_scatter",  # average them, each rank keeping its shard (sharded host state)
     "device_step",  # optimizer step of a block's parameters on the device
     "host_step",  # optimizer step of a block's parameters on the host
+    "all_gather",  # gather the stepped shards into the block's whole weights (sharded)
     "upload",  # copy a block's updated weights back to their device buffers
 )
 
@@ -61,9 +80,12 @@ OP_KINDS = (
 # (config.clip_grad_norm) every optimizer step comes after every op that makes a gradient
 # final, and the ops of DEFERRED_KINDS may run on into the next iteration, each block's
 # before that block's weights are next used.
-LAST_MICRO_BATCH_KINDS = ("allreduce", "device_step", "host_step", "upload")
-DEFERRED_KINDS = ("host_step", "upload")
-GRAD_KINDS = ("backward", "allreduce", "grads_to_host")  # after which a block's gradients are final
+LAST_MICRO_BATCH_KINDS = ("allreduce", "reduce_scatter", "device_step", "host_step",
+                          "all_gather", "upload")
+DEFERRED_KINDS = ("host_step", "all_gather", "upload")
+# after which a block's gradients are final
+GRAD_KINDS = ("backward", "allreduce", "reduce_scatter", "grads_to_host")
+EXCHANGE_KINDS = ("allreduce", "reduce_scatter")  # a block's gradients averaged over ranks
 OPTIMIZER_STEP_KINDS = ("device_step", "host_step")
 
 ACT_CHOICES = ("keep", "swap", "recompute")
@@ -71,6 +93,7 @@ WEIGHT_CHOICES = ("resident", "streamed")
 OPTIM_CHOICES = ("device", "host")
 DTYPES = ("fp32", "bf16")
 STATUSES = ("optimal", "time-limit", "heuristic", "fallback")
+HOST_STATES = ("replicated", "sharded")
 CALIBRATIONS = ("measured",)  # predicted.calibration; left out: the roofline estimate
 
 
@@ -147,6 +170,8 @@ class TrainConfig:
     capacity_bytes: int  # device memory budget (--gpu-mem)
     accumulate: int = 1  # micro-batches per optimizer step (--accumulate)
     clip_grad_norm: float | None = None  # max global gradient norm (--clip-grad-norm)
+    host_state: str = "replicated"  # replicated | sharded (the module docstring)
+    nproc_per_node: int = 1  # ranks per node (--nproc-per-node): they share its host memory
 
     def training_text(self) -> str:
         """'bf16 mixed precision, 4 micro-batches per step, clip at norm 1' and the like."""
@@ -166,8 +191,8 @@ class Predicted:
     lower_bound_s: float  # the stream bound: max over streams of their busy time
     peak_device_bytes: int  # simulated peak of allocated buffers
     stage_peak_bytes: int  # the planner's bound: the largest sum of buffers live in a stage
-    host_bytes: int
-    pinned_bytes: int
+    host_bytes: int  # per rank: its own, and its share of what the node's ranks share
+    pinned_bytes: int  # per rank, likewise
     busy_s: tuple[tuple[str, float], ...]  # (stream, seconds busy)
     scaling_efficiency: float  # one rank's iteration time over this one's (1.0 on one rank)
     # the ideal: the same training with unlimited device memory (keep_all: nothing moved,
@@ -177,6 +202,9 @@ class Predicted:
     # "measured": the block times were measured on the planning machine (karma/calibrate);
     # None (the key left out): the roofline estimate, as in schedules from before it
     calibration: str | None = None
+    # per node: what its nproc_per_node ranks hold together (None in schedules from before)
+    node_host_bytes: int | None = None
+    node_pinned_bytes: int | None = None
 
     @property
     def price_of_budget(self) -> float | None:
@@ -260,7 +288,9 @@ def dump_schedule(s: Schedule) -> str:
                             ("world_size", c.world_size), ("seed", c.seed),
                             ("capacity_bytes", c.capacity_bytes),
                             ("accumulate", c.accumulate),
-                            ("clip_grad_norm", c.clip_grad_norm)], digits=None)
+                            ("clip_grad_norm", c.clip_grad_norm),
+                            ("host_state", c.host_state),
+                            ("nproc_per_node", c.nproc_per_node)], digits=None)
     lines.append("hardware:" + ("" if s.hardware else " {}"))
     lines += _scalar_lines(s.hardware, digits=None)
     lines += _scalar_lines([("strategy", s.strategy), ("status", s.status),
@@ -275,6 +305,9 @@ def dump_schedule(s: Schedule) -> str:
                             ("ideal_s", p.ideal_s)])
     if p.calibration is not None:
         lines += _scalar_lines([("calibration", p.calibration)])
+    if p.node_host_bytes is not None:
+        lines += _scalar_lines([("node_host_bytes", p.node_host_bytes),
+                                ("node_pinned_bytes", p.node_pinned_bytes)])
 
     lines.append("# blocks: each block's decisions (act: keep | swap | recompute; weights: "
                  "resident | streamed; optim: device | host)")

@@ -14,7 +14,8 @@ names the op or block, the rule, and the fix. The rules, in the order they are c
 - streams: each op kind runs on its stream (schedule.py's module docstring).
 - ops match decisions: a block's ops are those of its act, weights and optim (a keep block
   is never swapped, a streamed block has its fetches, a host-stepped one its grads_to_host
-  and host_step), on several ranks its all-reduce.
+  and host_step), on several ranks its all-reduce; with sharded host state a host-stepped
+  block's reduce-scatter (its all-reduce with clipping) and all-gather.
 - stages ordered: stages never decrease along the op list (the runtime issues side ops in
   list order as compute reaches their stage).
 - compute order: the compute ops follow the model's own execution.
@@ -58,7 +59,8 @@ from karma.units import format_bytes
 STREAM_OF_KIND = {
     "forward": "compute", "loss": "compute", "recompute": "compute", "backward": "compute",
     "device_step": "compute", "swap_in": "h2d", "fetch": "h2d", "upload": "h2d",
-    "swap_out": "d2h", "grads_to_host": "d2h", "allreduce": "net", "host_step": "host",
+    "swap_out": "d2h", "grads_to_host": "d2h", "allreduce": "net", "reduce_scatter": "net",
+    "host_step": "host", "all_gather": "net",
 }
 _WEIGHT_BUFFER = re.compile(r"w\.(\d+)@([fb])(\d*)$")  # w.OWNER@fUSER: fetched weights
 _REPLAN = "re-plan with karma-plan"
@@ -343,9 +345,23 @@ class _Checker:
                 f"{key} has weights: {b.weights} and optim: {b.optim}, and a host-stepped "
                 "block's weights are uploaded once if they are resident; streamed ones are "
                 "fetched instead, device-stepped ones never leave")
-        world = self.s.config.world_size
-        return int(world > 1), (f"config.world_size is {world}, and each block's gradients "
-                                "are all-reduced once on several ranks, never on one")
+        cfg = self.s.config
+        sharded = cfg.world_size > 1 and cfg.host_state == "sharded" and b.optim == "host"
+        if kind == "all_gather":
+            return int(sharded), (
+                f"config.host_state is {cfg.host_state} and {key}.optim is {b.optim}, and on "
+                "several ranks a host-stepped block's shards are gathered once if the host "
+                "state is sharded, never otherwise")
+        scatter = sharded and cfg.clip_grad_norm is None
+        if kind == "reduce_scatter":
+            return int(scatter), (
+                "on several ranks a host-stepped block's gradients are reduce-scattered once "
+                "if the host state is sharded and there is no clipping (whose norms need "
+                "each gradient whole), never otherwise")
+        return int(cfg.world_size > 1 and not scatter), (
+            f"config.world_size is {cfg.world_size}, and each block's gradients are all-reduced "
+            "once on several ranks (reduce-scattered instead where the host state is sharded, "
+            "without clipping), never on one")
 
     def _fetches(self, b: BlockEntry) -> None:
         """The fetches of block b (as their user): one per streamed owner of the weights it
@@ -419,7 +435,8 @@ class _Checker:
             fwd, bwd = self.one("forward", i), self.one("backward", i)
             out, into = self.one("swap_out", i), self.one("swap_in", i)
             to_host, step = self.one("grads_to_host", i), self.one("host_step", i)
-            ar, dev = self.one("allreduce", i), self.one("device_step", i)
+            ar = self.one("allreduce", i) or self.one("reduce_scatter", i)
+            dev, gather = self.one("device_step", i), self.one("all_gather", i)
             on_host = ar is not None and to_host is not None and ar.id > to_host.id
             pairs = [
                 (fwd, out, "a block's activations are swapped out after its forward"),
@@ -431,6 +448,8 @@ class _Checker:
                 (ar, dev, "a block is stepped after its all-reduce"),
                 (to_host, step, "a block is stepped on the host after its gradients arrive"),
                 (step, self.one("upload", i), "weights are uploaded after the host step"),
+                (step, gather, "the shards are gathered after the host step"),
+                (gather, self.one("upload", i), "weights are uploaded after the all-gather"),
             ]
             if on_host:  # accumulated gradients are all-reduced on the host
                 pairs += [(to_host, ar, "host gradients are all-reduced after they arrive"),

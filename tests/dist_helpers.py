@@ -3,8 +3,9 @@
     procs = start_ranks(["-m", "karma.run", "s.yaml", "--steps", "3"], world_size=2)
     results = finish(procs, timeout_s=120)     # [(returncode, stdout, stderr)] per rank
 
-Each rank is `python ARGS` with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
-OMP_NUM_THREADS=1 (as torchrun sets them), in the repository root.
+Each rank is `python ARGS` with RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT and OMP_NUM_THREADS=1 (as torchrun sets them: the ranks are one node's), in the
+repository root.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def free_port() -> int:
 
 def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KARMA_")}
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+               WORLD_SIZE=str(world_size),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT))
     env.update(extra or {})

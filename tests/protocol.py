@@ -35,7 +35,7 @@ import threading
 import torch
 
 from karma.runtime.backend import CpuBackend
-from karma.schedule import BARRIER_STREAMS, Schedule
+from karma.schedule import BARRIER_STREAMS, EXCHANGE_KINDS, Schedule
 
 
 class CheckingBackend(CpuBackend):
@@ -116,12 +116,12 @@ class CheckingBackend(CpuBackend):
         for release in ready:
             release()
 
-    def collective(self, tensor: torch.Tensor, group) -> None:
+    def collective(self, tensor: torch.Tensor, group, out: torch.Tensor | None = None) -> None:
         with self._lock:
             self.collectives += 1
             gid = self._running.get("net")
             op = self.op(gid)
-            if op is None or op.kind != "allreduce":
+            if op is None or op.kind not in EXCHANGE_KINDS:
                 self._flag(f"a collective outside an all-reduce op (net runs {gid})")
             else:
                 final = self._gradients_final(op, gid)
@@ -138,7 +138,7 @@ class CheckingBackend(CpuBackend):
                 self._flag(f"all-reduce op {owed} ran a collective but handed no release of "
                            "its buffer to release_after")
         if not self._fake_collective:
-            super().collective(tensor, group)
+            super().collective(tensor, group, out)
 
     def _gradients_final(self, op, gid: int) -> int:
         """The gid of the op after which the all-reduce's gradients are final: the block's

@@ -145,26 +145,29 @@ def keep_all_peak_bytes(mf: ModelFile, graph: BlockGraph | None = None,
 def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
          graph: BlockGraph | None = None, seed: int = 0, world_size: int = 1,
          hardware: str = HARDWARE, dtype: str = "fp32", accumulate: int = 1,
-         clip_grad_norm: float | None = None) -> Schedule:
+         clip_grad_norm: float | None = None, host_state: str = "auto") -> Schedule:
     """Plan `mf` in-process at `fraction` of keep_all's stage peak (with the same training
-    options), for the CPU backend (or the hardware profile named).
+    options), for the CPU backend (or the hardware profile named), its host state as asked
+    (karma-plan's --host-state).
 
     Raises InfeasiblePlan when the strategy does not fit that budget.
     """
     graph = graph or block_graph(mf, dtype)
     training = (dtype, accumulate, clip_grad_norm)
-    key = (id(mf), id(graph), strategy, fraction, seed, world_size, hardware, training)
+    key = (id(mf), id(graph), strategy, fraction, seed, world_size, hardware, training,
+           host_state)
     if key not in _SCHEDULES:
         _LOADED.setdefault(id(mf), (mf, model_env(mf)))
         _KEEP_ALIVE.append(graph)
         _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed, world_size, hardware,
-                                training)
+                                training, host_state)
     return _SCHEDULES[key]
 
 
 def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
           seed: int, world_size: int, hardware: str,
-          training: tuple[str, int, float | None] = ("fp32", 1, None)) -> Schedule:
+          training: tuple[str, int, float | None] = ("fp32", 1, None),
+          host_state: str = "auto") -> Schedule:
     dtype, accumulate, clip = training
     capacity = int(keep_all_peak_bytes(mf, graph, world_size, hardware,
                                        Training(accumulate, clip is not None)) * fraction)
@@ -177,7 +180,7 @@ def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
     request = PlanRequest(capacity, hw, graph.batch_size, seed=seed,
                           strategy=strategy, time_limit_s=30.0, world_size=world_size,
                           optimizer=optimizer_profile(mf), dtype=dtype, accumulate=accumulate,
-                          clip_grad_norm=clip)
+                          clip_grad_norm=clip, host_state=host_state)
     return make_schedule(graph, model, request).schedule
 
 

@@ -3,6 +3,7 @@
     from tests.schedule_fixtures import tiny_schedule
     s = tiny_schedule()                                  # the ILP at 480 KiB of device memory
     s = tiny_schedule("swap_all", world_size=2)          # a baseline, data parallel
+    s = tiny_schedule("offload_all", 1 << 30, 2, "sharded")  # host state sharded over 2 ranks
     ev = tiny_evaluation()                               # the planner's Evaluation behind it
 
 Graphs and schedules are cached: tracing costs about two seconds once per test process.
@@ -42,7 +43,7 @@ def tiny_graph():
 
 @cache
 def tiny_evaluation(strategy: str = "ilp", capacity_bytes: int = TINY_CAPACITY_BYTES,
-                    world_size: int = 1):
+                    world_size: int = 1, host_state: str = "replicated"):
     """The planner's Evaluation of `strategy` ("ilp" or a baseline) on the tiny GPT."""
     from karma.planner.baselines import BASELINES
     from karma.planner.hardware import load_hardware
@@ -50,7 +51,8 @@ def tiny_evaluation(strategy: str = "ilp", capacity_bytes: int = TINY_CAPACITY_B
     from karma.planner.problem import build_problem
 
     _, graph = tiny_graph()
-    problem = build_problem(graph, load_hardware(HARDWARE), world_size=world_size)
+    problem = build_problem(graph, load_hardware(HARDWARE), world_size=world_size,
+                            host_state=host_state)
     if strategy == "ilp":  # a fixed mix of every choice, so these tests do not move when the
         # solver's answer does; it fits TINY_CAPACITY_BYTES (checked in test_schedule.py)
         return evaluate(problem, Plan("ilp", MIXED, status="optimal"), capacity_bytes)
@@ -59,13 +61,13 @@ def tiny_evaluation(strategy: str = "ilp", capacity_bytes: int = TINY_CAPACITY_B
 
 @cache
 def tiny_schedule(strategy: str = "ilp", capacity_bytes: int = TINY_CAPACITY_BYTES,
-                  world_size: int = 1) -> Schedule:
+                  world_size: int = 1, host_state: str = "replicated") -> Schedule:
     """A complete Schedule, built as karma-plan builds it (pipeline.schedule_from)."""
     from karma.planner.hardware import load_hardware
     from karma.planner.pipeline import PlanRequest, schedule_from
 
     mf, graph = tiny_graph()
-    ev = tiny_evaluation(strategy, capacity_bytes, world_size)
+    ev = tiny_evaluation(strategy, capacity_bytes, world_size, host_state)
     model = ModelRef(path=graph.model, sha256=mf.sha256,
                      ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
                      env=TINY_ENV)

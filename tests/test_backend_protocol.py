@@ -40,6 +40,7 @@ def two_ranks_in_one_process(monkeypatch, schedule) -> CheckingBackend:
     for name in ("barrier", "agree", "leave"):
         monkeypatch.setattr(f"karma.runtime.distributed.{name}", lambda *a, **k: None)
     monkeypatch.setattr("karma.runtime.distributed.join", lambda *a, **k: ranks)
+    monkeypatch.setattr("karma.runtime.distributed.gather", lambda ranks, value, where: [value])
     backend = CheckingBackend(schedule, fake_collective=True)
     monkeypatch.setattr("karma.runtime.runtime.make_backend", lambda kind: backend)
     return backend
@@ -57,7 +58,9 @@ def misplace_allreduce(schedule, block: int):
 
 @pytest.fixture(scope="module")
 def gpt_two_ranks():
-    return plan(load_small("gpt"), "ilp", 0.6, world_size=2)
+    """Replicated host state: sharded state gathers its weights in collectives of its own,
+    which need the other rank (tests/test_distributed.py runs them)."""
+    return plan(load_small("gpt"), "ilp", 0.6, world_size=2, host_state="replicated")
 
 
 def test_the_net_stream_keeps_the_protocol_in_one_process(gpt_two_ranks, monkeypatch):

@@ -64,8 +64,10 @@ def test_builtin_loads_and_round_trips_exactly(name, tmp_path):
     # Plain types only, in the fixed key order.
     data = yaml.safe_load(text)
     # (the contention fractions only where not 0: independent streams need none)
-    assert list(data) == ["version", *(f.name for f in dataclasses.fields(Hardware)
-                                       if "slowdown" not in f.name or getattr(hw, f.name))]
+    # and devices_per_node only where not 1, as in profiles from before it
+    assert list(data) == ["version", *(
+        f.name for f in dataclasses.fields(Hardware)
+        if getattr(hw, f.name) != f.default or f.default is dataclasses.MISSING)]
     assert list(data["flops_per_s"]) == list(DTYPES)
     assert all(type(data[k]) is int for k in ("device_mem_bytes", "host_mem_bytes"))
     assert all(type(v) is float for v in data["flops_per_s"].values())
@@ -76,7 +78,13 @@ def test_builtin_numbers_are_the_documented_ones():
     assert a100.device_kind == "cuda"
     assert a100.flops_per_s["bf16"] == 2.5e14
     assert a100.h2d_bytes_per_s == 2.4e10
-    assert a100.net_bytes_per_s == 1.25e10 and a100.net_latency_s == 5e-6
+    assert a100.net_bytes_per_s == 2.5e10 and a100.net_latency_s == 5e-6
+    # each profile is a real node: its GPUs, and the host memory they share
+    nodes = {"v100-16g": (4, 384), "a100-40g": (8, 1024), "a100-80g": (8, 2048),
+             "h100-80g": (8, 2048), "h200-141g": (8, 2048), "cpu": (1, 64)}
+    for name, (devices, host_gib) in nodes.items():
+        hw = load_hardware(name)
+        assert (hw.devices_per_node, hw.host_mem_bytes) == (devices, host_gib << 30), name
     h200 = load_hardware("h200-141g")
     assert h200.flops_per_s["bf16"] == 7.0e14 and h200.h2d_bytes_per_s == 5.0e10
     assert h200.device_mem_bytes > load_hardware("h100-80g").device_mem_bytes

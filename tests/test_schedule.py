@@ -28,6 +28,8 @@ VARIANTS = [
     {},
     {"strategy": "swap_all", "capacity_bytes": 1 << 30, "world_size": 2},
     {"strategy": "offload_all", "capacity_bytes": 1 << 30, "world_size": 2},
+    {"strategy": "offload_all", "capacity_bytes": 1 << 30, "world_size": 2,
+     "host_state": "sharded"},
 ]
 
 

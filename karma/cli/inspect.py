@@ -111,7 +111,8 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
         "solve_s": s.solve_s,
         "config": {"batch_size": c.batch_size, "dtype": c.dtype, "world_size": c.world_size,
                    "seed": c.seed, "capacity_bytes": c.capacity_bytes,
-                   "accumulate": c.accumulate, "clip_grad_norm": c.clip_grad_norm},
+                   "accumulate": c.accumulate, "clip_grad_norm": c.clip_grad_norm,
+                   "host_state": c.host_state, "nproc_per_node": c.nproc_per_node},
         "hardware": hardware.get("name"),
         "decisions": {
             "blocks": len(s.blocks),
@@ -128,8 +129,10 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
             "peak_fraction_of_capacity": p.peak_device_bytes / c.capacity_bytes,
             "stage_peak_bytes": p.stage_peak_bytes,
             "process_bytes": s.process_bytes,  # the CPU process outside its tensors, measured
-            "host_bytes": p.host_bytes,
+            "host_bytes": p.host_bytes,  # per rank
             "pinned_bytes": p.pinned_bytes,
+            "node_host_bytes": p.node_host_bytes,  # per node (None in schedules from before)
+            "node_pinned_bytes": p.node_pinned_bytes,
             "scaling_efficiency": p.scaling_efficiency,
             "ideal_s": p.ideal_s,  # None in schedules from before it
             "price_of_budget": p.price_of_budget,
@@ -177,8 +180,11 @@ def render(info: dict) -> str:
         f"{format_bytes(p['stage_peak_bytes'])}"
         + (f"; {format_bytes(p['process_bytes'])} of it the process outside its tensors "
            "(measured)" if p["process_bytes"] else ""),
-        f"host        {format_bytes(p['host_bytes'])} host memory, "
-        f"{format_bytes(p['pinned_bytes'])} of it pinned",
+        f"host        {c['host_state']} host state: {format_bytes(p['host_bytes'])} host "
+        f"memory a rank, {format_bytes(p['pinned_bytes'])} of it pinned"
+        + (f"; {format_bytes(p['node_host_bytes'])} a node of {c['nproc_per_node']} rank(s), "
+           f"{format_bytes(p['node_pinned_bytes'])} pinned"
+           if p["node_host_bytes"] is not None else ""),
         f"busy        {busy}",
     ]
     if c["clip_grad_norm"] is not None:

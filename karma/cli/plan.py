@@ -38,6 +38,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="samples per step and rank (default: the model file's BATCH_SIZE, or 8)")
     p.add_argument("--world-size", type=positive_int, default=1, help="ranks (default 1)")
+    p.add_argument("--nproc-per-node", type=positive_int, default=None, metavar="N",
+                   help="ranks per node, sharing its host memory (default: the profile's "
+                        "devices per node, at most --world-size; with --hardware cpu, "
+                        "every rank)")
+    p.add_argument("--host-mem", metavar="SIZE", default=None,
+                   help="the node's host memory, e.g. 384G (default: the profile's); pinned "
+                        "memory is scaled alike")
+    p.add_argument("--host-state", default="auto", metavar="auto|sharded|replicated",
+                   help="host master weights, gradients and optimizer state: sharded across "
+                        "the ranks, or a whole copy on each (default auto: sharded on several "
+                        "ranks unless replicated fits and is faster)")
     p.add_argument("--dtype", default="fp32", metavar="fp32|bf16",
                    help="bf16: mixed precision (autocast compute, fp32 weights and optimizer)")
     p.add_argument("--accumulate", type=int, default=1, metavar="N",
@@ -73,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from karma.api import plan_report
+    from karma.api import node_layout, plan_report
     from karma.ir.build import build_block_graph
     from karma.modelfile import load_model_file
     from karma.planner.hardware import load_hardware
@@ -85,6 +96,8 @@ def _plan(args: argparse.Namespace) -> int:
                              "(or use --print-ir to see the block graph)")
         capacity = parse_size(args.gpu_mem, "--gpu-mem")
         hardware = load_hardware(args.hardware)  # the other options: karma.api checks them
+        node_layout(hardware, args.world_size, args.nproc_per_node, args.host_mem,
+                    args.host_state)
         if args.output:
             _check_writable(Path(args.output))
 
@@ -100,13 +113,17 @@ def _plan(args: argparse.Namespace) -> int:
             args.model, args.gpu_mem, args.hardware, args.batch_size, world_size=args.world_size,
             dtype=args.dtype, strategy=args.strategy, seed=args.seed,
             accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
-            time_limit_s=args.time_limit, gap=args.gap, blocks=args.blocks,
+            nproc_per_node=args.nproc_per_node, host_mem=args.host_mem,
+            host_state=args.host_state, time_limit_s=args.time_limit, gap=args.gap, blocks=args.blocks,
             measure=_measure(args), remeasure=args.remeasure,
             log=lambda note: _notes([note]))
     except InfeasiblePlan as e:
         if args.json:
             print(json.dumps({"feasible": False, "capacity_bytes": capacity,
-                              "min_capacity_bytes": e.min_capacity_bytes}, indent=2))
+                              "min_capacity_bytes": e.min_capacity_bytes,
+                              "resource": e.resource}, indent=2))
+        if e.resource != "device":
+            raise
         raise InfeasiblePlan(
             f"{e}. Try --gpu-mem {_ceil_gib(e.min_capacity_bytes)}"
             + (" or a smaller --batch-size" if e.batch_size > 1 else ""),
@@ -149,6 +166,13 @@ def _summary_json(report) -> dict:
         "process_bytes": report.problem.process_bytes,
         "scaling_efficiency": s.predicted.scaling_efficiency,
         "world_size": s.config.world_size,
+        "nproc_per_node": s.config.nproc_per_node,
+        "host_state": s.config.host_state,
+        "host_bytes": s.predicted.host_bytes,
+        "pinned_bytes": s.predicted.pinned_bytes,
+        "node_host_bytes": s.predicted.node_host_bytes,
+        "node_pinned_bytes": s.predicted.node_pinned_bytes,
+        "host_mem_bytes": ev.host_mem_bytes,
         "decisions": ev.plan.counts(),
         "baselines": {
             name: {"feasible": b.feasible, "iteration_s": b.step_s,
@@ -183,6 +207,12 @@ def _summary_text(report, hardware_name: str, output: str | None) -> str:
         + (f", {format_bytes(report.problem.process_bytes)} of it the process outside its "
            "tensors (measured while timing the blocks)" if report.problem.process_bytes else ""),
     ]
+    p = s.predicted
+    lines.append(
+        f"host memory ({s.config.host_state} state): {format_bytes(p.host_bytes)} a rank "
+        f"({format_bytes(p.pinned_bytes)} pinned); {format_bytes(p.node_host_bytes)} a node of "
+        f"{s.config.nproc_per_node} rank(s) ({format_bytes(p.node_pinned_bytes)} pinned), of "
+        f"{format_bytes(ev.host_mem_bytes)} ({format_bytes(ev.pinned_mem_bytes)} pinnable)")
     if s.config.world_size > 1:
         lines.append(f"scaling efficiency against one rank: "
                      f"{100 * s.predicted.scaling_efficiency:.1f}%")

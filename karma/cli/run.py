@@ -147,6 +147,10 @@ def _summary(report, measured: bool) -> None:
             print(f"note: the steps took {ratio:.2f}x the predicted time. A shared machine's "
                   "speed drifts, and this one's may have since its blocks were measured; "
                   "`karma-plan --remeasure` measures them again")
+    if report.rank_host_bytes:
+        each = ", ".join(format_bytes(b) for b in report.rank_host_bytes)
+        print(f"host memory a rank at its peak: {each} against "
+              f"{format_bytes(report.predicted_host_bytes)} predicted")
     if report.world_size > 1 and report.allreduce_s:
         total, hidden = sum(report.allreduce_s), sum(report.allreduce_hidden_s)
         print(f"all-reduce: {format_seconds(total / len(report.allreduce_s))} per step on "

@@ -47,6 +47,7 @@ _FRACTION_FIELDS = (
     "host_slowdown_compute",
 )
 """Optional keys (older profiles lack them): 0, their default, means independent streams."""
+_OPTIONAL_FIELDS = ("devices_per_node",)  # profiles from before it lack it: 1
 _MAX_SLOWDOWN = 0.95  # a stream that lost more would never finish in a useful time
 _HOW_TO_FIX = "fix it in the profile, or measure this machine with karma-profile -o FILE"
 
@@ -87,7 +88,9 @@ class FlopRates(Mapping[str, float]):
 
 @dataclass(frozen=True)
 class Hardware:
-    """What the planner needs to know about one machine (one device plus its host).
+    """What the planner needs to know about one machine: a node of `devices_per_node` devices
+    and the host memory they share (`host_mem_bytes` and `pinned_mem_bytes` are the node's);
+    rates are one device's.
 
     On a "cpu" machine the device is the CPU with its RAM, and the offload tier ("host") is a
     file on local disk mapped with `torch.from_file`: h2d means file tier -> RAM, d2h the reverse.
@@ -100,8 +103,9 @@ class Hardware:
     mem_bytes_per_s: float  # device memory bandwidth, bytes read + written per second
     h2d_bytes_per_s: float  # host -> device copy bandwidth (pinned); cpu: file tier -> RAM
     d2h_bytes_per_s: float  # device -> host copy bandwidth (pinned); cpu: RAM -> file tier
-    host_mem_bytes: int  # host memory the offload tier may use (cpu: the file tier's disk space)
-    pinned_mem_bytes: int  # pinned host memory the runtime may allocate (<= host_mem_bytes)
+    host_mem_bytes: int  # the node's host memory the offload tier may use, all its ranks
+    # together (cpu: the file tier's disk space)
+    pinned_mem_bytes: int  # the node's pinned host memory the runtime may allocate (<= host)
     host_optim_bytes_per_s: float  # host AdamW throughput, fp32 parameter bytes stepped per second
     net_bytes_per_s: float  # per-rank network bandwidth for all-reduce
     net_latency_s: float  # per-message network latency
@@ -121,6 +125,10 @@ class Hardware:
     copy_slowdown_compute: float = 0.0  # a copy's speed lost while compute runs
     compute_slowdown_host: float = 0.0  # compute's speed lost while a host step runs
     host_slowdown_compute: float = 0.0  # a host step's speed lost while compute runs
+    # the devices of one node, which share its host memory (1 in profiles from before it, and
+    # in a measured machine's). A cpu profile's "devices" are ranks sharing the machine: any
+    # number may run on it.
+    devices_per_node: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -141,6 +149,10 @@ class Hardware:
         for field_name in _FRACTION_FIELDS:
             value = _fraction(self.name, field_name, getattr(self, field_name))
             object.__setattr__(self, field_name, value)
+        if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
+                or self.devices_per_node < 1:
+            raise KarmaError(f"hardware {self.name!r}: devices_per_node must be a whole number "
+                             f"of at least 1, got {self.devices_per_node!r}; {_HOW_TO_FIX}")
         if self.pinned_mem_bytes > self.host_mem_bytes:
             raise KarmaError(
                 f"hardware {self.name!r}: pinned_mem_bytes {self.pinned_mem_bytes} "
@@ -253,7 +265,7 @@ def hardware_from_yaml(text: str, source: str = "<text>") -> Hardware:
             f"{source}: a hardware profile is a mapping with keys {', '.join(keys)}, "
             f"got {type(data).__name__}; karma-profile -o FILE writes one"
         )
-    required = [key for key in keys if key not in _FRACTION_FIELDS]
+    required = [key for key in keys if key not in _FRACTION_FIELDS + _OPTIONAL_FIELDS]
     missing = [key for key in required if key not in data]
     if missing:
         raise KarmaError(
@@ -326,6 +338,9 @@ def dump_hardware(hw: Hardware) -> str:
                 lines.append(_with_comment(f"  {dtype}: {_yaml_float(value[dtype])}", tflops))
         elif f.name in _BYTE_FIELDS:
             lines.append(_with_comment(f"{f.name}: {value}", format_bytes(value)))
+        elif f.name == "devices_per_node":
+            if value != 1:
+                lines.append(_with_comment(f"{f.name}: {value}", "sharing the host memory"))
         elif f.name == "net_latency_s":
             lines.append(_with_comment(f"{f.name}: {_yaml_float(value)}", format_seconds(value)))
         elif f.name in _FLOAT_FIELDS:

@@ -22,6 +22,7 @@ simulator charges them when the pipeline compares the ILP's plan with the baseli
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -31,6 +32,7 @@ import pulp
 from karma.planner.lowering import (
     PLAIN,
     Choice,
+    HostUse,
     Stages,
     Training,
     buffer_spans,
@@ -44,7 +46,7 @@ from karma.planner.lowering import (
 from karma.planner.plan import InfeasiblePlan, Plan
 from karma.planner.prefetch import refine_prefetch
 from karma.planner.problem import Problem
-from karma.schedule import BARRIER_STREAMS, LAST_MICRO_BATCH_KINDS
+from karma.schedule import LAST_MICRO_BATCH_KINDS, is_barrier
 from karma.units import format_bytes
 
 GIB = float(1 << 30)
@@ -68,13 +70,7 @@ def solve_ilp(problem: Problem, capacity_bytes: int, time_limit_s: float = 60.0,
     for _ in range(4):
         solution = _solve(problem, limits, time_limit_s, gap, start, training=training)
         if solution.infeasible:
-            need = min_capacity_bytes(problem, time_limit_s, training)
-            raise InfeasiblePlan(
-                f"no plan fits {format_bytes(capacity_bytes)} of device memory: even with every "
-                f"activation swapped or recomputed and every weight streamed it needs "
-                f"{format_bytes(need)}"
-                + (f", {format_bytes(problem.process_bytes)} of it the process outside its "
-                   "tensors (measured)" if problem.process_bytes else ""), need)
+            raise infeasible(problem, capacity_bytes, time_limit_s, training)
         plan = solution.plan
         if not plan.choices:
             return plan
@@ -87,19 +83,20 @@ def solve_ilp(problem: Problem, capacity_bytes: int, time_limit_s: float = 60.0,
 
 
 class Limits(NamedTuple):
-    """Memory limits the ILP plans under, in bytes."""
+    """Memory limits the ILP plans under, in bytes: a rank's device, its node's host."""
 
     device_bytes: int
-    host_bytes: int
-    pinned_bytes: int
+    host_bytes: int  # the node's
+    pinned_bytes: int  # the node's
 
 
 def _excess(problem: Problem, plan: Plan, limits: Limits,
             training: Training) -> tuple[int, int, int]:
     """Bytes by which `plan` exceeds each limit (0 where it fits), counted exactly."""
     frags = [fragment(problem, i, c, training) for i, c in enumerate(plan.choices)]
+    host = HostUse.of(problem, frags)
     used = (max(stage_memory(problem, list(plan.choices), training)),
-            sum(f.host_bytes for f in frags), sum(f.pinned_bytes for f in frags))
+            host.node_host_bytes, host.node_pinned_bytes)
     return tuple(max(0, u - lim) for u, lim in zip(used, limits))
 
 
@@ -107,12 +104,71 @@ def min_capacity_bytes(problem: Problem, time_limit_s: float = 60.0,
                        training: Training = PLAIN) -> int:
     """The smallest device memory any plan fits in (rounded up to a MiB, or a KiB)."""
     limits = Limits(0, problem.host_mem_bytes, problem.pinned_mem_bytes)
-    solution = _solve(problem, limits, time_limit_s, gap=1e-6, minimize_capacity=True,
-                      training=training)
-    need = max(int(solution.capacity_gib * GIB),
-               max(stage_memory(problem, list(solution.plan.choices), training)))
+    return _least_device(problem, time_limit_s, training, limits)[0]
+
+
+def _least_device(problem: Problem, time_limit_s: float, training: Training,
+                  limits: Limits | None = None) -> tuple[int, tuple[Choice, ...]]:
+    """The smallest device memory a plan fits in, and the plan, within `limits`' host
+    memory (None: unlimited, which `infeasible` uses: within a host limit that binds the
+    question is a knapsack that CBC may take its whole time limit on)."""
+    unlimited = 1 << 62
+    solution = _solve(problem, limits or Limits(0, unlimited, unlimited), time_limit_s,
+                      gap=1e-6, minimize_capacity=True, training=training)
+    choices = solution.plan.choices
+    need = max(int(solution.capacity_gib * GIB), max(stage_memory(problem, list(choices),
+                                                                  training)))
     unit = 1 << 20 if need >= 64 << 20 else 1 << 10  # round up to a MiB, or a KiB if small
-    return -(-need // unit) * unit
+    return -(-need // unit) * unit, choices
+
+
+def infeasible(problem: Problem, capacity_bytes: int, time_limit_s: float = 60.0,
+               training: Training = PLAIN) -> InfeasiblePlan:
+    """Why no plan fits: the resource that runs out, with its numbers, and what would fit.
+
+    The plan that needs least device memory (host memory unlimited) decides it: if even it
+    needs more than `capacity_bytes`, the device runs out; otherwise the node's host memory
+    (or its pinned part) does, and that plan says how much the node would need. Where its
+    host memory fits the node, its device memory is also the least within the node's."""
+    need, least = _least_device(problem, time_limit_s, training)
+    host = HostUse.of(problem, [fragment(problem, i, c, training) for i, c in enumerate(least)])
+    state = "sharded" if problem.sharded else "replicated"
+    ranks = f"{problem.nproc_per_node} rank(s) a node, {state} host state"
+    over = [f"{format_bytes(used)} of {what} a node ({format_bytes(limit)} {has})"
+            for what, used, limit, has in (
+                ("host memory", host.node_host_bytes, problem.host_mem_bytes, "there"),
+                ("pinned memory", host.node_pinned_bytes, problem.pinned_mem_bytes,
+                 "pinnable")) if used > limit]
+    if need > capacity_bytes:
+        return InfeasiblePlan(
+            f"no plan fits {format_bytes(capacity_bytes)} of device memory: even with every "
+            f"activation swapped or recomputed and every weight streamed it needs "
+            f"{format_bytes(need)}"
+            + (f", {format_bytes(problem.process_bytes)} of it the process outside its "
+               "tensors (measured)" if problem.process_bytes else "")
+            + (f" (and then {' and '.join(over)}, with {ranks})" if over else ""), need)
+    host_need = max(host.node_host_bytes,
+                    -(-host.node_pinned_bytes * problem.host_mem_bytes
+                      // problem.pinned_mem_bytes))
+    fixes = [f"give the node more host memory if it has it (--host-mem {_ceil_size(host_need)})"]
+    if not problem.sharded and problem.world_size > 1:
+        fixes.append("shard the host state across the ranks (--host-state sharded)")
+    elif problem.sharded:
+        fixes.append("shard it over more ranks (--world-size)")
+    if problem.nproc_per_node > 1:
+        fixes.append(f"run fewer ranks a node (--nproc-per-node {problem.nproc_per_node // 2})")
+    return InfeasiblePlan(
+        f"no plan fits the node's host memory with {format_bytes(capacity_bytes)} of device "
+        f"memory ({ranks}): the plan that needs least device memory "
+        f"({format_bytes(need)}) needs {' and '.join(over)}; "
+        + ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1],
+        need, resource="host")
+
+
+def _ceil_size(nbytes: int) -> str:
+    """A size argument at least nbytes: 400G, 1.2T."""
+    gib = nbytes / 2**30
+    return f"{math.ceil(gib)}G" if gib < 1024 else f"{math.ceil(gib / 102.4) / 10:g}T"
 
 
 @dataclass(frozen=True)
@@ -186,7 +242,7 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     load: dict[tuple[int, str], list] = {}
     for key, f in list(frags.items()) + [(None, common)]:
         for o in f.ops:
-            if o.stream in BARRIER_STREAMS and o.stage < st.update:
+            if is_barrier(o.stream, o.kind) and o.stage < st.update:
                 load.setdefault((o.stage, o.stream), []).append((o.dur_s, key, o.kind))
     for (k, stream), terms in sorted(load.items()):
         lp += t[k] >= pulp.lpSum(d if key is None else d * x[key] for d, key, _ in terms), \
@@ -285,9 +341,13 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
         lp += m[k] == (m[k - 1] if k else 0) + change, f"memory_{k}"
         lp += m[k] + host_temp[k] <= cap, f"capacity_{k}"
 
-    # [Constraint] host memory and pinned host memory
-    lp += chosen(lambda f: f.host_bytes / GIB) <= limits.host_bytes / GIB, "host_memory"
-    lp += chosen(lambda f: f.pinned_bytes / GIB) <= limits.pinned_bytes / GIB, "pinned"
+    # [Constraint] host memory and pinned host memory, of the node: its ranks' own, plus
+    # what they share once ([Note: host state per rank and per node] in lowering.py)
+    k = problem.nproc_per_node
+    lp += chosen(lambda f: (k * f.host_bytes + f.node_host_bytes) / GIB) \
+        <= limits.host_bytes / GIB, "host_memory"
+    lp += chosen(lambda f: (k * f.pinned_bytes + f.node_pinned_bytes) / GIB) \
+        <= limits.pinned_bytes / GIB, "pinned"
 
     # --- objective --------------------------------------------------------------------------
     if minimize == "time":

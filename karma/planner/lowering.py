@@ -30,8 +30,15 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from karma.planner.problem import Problem
-from karma.schedule import BARRIER_STREAMS, PROCESS_BUFFER, STREAMS, Buffer, Op, round_seconds
+from karma.planner.problem import BlockCost, Problem
+from karma.schedule import (
+    PROCESS_BUFFER,
+    STREAMS,
+    Buffer,
+    Op,
+    is_barrier,
+    round_seconds,
+)
 
 # (activations, weights, optimizer)
 ACT = ("keep", "swap", "recompute")
@@ -175,8 +182,10 @@ class ProtoBuffer:
 class Fragment:
     ops: list[ProtoOp] = field(default_factory=list)
     buffers: list[ProtoBuffer] = field(default_factory=list)
-    host_bytes: int = 0  # host memory it needs
-    pinned_bytes: int = 0  # pinned host memory it needs
+    host_bytes: int = 0  # host memory it needs on each rank
+    pinned_bytes: int = 0  # pinned host memory it needs on each rank
+    node_host_bytes: int = 0  # host memory it needs once per node (the node's ranks share it)
+    node_pinned_bytes: int = 0  # pinned host memory it needs once per node
 
     def op(self, *args, **kwargs) -> tuple:
         o = ProtoOp(*args, **kwargs)
@@ -251,7 +260,8 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
     else:
         for user, nbytes in [(i, b.param_bytes)] + users_of(problem, i):
             _stream_weights(f, problem, st, i, user, nbytes, c.ahead)
-        f.pinned_bytes += b.param_bytes
+        if not problem.sharded:  # sharded, the node's copy: _host_state
+            f.pinned_bytes += b.param_bytes
 
     # gradients and the optimizer step
     users = users_of(problem, i)
@@ -265,9 +275,13 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
     f.buffer(f"gradacc.{i}", i, 2 * shared_bytes, bwd, bwd)
     # gradients accumulated on the host are all-reduced there (see [Note: accumulation])
     reduce_on_host = problem.world_size > 1 and c.optim == "host" and training.accumulate > 1
+    sharded = problem.sharded and c.optim == "host"
+    # sharded: each rank keeps its shard of the gradients, unless clipping needs them whole
+    exchange, exchange_s = ("reduce_scatter", b.reduce_scatter_s) \
+        if sharded and not training.clip else ("allreduce", b.allreduce_s)
     if problem.world_size > 1 and not reduce_on_host:
         # the gradients travel as one flat buffer: one collective per block, not per tensor
-        ar = f.op(("allreduce", i), "allreduce", i, st.allreduce(i), "net", b.allreduce_s,
+        ar = f.op((exchange, i), exchange, i, st.allreduce(i), "net", exchange_s,
                   b.param_bytes, uses=(grad,))
         f.buffer(f"artmp.{i}", i, b.param_bytes, ar, ar)
     if c.optim == "device":
@@ -288,30 +302,84 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
         else:
             f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), step)
     else:
+        # sharded, a rank copies only its shard of the averaged gradients (all of them when
+        # they add up on the host over micro-batches, before the exchange)
+        to_host_bytes = b.param_bytes if reduce_on_host or not sharded \
+            else _shard(b.param_bytes, problem.world_size)
         to_host = f.op(("grads_to_host", i), "grads_to_host", i,
                        st.allreduce(i) if reduce_on_host else st.to_host(i), "d2h",
-                       problem.d2h_s(b.param_bytes), b.param_bytes, uses=(grad,))
+                       problem.d2h_s(to_host_bytes), to_host_bytes, uses=(grad,))
         f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), to_host)
         after: tuple[tuple, ...] = (("stage_end", st.to_host(i)),)
         if reduce_on_host:
             # counted on the device too: a collective on device memory stages through it
-            ar = f.op(("allreduce", i), "allreduce", i, st.to_host(i), "net", b.allreduce_s,
+            ar = f.op((exchange, i), exchange, i, st.to_host(i), "net", exchange_s,
                       b.param_bytes, after=(to_host,))
             f.buffer(f"artmp.{i}", i, b.param_bytes, ar, ar)
             after += (ar,)
         if training.clip:  # after every gradient of the iteration (see [Note: clipping])
             after = (("stage_end", st.update - 1),) + after[1:]
-        step = f.op(("host_step", i), "host_step", i,
-                    st.update if training.clip else st.to_host(i), "host", b.host_step_s,
+        step_stage = st.update if training.clip else st.to_host(i)
+        step = f.op(("host_step", i), "host_step", i, step_stage, "host",
+                    b.host_step_s / problem.world_size if sharded else b.host_step_s,
                     after=after)
         if problem.host_temps_on_device:  # see host_temp_bytes
             f.buffer(f"{HOST_TEMP}{i}", i, b.step_temp_bytes, step, step)
+        updated = step
+        if sharded:
+            updated = f.op(("all_gather", i), "all_gather", i, step_stage, "net",
+                           b.all_gather_s, b.param_bytes, after=(step,))
         if c.weights == "resident":
             f.op(("upload", i), "upload", i, st.update, "h2d", problem.h2d_s(b.param_bytes),
-                 b.param_bytes, uses=(f"w.{i}",), after=(step,))
+                 b.param_bytes, uses=(f"w.{i}",), after=(updated,))
+        _host_state(f, problem, b, sharded, reduce_on_host)
+    return f
+
+
+@dataclass(frozen=True)
+class HostUse:
+    """Host memory a plan needs, per rank and per node ([Note: host state per rank and per
+    node]): a rank's figures include its share of what the node's ranks share."""
+
+    host_bytes: int
+    pinned_bytes: int
+    node_host_bytes: int
+    node_pinned_bytes: int
+
+    @classmethod
+    def of(cls, problem: Problem, frags: list[Fragment]) -> HostUse:
+        k = problem.nproc_per_node
+        own = sum(f.host_bytes for f in frags), sum(f.pinned_bytes for f in frags)
+        shared = sum(f.node_host_bytes for f in frags), sum(f.node_pinned_bytes for f in frags)
+        return cls(own[0] + _shard(shared[0], k), own[1] + _shard(shared[1], k),
+                   k * own[0] + shared[0], k * own[1] + shared[1])
+
+
+def _shard(nbytes: int, world_size: int) -> int:
+    """One rank's share of `nbytes` cut in `world_size` parts."""
+    return -(-nbytes // world_size)
+
+
+def _host_state(f: Fragment, problem: Problem, b: BlockCost, sharded: bool,
+                reduce_on_host: bool) -> None:
+    """[Note: host state per rank and per node] A host-stepped block keeps fp32 master
+    weights, gradients and optimizer state on the host, and the weights its device copies
+    are filled from (pinned: the uploads and fetches copy them). Replicated, every rank keeps
+    all of it, the masters being the weights it copies from. Sharded, a rank keeps its 1/N
+    of gradients (pinned: the gradients' copies land there) and optimizer state, plus all of
+    the gradients where they add up over micro-batches before the exchange (the shard is
+    then part of them); the whole weights are gathered into one copy per node, which its
+    ranks share, and a rank's masters are its rows of it (runtime/shard.py)."""
+    if not sharded:
         f.host_bytes += b.optim_bytes + 2 * b.param_bytes
         f.pinned_bytes += b.param_bytes
-    return f
+        return
+    n = problem.world_size
+    grads = b.param_bytes if reduce_on_host else _shard(b.param_bytes, n)
+    f.host_bytes += _shard(b.optim_bytes, n) + grads
+    f.pinned_bytes += grads
+    f.node_host_bytes += b.param_bytes
+    f.node_pinned_bytes += b.param_bytes
 
 
 def _stream_weights(f: Fragment, problem: Problem, st: Stages, owner: int, user: int,
@@ -459,7 +527,8 @@ class StageMemory:
 
 _RANK = {"fetch": 0, "swap_in": 1, "upload": 2, "swap_out": 0, "grads_to_host": 1,
          "forward": 0, "loss": 1, "recompute": 0, "backward": 1, "device_step": 2,
-         "allreduce": 0, "host_step": 0}
+         "allreduce": 0, "reduce_scatter": 0, "host_step": 0, "all_gather": 1}
+_UPDATE_RANK = {"host_step": 0, "all_gather": 1, "upload": 2}  # a block's, with clipping
 
 
 def assemble(problem: Problem, choices: list[Choice], training: Training = PLAIN
@@ -472,9 +541,11 @@ def assemble(problem: Problem, choices: list[Choice], training: Training = PLAIN
     def order(o: ProtoOp) -> tuple:
         if training.clip and o.stage == update:
             # device steps, then each block's host step and upload, from block 0 up
-            return (o.stage, o.stream != "compute", o.block, o.kind == "upload", o.key)
+            return (o.stage, o.stream != "compute", o.block, _UPDATE_RANK.get(o.kind, 0), o.key)
         # Host steps and uploads go from the last block to the first, as the gradients arrive.
-        return (o.stage, STREAMS.index(o.stream), _RANK[o.kind],
+        # a block's all-gather follows its host step, which is on the last stream
+        stream = len(STREAMS) if o.kind == "all_gather" else STREAMS.index(o.stream)
+        return (o.stage, stream, _RANK[o.kind],
                 -o.block if o.kind == "upload" else o.block, o.key)
 
     protos = sorted((o for fr in frags for o in fr.ops), key=order)
@@ -505,7 +576,7 @@ def _stage_ends(protos: list[ProtoOp]):
     snapshots: list[tuple[int, tuple[int, ...]]] = []  # (stage, last ops), stages ascending
     last_on: dict[str, int] = {}
     for k, o in enumerate(protos):
-        if o.stream in BARRIER_STREAMS:
+        if is_barrier(o.stream, o.kind):
             last_on[o.stream] = k
         snapshot = tuple(sorted(last_on.values()))
         if snapshots and snapshots[-1][0] == o.stage:

@@ -47,6 +47,9 @@ class PlanRequest:
     process_bytes: int = 0
     accumulate: int = 1  # micro-batches per optimizer step
     clip_grad_norm: float | None = None  # clip gradients to this global norm (None: never)
+    nproc_per_node: int = 1  # ranks per node: they share its host memory
+    host_state: str = "auto"  # sharded | replicated | auto (see [Note: choosing host state])
+    host_mem_bytes: int | None = None  # the node's host memory (None: the profile's)
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,9 @@ class PlanReport:
 def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> PlanReport:
     if request.strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {request.strategy!r}")
-    problem = build_problem(graph, request.hardware, request.dtype, request.world_size,
-                            request.optimizer, request.measured_s, request.measured_step_s,
-                            request.process_bytes)
+    state = "replicated" if request.host_state == "auto" and request.world_size == 1 \
+        else "sharded" if request.host_state == "auto" else request.host_state
+    problem = _problem(graph, request, state)
     cap = request.capacity_bytes
     training = Training(request.accumulate, request.clip_grad_norm is not None)
     baselines = {name: evaluate(problem, fn(problem, cap, training), cap, training)
@@ -74,6 +77,17 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
 
     if request.strategy != "ilp":
         chosen = baselines[request.strategy]
+        if not chosen.feasible and chosen.stage_peak_bytes <= cap:  # the host runs out
+            h = chosen.host
+            raise InfeasiblePlan(
+                f"the {request.strategy} plan fits {format_bytes(cap)} of device memory but "
+                f"needs {format_bytes(h.node_host_bytes)} of host memory a node "
+                f"({format_bytes(problem.host_mem_bytes)} there), "
+                f"{format_bytes(h.node_pinned_bytes)} of it pinned "
+                f"({format_bytes(problem.pinned_mem_bytes)} pinnable), with "
+                f"{problem.nproc_per_node} rank(s) a node; plan with --strategy ilp, give the "
+                "node more host memory (--host-mem), or run fewer ranks a node "
+                "(--nproc-per-node)", cap, resource="host")
         if not chosen.feasible:
             need = min_capacity_bytes(problem, request.time_limit_s, training)
             raise InfeasiblePlan(
@@ -102,16 +116,41 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
                 note=f"{plan.note}; the simulator times the best baseline, "
                      f"{best.plan.strategy}, faster"))
 
+    if problem.sharded:
+        chosen = _host_state_choice(graph, request, cap, training, chosen)
     single = chosen.step_s
     if request.world_size > 1:
-        one = build_problem(graph, request.hardware, request.dtype, 1,
-                            request.optimizer, request.measured_s, request.measured_step_s,
-                            request.process_bytes)
+        one = _problem(graph, dataclasses.replace(request, world_size=1, nproc_per_node=1),
+                       "replicated")
         single = evaluate(one, chosen.plan, cap, training).step_s
     # the ideal: keep_all's time, its memory unlimited (see Predicted.ideal_s)
     schedule = schedule_from(graph, model, request, chosen, single,
                              ideal_s=baselines["keep_all"].step_s)
     return PlanReport(problem, chosen, baselines, schedule, single)
+
+
+def _problem(graph: BlockGraph, request: PlanRequest, host_state: str) -> Problem:
+    return build_problem(graph, request.hardware, request.dtype, request.world_size,
+                         request.optimizer, request.measured_s, request.measured_step_s,
+                         request.process_bytes, request.nproc_per_node, host_state,
+                         request.host_mem_bytes)
+
+
+def _host_state_choice(graph: BlockGraph, request: PlanRequest, cap: int, training: Training,
+                       sharded: Evaluation) -> Evaluation:
+    """[Note: choosing host state] On several ranks the plan is made with sharded host
+    state, which needs less host memory and steps 1/N of the weights on each rank. Replicated
+    state is kept instead where it is asked for, or (auto) where no block is stepped on the
+    host (there is nothing to shard), or where the same plan replicated fits and the
+    simulator times it faster (the latency of two collectives instead of one, on small
+    models)."""
+    if request.host_state == "sharded":
+        return sharded
+    replicated = evaluate(_problem(graph, request, "replicated"), sharded.plan, cap, training)
+    if not any(c.optim == "host" for c in sharded.plan.choices) or (
+            replicated.feasible and replicated.step_s < sharded.step_s):
+        return replicated
+    return sharded
 
 
 def _overlapped_choice(problem: Problem, cap: int, request: PlanRequest, training: Training,
@@ -153,7 +192,9 @@ def schedule_from(graph: BlockGraph, model: ModelRef, request: PlanRequest, ev: 
                            world_size=request.world_size, seed=request.seed,
                            capacity_bytes=request.capacity_bytes,
                            accumulate=request.accumulate,
-                           clip_grad_norm=request.clip_grad_norm),
+                           clip_grad_norm=request.clip_grad_norm,
+                           host_state=ev.host_state,
+                           nproc_per_node=request.nproc_per_node),
         hardware=tuple(hardware.items()),
         strategy=ev.plan.strategy,
         status=ev.plan.status,
@@ -165,6 +206,8 @@ def schedule_from(graph: BlockGraph, model: ModelRef, request: PlanRequest, ev: 
             stage_peak_bytes=ev.stage_peak_bytes,
             host_bytes=ev.host_bytes,
             pinned_bytes=ev.pinned_bytes,
+            node_host_bytes=ev.host.node_host_bytes,
+            node_pinned_bytes=ev.host.node_pinned_bytes,
             busy_s=tuple(sim.busy_s.items()),
             scaling_efficiency=single_rank_s / ev.step_s if ev.step_s else 1.0,
             ideal_s=ideal_s,

@@ -10,20 +10,30 @@ from collections import Counter
 from dataclasses import dataclass
 
 from karma.errors import KarmaError
-from karma.planner.lowering import PLAIN, Choice, Training, assemble, fragment, stage_memory
+from karma.planner.lowering import (
+    PLAIN,
+    Choice,
+    HostUse,
+    Training,
+    assemble,
+    fragment,
+    stage_memory,
+)
 from karma.planner.problem import Problem
 from karma.planner.simulate import SimResult, simulate
 from karma.schedule import Buffer, Op
 
 
 class InfeasiblePlan(KarmaError):
-    """No plan fits the device memory; the message gives the smallest budget that would."""
+    """No plan fits the device memory (resource "device"; the message gives the smallest
+    budget that would), or the node's host memory (resource "host")."""
 
     exit_code = 3
 
-    def __init__(self, message: str, min_capacity_bytes: int):
+    def __init__(self, message: str, min_capacity_bytes: int, resource: str = "device"):
         super().__init__(message)
         self.min_capacity_bytes = min_capacity_bytes
+        self.resource = resource
         self.batch_size = 1  # the batch planned for, where known (karma.api sets it)
 
 
@@ -58,17 +68,26 @@ class Evaluation:
     sim: SimResult
     capacity_bytes: int
     stage_peak_bytes: int  # the ILP's memory bound: the largest sum of buffers live in a stage
-    host_bytes: int
-    pinned_bytes: int
-    host_mem_bytes: int
-    pinned_mem_bytes: int
+    host: HostUse  # per rank and per node
+    host_mem_bytes: int  # the node's
+    pinned_mem_bytes: int  # the node's
     training: Training = PLAIN
+    host_state: str = "replicated"  # the problem's: sharded only on several ranks
+
+    @property
+    def host_bytes(self) -> int:
+        """Per rank, its share of the node's shared bytes included."""
+        return self.host.host_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.host.pinned_bytes
 
     @property
     def feasible(self) -> bool:
         return (self.stage_peak_bytes <= self.capacity_bytes
-                and self.host_bytes <= self.host_mem_bytes
-                and self.pinned_bytes <= self.pinned_mem_bytes)
+                and self.host.node_host_bytes <= self.host_mem_bytes
+                and self.host.node_pinned_bytes <= self.pinned_mem_bytes)
 
     @property
     def iteration_s(self) -> float:
@@ -104,8 +123,8 @@ def evaluate(problem: Problem, plan: Plan, capacity_bytes: int,
         sim=simulate(ops, buffers, training.accumulate, training.clip, problem.contention),
         capacity_bytes=capacity_bytes,
         stage_peak_bytes=max(stage_memory(problem, choices, training)),
-        host_bytes=sum(f.host_bytes for f in frags),
-        pinned_bytes=sum(f.pinned_bytes for f in frags),
+        host=HostUse.of(problem, frags),
+        host_state="sharded" if problem.sharded else "replicated",
         host_mem_bytes=problem.host_mem_bytes,
         pinned_mem_bytes=problem.pinned_mem_bytes,
         training=training,

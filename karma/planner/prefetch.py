@@ -24,7 +24,7 @@ from karma.planner.lowering import (
 )
 from karma.planner.plan import Plan, evaluate
 from karma.planner.problem import Problem
-from karma.schedule import BARRIER_STREAMS
+from karma.schedule import BARRIER_STREAMS, is_barrier
 
 
 def refine_prefetch(problem: Problem, plan: Plan, capacity_bytes: int,
@@ -72,7 +72,7 @@ def refine_prefetch(problem: Problem, plan: Plan, capacity_bytes: int,
 
 def _add_load(load: list[dict[str, float]], f, sign: int) -> None:
     for o in f.ops:
-        if o.stream in BARRIER_STREAMS and o.stage < len(load):
+        if is_barrier(o.stream, o.kind) and o.stage < len(load):
             load[o.stage][o.stream] += sign * o.dur_s
 
 

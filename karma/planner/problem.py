@@ -48,6 +48,8 @@ class BlockCost:
     host_step_s: float  # host optimizer step of its weights
     device_step_s: float  # device optimizer step of its weights
     allreduce_s: float  # ring all-reduce of its gradients (0 on one rank)
+    reduce_scatter_s: float = 0.0  # ring reduce-scatter of its gradients (sharded host state)
+    all_gather_s: float = 0.0  # ring all-gather of its stepped weights (sharded host state)
     fwd_temp_bytes: int = 0  # peak temporaries of its forward beyond what it saves and returns
     bwd_temp_bytes: int = 0  # peak temporaries of its backward (input gradients included)
     step_temp_bytes: int = 0  # temporaries of an optimizer step (a multiple of its largest weight)
@@ -112,8 +114,8 @@ class Problem:
     input_bytes: int  # one batch of model inputs, resident all iteration
     loss_act_bytes: int  # what the loss saves (logits' log-softmax and the like)
     loss_s: float
-    host_mem_bytes: int
-    pinned_mem_bytes: int
+    host_mem_bytes: int  # the node's, shared by its nproc_per_node ranks
+    pinned_mem_bytes: int  # the node's
     world_size: int
     dtype: str
     host_temps_on_device: bool = False  # cpu: the host optimizer's temporaries are private
@@ -122,12 +124,25 @@ class Problem:
     # the CPU backend's process outside its tensors, in every stage (calibrate/in_context.py, [Note:
     # the process's own memory]); 0 on a GPU, whose measure is its allocator's
     process_bytes: int = 0
+    nproc_per_node: int = 1  # ranks per node
+    host_state: str = "replicated"  # or "sharded": see karma/schedule.py's docstring
 
     def __post_init__(self) -> None:
         if not self.blocks:
             raise ValueError("a problem needs at least one block")
         if self.world_size < 1:
             raise ValueError(f"world_size = {self.world_size} < 1")
+        if not 1 <= self.nproc_per_node <= self.world_size \
+                or self.world_size % self.nproc_per_node:
+            raise ValueError(f"nproc_per_node = {self.nproc_per_node} does not divide "
+                             f"world_size = {self.world_size}")
+        if self.host_state not in ("replicated", "sharded"):
+            raise ValueError(f"host_state {self.host_state!r}")
+
+    @property
+    def sharded(self) -> bool:
+        """Host-stepped blocks keep 1/world_size of their host state on each rank."""
+        return self.host_state == "sharded" and self.world_size > 1
         if self.process_bytes < 0:
             raise ValueError(f"process_bytes = {self.process_bytes} < 0")
         spans = [(h.made_by, h.first_reader, h.next_reader) for h in self.held_saved]
@@ -170,18 +185,28 @@ def ring_allreduce_s(nbytes: int, world_size: int, net_bytes_per_s: float,
     return 2 * (n - 1) / n * nbytes / net_bytes_per_s + 2 * (n - 1) * net_latency_s
 
 
+def ring_half_s(nbytes: int, world_size: int, net_bytes_per_s: float,
+                net_latency_s: float) -> float:
+    """Ring reduce-scatter or all-gather: (N-1)/N of the bytes, N-1 latency-bound steps."""
+    return ring_allreduce_s(nbytes, world_size, net_bytes_per_s, net_latency_s) / 2
+
+
 def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_size: int = 1,
                   optimizer: OptimizerProfile | None = None,
                   measured_s: Sequence[tuple[float, float]] | None = None,
                   measured_step_s: Sequence[tuple[float, float]] | None = None,
-                  process_bytes: int = 0) -> Problem:
+                  process_bytes: int = 0, nproc_per_node: int = 1,
+                  host_state: str = "replicated", host_mem_bytes: int | None = None
+                  ) -> Problem:
     """Per-block costs of `graph` on `hw`.
 
     optimizer: the optimizer's state and temporaries per parameter byte (default AdamW's:
     2 and 2). measured_s: (forward, backward) seconds per block, replacing the roofline
     estimate; measured_step_s: (device, host) seconds of each block's optimizer step, replacing
     the estimate from the profile's rates. process_bytes: what the process holds outside its
-    tensors while training, measured (Problem.process_bytes).
+    tensors while training, measured (Problem.process_bytes). nproc_per_node, host_state:
+    Problem's; host_mem_bytes: the node's host memory, instead of the profile's (its pinned
+    share scaled alike).
     """
     optimizer = optimizer or ADAMW
     if dtype not in DTYPES:
@@ -234,6 +259,10 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
                            else DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s),
             allreduce_s=ring_allreduce_s(param_bytes, world_size, hw.net_bytes_per_s,
                                          hw.net_latency_s),
+            reduce_scatter_s=ring_half_s(param_bytes, world_size, hw.net_bytes_per_s,
+                                         hw.net_latency_s),
+            all_gather_s=ring_half_s(param_bytes, world_size, hw.net_bytes_per_s,
+                                     hw.net_latency_s),
             shared_saved_bytes=shared_saved[i],
             shared_made_bytes=shared_made[i],
             held_in_bytes=held_in[i],
@@ -246,8 +275,9 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         input_bytes=graph.input_bytes,
         loss_act_bytes=loss_act_bytes,
         loss_s=3 * loss_act_bytes / hw.mem_bytes_per_s,
-        host_mem_bytes=hw.host_mem_bytes,
-        pinned_mem_bytes=hw.pinned_mem_bytes,
+        host_mem_bytes=host_mem_bytes or hw.host_mem_bytes,
+        pinned_mem_bytes=(hw.pinned_mem_bytes if host_mem_bytes is None else
+                          host_mem_bytes * hw.pinned_mem_bytes // hw.host_mem_bytes),
         world_size=world_size,
         dtype=dtype,
         # On the CPU backend the "device" is the process's private memory, where the host
@@ -257,4 +287,6 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
                          for (p, r0, r1), nbytes in sorted(held.items())),
         contention=Contention.of(vars(hw)),
         process_bytes=process_bytes,
+        nproc_per_node=nproc_per_node,
+        host_state=host_state,
     )

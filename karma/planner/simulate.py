@@ -276,8 +276,8 @@ def overlapped_iteration_s(ops: Sequence[Op], accumulate: int = 1,
     # the second iteration starts when the first's work (its updates aside) is done
     last = {op.stream: k for k, op in enumerate(merged)}
     host_step: dict[int, int] = {}
-    for op in ops:
-        if op.kind == "host_step":
+    for op in ops:  # a block's host step, then (sharded) its all-gather: the last updates
+        if op.kind in ("host_step", "all_gather"):
             host_step[op.block] = first[op.id] = add(op, (first[d] for d in op.deps))
     pending = {op.block: op for op in ops if op.kind == "upload"}
 

@@ -98,8 +98,9 @@ class Backend(Protocol):
     def allocate(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """`make()` from a side stream's worker, as memory compute will own."""
 
-    def collective(self, tensor: torch.Tensor, group) -> None:
-        """Sum `tensor` over the ranks of `group`, in place (the exchange's all-reduce)."""
+    def collective(self, tensor: torch.Tensor, group, out: torch.Tensor | None = None) -> None:
+        """Sum `tensor` over the ranks of `group`, in place (the exchange's all-reduce); with
+        `out`, into `out` this rank's 1/N of the sum (a reduce-scatter)."""
 
     def marker(self) -> Callable[[], None] | None:
         """A point on the calling thread's stream; calling the result makes the then-current
@@ -173,9 +174,13 @@ class CpuBackend(Backend):
     def allocate(self, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         return make()
 
-    def collective(self, tensor: torch.Tensor, group) -> None:
-        """Sum `tensor` over the ranks of `group`, in place (the exchange's all-reduce)."""
-        torch.distributed.all_reduce(tensor, group=group)
+    def collective(self, tensor: torch.Tensor, group, out: torch.Tensor | None = None) -> None:
+        """Sum `tensor` over the ranks of `group`, in place (the exchange's all-reduce); with
+        `out`, into `out` this rank's 1/N of the sum (a reduce-scatter)."""
+        if out is None:
+            torch.distributed.all_reduce(tensor, group=group)
+        else:
+            torch.distributed.reduce_scatter_tensor(out, tensor, group=group)
 
     def marker(self) -> Callable[[], None] | None:
         return None  # work on the CPU is done when it returns: nothing to wait for

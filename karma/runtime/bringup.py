@@ -41,7 +41,9 @@ from karma.runtime.host import (
 )
 from karma.runtime.hostmem import host_memory_problem, measure_host_memory
 from karma.runtime.lr import LRSchedule
+from karma.runtime.nodecopy import NodeCopy, whole_bytes
 from karma.runtime.peak import DevicePeak, PrivatePeak
+from karma.runtime.shard import sharded, sharded_params
 from karma.runtime.training_options import GradClip, MixedPrecision
 from karma.schedule import Schedule
 from karma.units import format_bytes
@@ -66,6 +68,12 @@ class Parts:
     baseline_private_bytes: int  # before the model was built: what the peak is measured above
     baseline_data_bytes: int  # VmData then: the process's fixed cost under prlimit --data
     stack: contextlib.ExitStack
+    node: NodeCopy | None = None  # the node's copy of the weights (sharded host state)
+
+    @property
+    def host_bytes(self) -> int:
+        """This rank's host memory at its peak: its pool's, and its share of the node's."""
+        return self.pool.peak_bytes + (self.node.share_bytes if self.node else 0)
 
     @property
     def host_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -105,7 +113,7 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
                  else int(cap_device_memory), log)
 
         built = time.perf_counter()
-        pool = HostPool(pool_bytes(schedule.predicted.host_bytes), kind=backend.pool_kind,
+        pool = HostPool(pool_bytes(_pool_bytes(schedule)), kind=backend.pool_kind,
                         directory=host_memory.tier_dir)
         stack.callback(pool.close)
         if backend.name == "cpu" and schedule.predicted.host_bytes:
@@ -121,11 +129,18 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
         with tier or contextlib.nullcontext():
             model = mf.build(log)  # on the CPU: initial values do not depend on it
         model.train()
+        node = None
+        if sharded(schedule):  # [Note: the node's copy of the weights]
+            named = dict(model.named_parameters(remove_duplicate=False))
+            shapes = [(named[n].shape, named[n].dtype) for n in sharded_params(schedule)]
+            node = NodeCopy(whole_bytes(shapes, ranks.world_size), ranks,
+                            host_memory.tier_dir, backend.pool_kind == "pinned", timeout_s)
+            stack.callback(node.close)
         exchange = GradientExchange(ranks, backend) if ranks.world_size > 1 else None
         precision = MixedPrecision.of(schedule, backend.device.type)
         clip = schedule.config.clip_grad_norm
         engine = Engine(schedule, model, mf.make_optimizer, pool, backend, exchange, tier,
-                        precision, GradClip(clip) if clip is not None else None)
+                        precision, GradClip(clip) if clip is not None else None, node)
         stack.callback(engine.close)
         optimizer = BlockOptimizers([w.optimizer for w in engine.weights
                                      if w.optimizer is not None])
@@ -138,7 +153,16 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
         distributed.barrier(ranks, "before the first step",
                             timeout_s + time.perf_counter() - built)
         return Parts(model, engine, pool, meter, exchange, precision, optimizer, lr_schedule,
-                     bound, baseline_private, baseline_data, stack.pop_all())
+                     bound, baseline_private, baseline_data, stack.pop_all(), node)
+
+
+def _pool_bytes(schedule: Schedule) -> int:
+    """The host tier a rank's pool starts with: the schedule's per-rank host bytes, less the
+    share of the node's copy of the weights the planner counted in them (nodecopy.py)."""
+    c = schedule.config
+    whole = sum(b.param_bytes for b in schedule.blocks if b.optim == "host") \
+        if sharded(schedule) else 0
+    return max(0, schedule.predicted.host_bytes - -(-whole // c.nproc_per_node))
 
 
 def _baseline(mf: ModelFile, schedule: Schedule, log: Callable[[str], None]) -> tuple[int, int]:

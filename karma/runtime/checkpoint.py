@@ -21,6 +21,7 @@ import torch
 
 from karma.errors import KarmaError
 from karma.fileio import NO_ROOM, write_failure
+from karma.runtime.shard import ShardedWeights
 
 FORMAT = "karma-checkpoint-1"
 FILES = ("model.pt", "optimizer.pt", "meta.json")
@@ -77,7 +78,8 @@ def runtime_state(model: torch.nn.Module, engine, scratch: Path, snapshot: bool 
         "model": model_state(model, engine, scratch, snapshot),
         "optimizer": {
             "format": FORMAT,
-            "blocks": [_detached_state(w.optimizer, scratch, snapshot) for w in engine.weights],
+            "blocks": [_detached_state(w.optimizer_state(), scratch, snapshot)
+                       for w in engine.weights],
             "lr_schedule": (None if lr_schedule is None  # a copy: later steps leave it as it is
                             else copy.deepcopy(lr_schedule.state_dict())),
             "rng_state": torch.get_rng_state(),
@@ -122,8 +124,7 @@ def load_runtime_state(state: dict, model: torch.nn.Module, engine, source: str,
     for w, block_state in zip(engine.weights, opt["blocks"]):
         w.load(values)
         if w.optimizer is not None and block_state is not None:
-            w.optimizer.load_state_dict(block_state)
-            w.reset_state_placement()
+            w.load_optimizer_state(block_state)
     if lr_schedule is not None:
         lr_schedule.load_state_dict(opt["lr_schedule"], source)
     torch.set_rng_state(opt["rng_state"])
@@ -214,11 +215,19 @@ def load_checkpoint(path: Path, model, engine, lr_schedule=None) -> int:
     return int(meta["step"])
 
 
-def _detached_state(optimizer, scratch: Path, snapshot: bool = False) -> dict | None:
-    """The optimizer's state_dict, its tensors out of the host tier's arenas (_standalone)."""
-    if optimizer is None:
+def share_optimizer_states(engine) -> None:
+    """On a rank that does not write the checkpoint: the collectives rank 0's runtime_state
+    runs to gather sharded optimizer states (shard.py), in the same order."""
+    engine.settle()
+    for w in engine.weights:
+        if isinstance(w, ShardedWeights):
+            w.optimizer_state()
+
+
+def _detached_state(sd: dict | None, scratch: Path, snapshot: bool = False) -> dict | None:
+    """An optimizer's state_dict, its tensors out of the host tier's arenas (_standalone)."""
+    if sd is None:
         return None
-    sd = optimizer.state_dict()
     sd["state"] = {k: {n: _standalone(v.cpu(), scratch, snapshot) if isinstance(v, torch.Tensor) else v
                        for n, v in st.items()}
                    for k, st in sd["state"].items()}

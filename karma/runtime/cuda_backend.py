@@ -156,10 +156,14 @@ class CudaBackend(Backend):
         torch.cuda.current_stream(self.device).wait_event(event)
         return t
 
-    def collective(self, tensor: torch.Tensor, group) -> None:
+    def collective(self, tensor: torch.Tensor, group, out: torch.Tensor | None = None) -> None:
         """Sum `tensor` over the ranks of `group`, in place, on the calling thread's current
-        stream (the net stream: exchange.py says how NCCL and gloo meet it)."""
-        torch.distributed.all_reduce(tensor, group=group)
+        stream (the net stream: exchange.py says how NCCL and gloo meet it); with `out`, into
+        `out` this rank's 1/N of the sum (a reduce-scatter)."""
+        if out is None:
+            torch.distributed.all_reduce(tensor, group=group)
+        else:
+            torch.distributed.reduce_scatter_tensor(out, tensor, group=group)
 
     def marker(self) -> Callable[[], None]:
         """A point on the calling thread's stream; calling the result makes the then-current

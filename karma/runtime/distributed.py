@@ -52,6 +52,9 @@ class Ranks:
     owns_group: bool  # this run created the process group (and destroys it at the end)
     net: object | None  # the all-reduce group (None on one rank)
     dist_backend: str | None = None  # the all-reduce group's backend, nccl or gloo
+    # the group for collectives on host tensors (sharded host state's all-gathers): the
+    # net group where it is gloo, else a gloo group of its own (NCCL reduces device memory)
+    host_net: object | None = None
 
     @property
     def main(self) -> bool:
@@ -123,8 +126,11 @@ def join(world_size: int, schedule_sha256: str, options: dict, timeout_s: float,
                     "start every rank with the same karma-run arguments")
         if dist_backend == "nccl":
             _check_own_gpus(ranks, device_id)
-        ranks = Ranks(ranks.rank, size, ranks.owns_group, dist.new_group(
-            backend=dist_backend, timeout=datetime.timedelta(seconds=timeout_s)), dist_backend)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        net = dist.new_group(backend=dist_backend, timeout=timeout)
+        host_net = net if dist_backend == "gloo" else dist.new_group(backend="gloo",
+                                                                     timeout=timeout)
+        ranks = Ranks(ranks.rank, size, ranks.owns_group, net, dist_backend, host_net)
     except RuntimeError as e:  # a rank died during the start-up checks
         leave(ranks)
         raise lost(ranks, "at start-up", e) from e
@@ -212,6 +218,18 @@ def agree(ranks: Ranks, what: str, value, fix: str) -> None:
         _check_same(ranks, what, value, fix)
 
 
+def gather(ranks: Ranks, value, where: str) -> list:
+    """Every rank's `value` (picklable), in rank order, on every rank."""
+    if ranks.world_size == 1:
+        return [value]
+    values: list = [None] * ranks.world_size
+    try:
+        dist.all_gather_object(values, value)
+    except RuntimeError as e:
+        raise lost(ranks, where, e) from e
+    return values
+
+
 def barrier(ranks: Ranks, where: str, timeout_s: float, others_s: float | None = None) -> None:
     """Wait for every rank: rank 0 at most `timeout_s`, the others at most `others_s`
     (default the same). After a checkpoint rank 0 arrives last (it was writing while the
@@ -231,8 +249,10 @@ def leave(ranks: Ranks) -> None:
         return
     if ranks.owns_group:
         dist.destroy_process_group()
-    elif ranks.net is not None:  # the caller's process group lives on; this run's group not
+    elif ranks.net is not None:  # the caller's process group lives on; this run's groups not
         dist.destroy_process_group(ranks.net)
+        if ranks.host_net is not None and ranks.host_net is not ranks.net:
+            dist.destroy_process_group(ranks.host_net)
 
 
 def lost(ranks: Ranks, where: str, error: BaseException) -> RankLost:

@@ -32,13 +32,15 @@ from karma.runtime.evaluation import BlockByBlock
 from karma.runtime.exchange import GradientExchange
 from karma.runtime.hooks import BlockHooks
 from karma.runtime.host import BuildInTier, HostPool
+from karma.runtime.nodecopy import NodeCopy
 from karma.runtime.replay import DivergedError, ReplayTables
+from karma.runtime.shard import ShardedWeights, sharded
 from karma.runtime.streams import OpEvents, StreamWorker
 from karma.runtime.swap import SwapStore
 from karma.runtime.training_options import GradClip, MixedPrecision
 from karma.runtime.update import Updates
 from karma.runtime.weights import BlockWeights, SharedStorage
-from karma.schedule import Op, Schedule
+from karma.schedule import EXCHANGE_KINDS, Op, Schedule
 from karma.schedule_check import check_model_names, validate
 
 
@@ -48,10 +50,12 @@ class Engine:
     def __init__(self, schedule: Schedule, model: torch.nn.Module, make_optimizer,
                  pool: HostPool, backend: Backend | None = None,
                  exchange: GradientExchange | None = None, tier: BuildInTier | None = None,
-                 precision: MixedPrecision | None = None, clip: GradClip | None = None):
+                 precision: MixedPrecision | None = None, clip: GradClip | None = None,
+                 node: NodeCopy | None = None):
         """`model` is built on the CPU (its large tensors in the host tier when built under
         `tier`); the engine places it on the backend's device. `precision` and `clip` are the
-        schedule's training options (training_options.py)."""
+        schedule's training options (training_options.py). `node`: where sharded host state
+        keeps the whole weights (nodecopy.py; the schedule's host_state says whether)."""
         if schedule.config.world_size > 1 and exchange is None:
             raise KarmaError(f"this schedule was planned for {schedule.config.world_size} ranks; "
                              "run it on that many (karma-run under torchrun)")
@@ -67,6 +71,10 @@ class Engine:
         device = self.backend.device
         self.shared = SharedStorage()
         self.weights = [
+            ShardedWeights(b.name, [(n, named[n]) for n in b.params], b.weights,
+                           make_optimizer, pool, node, self.shared, exchange.ranks,
+                           schedule.config.accumulate, device, tier)
+            if sharded(schedule) and b.optim == "host" else
             BlockWeights(b.name, [(n, named[n]) for n in b.params], b.weights, b.optim,
                          make_optimizer, pool, self.shared, device, tier)
             for b in self.blocks
@@ -333,14 +341,17 @@ class Engine:
             store = self.swaps[op.block]
             fresh = store.allocate()
             return partial(store.swap_in, fresh, self.backend), bool(fresh)
-        if op.kind == "allreduce" and self.exchange is not None:
+        if op.kind in EXCHANGE_KINDS and self.exchange is not None:
             # exchange.py, [Note: the flat buffer's life]
+            cuts = w.cuts if op.kind == "reduce_scatter" else None
             if op.block in self.tables.reduce_on_host:
-                flats = self.exchange.prepare(w.masters)
+                flats = self.exchange.prepare(w.exchange_holders, cuts)
                 reduce = partial(self.exchange.reduce, flats)
                 return partial(self.updates.reduce_host_grads, w, reduce), bool(flats)
-            flats = self.exchange.prepare(w.params)
+            flats = self.exchange.prepare(w.params, cuts)
             return partial(self.exchange.reduce, flats), bool(flats)
+        if op.kind == "all_gather":
+            return w.all_gather, False
         if op.kind == "swap_out":
             return self.swaps[op.block].swap_out, False
         if op.kind == "grads_to_host":

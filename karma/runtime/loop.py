@@ -16,7 +16,12 @@ import torch
 from karma.errors import KarmaError
 from karma.modelfile import ModelFile
 from karma.runtime import distributed
-from karma.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from karma.runtime.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    share_optimizer_states,
+)
 from karma.runtime.engine import Engine
 from karma.runtime.exchange import hidden_s
 from karma.runtime.runtime import Runtime, open_model_file
@@ -81,6 +86,10 @@ class RunReport:
     # intervals are in the trace file)
     wait_s: list[dict[str, float]] = field(default_factory=list)
     traced_step: int | None = None  # the step written to RunOptions.trace_path
+    # each rank's host memory at its peak (its tier's, and its share of the node's copy of
+    # the weights), in rank order, beside the schedule's per-rank prediction
+    rank_host_bytes: list[int] = field(default_factory=list)
+    predicted_host_bytes: int = 0
 
     def to_json(self) -> dict:
         median = statistics.median(self.step_s) if self.step_s else None
@@ -117,7 +126,8 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         batch_size=schedule.config.batch_size, baseline_private_bytes=rt.baseline_private_bytes,
         baseline_data_bytes=rt.baseline_data_bytes, rank=ranks.rank,
         world_size=ranks.world_size, dist_backend=ranks.dist_backend,
-        predicted_allreduce_s=dict(schedule.predicted.busy_s).get("net", 0.0))
+        predicted_allreduce_s=dict(schedule.predicted.busy_s).get("net", 0.0),
+        predicted_host_bytes=schedule.predicted.host_bytes)
     for step in range(start_step + 1, options.steps + 1):
         if step == trace_step:
             rt.trace_next_step()
@@ -142,7 +152,8 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
     if ranks.world_size > 1:
         distributed.agree(ranks, "parameters after the last step", _digest(rt.engine),
                           "this is a bug in karma: please report it with the schedule")
-    return dataclasses.replace(report, peak_device_bytes=rt.meter.peak,
+    rank_host = distributed.gather(ranks, rt.host_bytes, "comparing their host memory")
+    return dataclasses.replace(report, peak_device_bytes=rt.meter.peak, rank_host_bytes=rank_host,
                                **rt.meter.absolute())
 
 
@@ -203,6 +214,8 @@ def _checkpoint(rt: Runtime, options: RunOptions, step: int) -> None:
         path = save_checkpoint(options.checkpoint_dir, step, rt.model, rt.engine,
                                rt.schedule, rt.seed, rt.lr_schedule)
         rt.log(f"checkpoint {path}")
+    else:
+        share_optimizer_states(rt.engine)
     distributed.barrier(rt.ranks, f"after the checkpoint of step {step}",
                         options.timeout_s, distributed.CHECKPOINT_WAIT_S)
 

@@ -18,7 +18,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from karma.errors import KarmaError
-from karma.schedule import BARRIER_STREAMS, DEFERRED_KINDS, GRAD_KINDS, Op, Schedule
+from karma.schedule import (
+    DEFERRED_KINDS,
+    EXCHANGE_KINDS,
+    GRAD_KINDS,
+    Op,
+    Schedule,
+    is_barrier,
+)
 
 # a weight buffer: block OWNER's weights, fetched for block USER's forward (f) or backward (b)
 WEIGHT_BUFFER = re.compile(r"w\.(\d+)@([fb])(\d*)$")
@@ -69,13 +76,16 @@ class ReplayTables:
         order = {(op.kind, op.block): op.id for op in ops}
         reduce_on_host = frozenset(
             b.index for b in schedule.blocks
-            if ("allreduce", b.index) in order and ("grads_to_host", b.index) in order
-            and order["allreduce", b.index] > order["grads_to_host", b.index])
+            for kind in EXCHANGE_KINDS
+            if (kind, b.index) in order and ("grads_to_host", b.index) in order
+            and order[kind, b.index] > order["grads_to_host", b.index])
         clip = schedule.config.clip_grad_norm is not None
         deferred = frozenset(op.id for op in ops if op.kind in DEFERRED_KINDS) if clip \
             else frozenset()
         uploads = {op.block: op.id for op in ops if op.kind == "upload"}
-        host_steps = {op.block: op.id for op in ops if op.kind == "host_step"}
+        # a fetch waits for the last update of the masters it copies: the host step, or
+        # the all-gather after it (sharded host state)
+        host_steps = {op.block: op.id for op in ops if op.kind in ("host_step", "all_gather")}
         owner = {n: b.index for b in schedule.blocks for n in b.params}
         forward_waits = {
             b.index: tuple(uploads[o] for o in sorted(
@@ -125,7 +135,7 @@ def _releases_due(compute_ops: tuple[Op, ...], side_ops: tuple[Op, ...]
     own and that no earlier compute op was handed."""
     due: dict[int, tuple[int, ...]] = {}
     handed = 0
-    side = [op for op in side_ops if op.stream in BARRIER_STREAMS]
+    side = [op for op in side_ops if is_barrier(op.stream, op.kind)]
     for op in compute_ops:
         start = handed
         while handed < len(side) and side[handed].stage < op.stage:

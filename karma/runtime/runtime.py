@@ -154,6 +154,12 @@ class Runtime:
         """The most the host tier held."""
         return self.parts.pool.peak_bytes
 
+    @property
+    def host_bytes(self) -> int:
+        """This rank's host memory at its peak: its host tier's, and its share of the node's
+        copy of the weights (sharded host state)."""
+        return self.parts.host_bytes
+
     def trace_next_step(self) -> None:
         """Record the timeline of the next optimizer step (its last micro-batch, the one
         that steps): `last.trace` holds it after that step. With clipping, that step also

@@ -169,6 +169,6 @@ class Updates:
         return release
 
     def _host_norms(self, w: BlockWeights) -> None:
-        for p, g, has in zip(w.params, w.host_grads, w.has_grad):
-            if has:
+        for p, g in zip(w.params, w.whole_grads()):
+            if g is not None:
                 self.norms[id(p)] = self.clip.norm(g)

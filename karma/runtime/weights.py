@@ -138,6 +138,16 @@ class BlockWeights:
         self.masters[k].grad = self.host_grads[k] if self.has_grad[k] else None
         return self.masters[k]
 
+    @property
+    def exchange_holders(self) -> list[torch.Tensor]:
+        """The host tensors whose .grad the exchange of gradients added up on the host
+        averages (reduce_host_grads lends them the host gradients)."""
+        return self.masters
+
+    def whole_grads(self) -> list[torch.Tensor | None]:
+        """Each parameter's final gradient on the host, for the clipping norms (None: none)."""
+        return [g if has else None for g, has in zip(self.host_grads, self.has_grad)]
+
     def reduce_host_grads(self, allreduce):
         """All-reduce the gradients accumulated on the host (`allreduce` of tensors' .grad,
         the masters lent their host gradients); returns what `allreduce` returns."""
@@ -194,6 +204,14 @@ class BlockWeights:
             self.optimizer.state[m] = _zero_state(
                 template, lambda dtype, m=m: self._pool.empty(m.shape, dtype).zero_())
         self._state_in_pool = True
+
+    def optimizer_state(self) -> dict | None:
+        """The optimizer's state_dict (None: no optimizer)."""
+        return None if self.optimizer is None else self.optimizer.state_dict()
+
+    def load_optimizer_state(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd)
+        self.reset_state_placement()
 
     def reset_state_placement(self) -> None:
         """After loading optimizer state: move it into the host tier at the next host step."""
