@@ -303,6 +303,37 @@ def test_four_ranks_differ_from_the_averaged_loop_only_in_summation_order(
         assert report["losses"] == pytest.approx(ref.rank_losses[rank], rel=1e-6)
 
 
+# --- host memory a rank ------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_each_rank_holds_1_over_n_of_one_rank_s_host_state(tmp_path):
+    """A GPT of 7.2M parameters whose every block steps on the host (offload_all): karma-run
+    --report gives each rank's host memory at its peak (its tier's, and its share of the
+    node's copy of the weights), which on N ranks of one node is 1/N of one rank's and what
+    the plan predicts (bench/host_bytes.py does it for the 51.5M-parameter GPT, beside
+    FSDP2)."""
+    env = {"KARMA_GPT": "4x128x4", "KARMA_SEQ": "64"}
+    measured = {}
+    for n in (1, 2, 4):
+        schedule, report = tmp_path / f"s{n}.yaml", tmp_path / f"r{n}.json"
+        subprocess.run([sys.executable, "-m", "karma.cli.plan", str(ROOT / "examples" / "gpt.py"),
+                        "--hardware", "cpu", "--gpu-mem", "1G", "--batch-size", "1",
+                        "--world-size", str(n), "--strategy", "offload_all", "--no-measure",
+                        "-o", str(schedule)], env={**os.environ, **env}, check=True,
+                       capture_output=True)
+        procs = start_ranks(karma_run(str(schedule), "--steps", "2", "--report", str(report)), n,
+                            extra_env=env)
+        for rank, (code, _, stderr) in enumerate(finish(procs, timeout_s=300)):
+            assert code == 0, f"{n} ranks, rank {rank}: {stderr[-3000:]}"
+        measured[n] = json.loads(report.read_text())
+        assert len(measured[n]["rank_host_bytes"]) == n
+    one = measured[1]["rank_host_bytes"][0]
+    for n, doc in measured.items():
+        for held in doc["rank_host_bytes"]:
+            assert held <= 1.1 * one / n, (n, doc["rank_host_bytes"], one)
+            assert held == pytest.approx(doc["predicted_host_bytes"], rel=0.05)
+
+
 # --- launching, bad input and faults -------------------------------------------------------
 
 @pytest.fixture(scope="module")

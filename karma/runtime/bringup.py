@@ -142,6 +142,11 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
         engine = Engine(schedule, model, mf.make_optimizer, pool, backend, exchange, tier,
                         precision, GradClip(clip) if clip is not None else None, node)
         stack.callback(engine.close)
+        if tier is not None:
+            tier.release_unused()
+        # the tier's peak counts training from here: building the model in it (BuildInTier)
+        # held the whole model for a moment, which the plan's host bytes do not count
+        pool.reset_peak()
         optimizer = BlockOptimizers([w.optimizer for w in engine.weights
                                      if w.optimizer is not None])
         lr_schedule = None if mf.make_scheduler is None else LRSchedule(

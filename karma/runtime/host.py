@@ -14,6 +14,7 @@ import bisect
 import contextlib
 import ctypes
 import os
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -77,6 +78,12 @@ class HostPool:
                    stride if stride is not None else _contiguous_strides(shape))
         t._karma_slot = (arena, offset, _aligned(max(nbytes, 1)))  # noqa: SLF001
         return t
+
+    def reset_peak(self) -> int:
+        """Start counting the peak again from what is held now; the peak until now."""
+        with self._lock:
+            peak, self.peak_bytes = self.peak_bytes, self.used_bytes
+        return peak
 
     def copy_of(self, t: torch.Tensor) -> torch.Tensor:
         out = self.empty(t.shape, t.dtype)
@@ -279,6 +286,19 @@ class BuildInTier(torch.overrides.TorchFunctionMode):
         return (device is None or torch.device(device).type == "cpu") and kwargs.get(
             "layout", torch.strided) == torch.strided and not kwargs.get("pin_memory") and \
             kwargs.get("memory_format") in (None, torch.contiguous_format) and "out" not in kwargs
+
+    def release_unused(self) -> int:
+        """Free the slots of tensors built here that nothing holds any more (a weight the
+        model replaced while it was built: an output layer's own weight before it is tied to
+        the embedding's); their bytes."""
+        freed = 0
+        for ptr in list(self.slots):
+            owner = self.slots[ptr]
+            if sys.getrefcount(owner) <= 3:  # this dict, `owner`, getrefcount's argument
+                del self.slots[ptr]
+                freed += owner.numel() * owner.element_size()
+                self.pool.free(owner)
+        return freed
 
     def adopt(self, t: torch.Tensor) -> torch.Tensor | None:
         """The pool tensor `t` was built in (and is a view of), or None; forgotten here."""
