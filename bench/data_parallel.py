@@ -81,7 +81,8 @@ def main() -> None:
     print("\n## result\n")
     print(f"- GPT-2 {args.size}, sequence {args.seq}, batch {args.batch_size} per rank, "
           f"--gpu-mem {args.cap} per rank, {args.steps} steps, one thread per process")
-    print(f"- decisions on {args.ranks} ranks: {_decisions(plans[args.ranks])}")
+    print(f"- decisions on {args.ranks} ranks: {_decisions(plans[args.ranks])}; host state "
+          f"{plans[args.ranks]['config']['host_state']}")
     print(f"- rank 0's losses {'EQUAL' if r_many['losses'] == ref['losses'] else 'NOT EQUAL'} "
           f"to karma.reference --world-size {args.ranks} (max relative difference "
           f"{_max_rel(r_many['losses'], ref['losses']):.2g})")

@@ -28,9 +28,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None):
+def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None,
+             per_node: int | None = None):
+    """Rank `rank`'s environment; the ranks are nodes of `per_node` (default: one node)."""
+    per_node = per_node or world_size
     env = {k: v for k, v in os.environ.items() if not k.startswith("KARMA_")}
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank % per_node),
+               LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(rank // per_node),
                WORLD_SIZE=str(world_size),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT))
@@ -40,10 +44,10 @@ def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None
 
 def start_ranks(args: list[str], world_size: int, ranks: list[int] | None = None,
                 port: int | None = None, extra_env: dict[str, str] | None = None,
-                cwd: Path = ROOT) -> list[subprocess.Popen]:
+                cwd: Path = ROOT, per_node: int | None = None) -> list[subprocess.Popen]:
     port = port or free_port()
     return [subprocess.Popen([sys.executable, *args], cwd=cwd, text=True,
-                             env=rank_env(r, world_size, port, extra_env),
+                             env=rank_env(r, world_size, port, extra_env, per_node),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             for r in (ranks if ranks is not None else range(world_size))]
 

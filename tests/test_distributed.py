@@ -249,9 +249,11 @@ def test_a_device_step_that_skips_its_all_reduce_is_caught_under_chaos(control_r
 FOUR = [("gpt", "offload_all", 1.0), ("mlp", "ilp", 0.6)]
 
 
-@pytest.fixture(scope="module")
-def four_rank_runs(tmp_path_factory) -> dict:
-    """FOUR planned for four ranks with sharded host state, trained in one launch."""
+@pytest.fixture(scope="module", params=[4, 2], ids=["one-node", "two-nodes"])
+def four_rank_runs(request, tmp_path_factory) -> dict:
+    """FOUR planned for four ranks with sharded host state, trained in one launch: on one
+    node of four, or on two nodes of two (LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK as
+    torchrun sets them), each with its own copy of the weights."""
     root = tmp_path_factory.mktemp("four-ranks")
     runs, outs = [], {}
     for case in FOUR:
@@ -264,7 +266,8 @@ def four_rank_runs(tmp_path_factory) -> dict:
     job = root / "job.json"
     job.write_text(json.dumps({"runs": runs}))
     for rank, (code, _, stderr) in enumerate(
-            finish(start_ranks(["-m", "tests.dist_worker", str(job)], 4), timeout_s=600)):
+            finish(start_ranks(["-m", "tests.dist_worker", str(job)], 4,
+                               per_node=request.param), timeout_s=600)):
         assert code == 0, f"rank {rank} failed:\n{stderr[-4000:]}"
     return outs
 

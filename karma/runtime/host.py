@@ -134,15 +134,7 @@ class HostPool:
         nbytes = _aligned(nbytes)
         if self.kind == "file":
             path = Path(self._dir.name) / f"arena{len(self._arenas)}.bin"
-            try:
-                with open(path, "wb") as f:  # [Note: the tier's disk is taken when it grows]
-                    os.posix_fallocate(f.fileno(), 0, nbytes)
-            except OSError as e:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                raise KarmaError(write_failure(
-                    "the host tier's file", path, e, nbytes,
-                    "set KARMA_TIER_DIR to a directory on a filesystem with more room")) from e
+            reserve_file(path, nbytes, "the host tier's file")
             arena = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
             os.unlink(path)  # the mapping stays; the name goes, so nothing is left behind
         elif self.kind == "pinned":
@@ -164,6 +156,21 @@ class HostPool:
 # EDQUOT, EFBIG) here, which stops the run with the path and what to free. The tier then
 # holds its whole size on disk, not only the pages written: the pool's size is the schedule's
 # host_bytes plus 10%, which the planner meant to use anyway.
+
+def reserve_file(path: Path, nbytes: int, what: str, mode: str = "wb") -> None:
+    """Create `path` with `nbytes` of disk taken ([Note: the tier's disk is taken when it
+    grows]); a full disk is a KarmaError naming `what`, the path and the fix, and leaves no
+    file behind. mode "xb": the file must not exist yet."""
+    try:
+        with open(path, mode) as f:
+            os.posix_fallocate(f.fileno(), 0, nbytes)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise KarmaError(write_failure(
+            what, path, e, nbytes,
+            "set KARMA_TIER_DIR to a directory on a filesystem with more room")) from e
+
 
 PINNED_ARENA_BYTES = 1 << 30
 

@@ -32,10 +32,9 @@ import torch
 import torch.distributed as dist
 
 from karma.errors import KarmaError
-from karma.fileio import write_failure
 from karma.runtime import distributed
 from karma.runtime.distributed import Ranks
-from karma.runtime.host import ALIGN, _contiguous_strides
+from karma.runtime.host import ALIGN, _contiguous_strides, reserve_file
 
 
 class NodeCopy:
@@ -51,7 +50,7 @@ class NodeCopy:
         path = Path(directory) / f"karma-weights-{key[0]}-node{node}.bin"
         self.nbytes = max(nbytes, ALIGN)
         if local_rank == 0:
-            _create(path, self.nbytes)
+            reserve_file(path, self.nbytes, "the node's copy of the weights", mode="xb")
         distributed.barrier(ranks, "creating the node's copy of the weights", timeout_s)
         try:
             self._arena = torch.from_file(str(path), shared=True, size=self.nbytes,
@@ -113,18 +112,6 @@ def whole_bytes(shapes: list[tuple[torch.Size, torch.dtype]], world_size: int) -
         nbytes = rows * world_size * row * torch.empty(0, dtype=dtype).element_size()
         total += -(-nbytes // ALIGN) * ALIGN
     return total
-
-
-def _create(path: Path, nbytes: int) -> None:
-    try:
-        with open(path, "xb") as f:
-            os.posix_fallocate(f.fileno(), 0, nbytes)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise KarmaError(write_failure(
-            "the node's copy of the weights", path, e, nbytes,
-            "set KARMA_TIER_DIR to a directory on a filesystem with more room")) from e
 
 
 def _env_int(key: str, default: int) -> int:

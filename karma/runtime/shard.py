@@ -34,7 +34,7 @@ import torch.distributed as dist
 from karma.runtime.distributed import Ranks, lost
 from karma.runtime.host import BuildInTier, HostPool
 from karma.runtime.nodecopy import NodeCopy
-from karma.runtime.weights import SharedStorage, _place, _zero_state, zero_state_template
+from karma.runtime.weights import BlockWeights, SharedStorage, _place, zero_state_template
 from karma.schedule import Schedule
 
 
@@ -74,9 +74,10 @@ def _row_shape(p: torch.Tensor) -> tuple[int, ...]:
     return tuple(p.shape[1:])
 
 
-class ShardedWeights:
-    """One host-stepped block's weights with sharded host state: the same operations as
-    weights.BlockWeights (the engine cannot tell them apart), over this rank's rows."""
+class ShardedWeights(BlockWeights):
+    """One host-stepped block's weights with sharded host state: the operations of
+    weights.BlockWeights (the engine cannot tell them apart) over this rank's rows; the host
+    step, each master lent its gradient, and the optimizer state's placement are its."""
 
     def __init__(self, name: str, params: list[tuple[str, torch.nn.Parameter]], weights: str,
                  make_optimizer: Callable, pool: HostPool, node: NodeCopy,
@@ -117,10 +118,7 @@ class ShardedWeights:
         self._state_in_pool = False
         template = zero_state_template(make_optimizer) if self.optimizer else None
         if template is not None:
-            for m in self.masters:
-                self.optimizer.state[m] = _zero_state(
-                    template, lambda dtype, m=m: pool.empty(m.shape, dtype).zero_())
-            self._state_in_pool = True
+            self._prefill_state(template)
         for p in self.params:
             _place(p, device, weights == "streamed", tier, pool)
         if weights == "streamed":
@@ -128,9 +126,6 @@ class ShardedWeights:
                 shared.register(p, w)
 
     # --- the schedule's operations ---------------------------------------------------------
-
-    def device_step(self) -> None:  # pragma: no cover - the validator allows none
-        raise RuntimeError(f"block {self.name} steps on the host")
 
     def grads_to_host(self, add: bool = False):
         """Copy this rank's rows of the averaged gradients to the host; with accumulation the
@@ -164,11 +159,6 @@ class ShardedWeights:
             return [None] * len(self.params)
         return [s if has else None for s, has in zip(self.sums, self.has_grad)]
 
-    def grad_holder(self, k: int) -> torch.Tensor:
-        """The master of parameter k's rows, lent their gradient (None if it had none)."""
-        self.masters[k].grad = self.host_grads[k] if self.has_grad[k] else None
-        return self.masters[k]
-
     def reduce_host_grads(self, reduce):
         """Exchange the gradients added up on the host (`reduce` of the holders' .grad)."""
         for h, s, has in zip(self._holders, self.sums, self.has_grad):
@@ -180,17 +170,6 @@ class ShardedWeights:
                 s.copy_(h.grad)
             h.grad = None
         return release
-
-    def host_step(self) -> None:
-        if self.optimizer is None:
-            return
-        for k in range(len(self.masters)):
-            self.grad_holder(k)
-        self.optimizer.step()
-        for m in self.masters:
-            m.grad = None
-        if not self._state_in_pool:
-            self._move_state_to_pool()
 
     def all_gather(self) -> None:
         """Gather every rank's stepped masters into the whole weights (on the net stream)."""
@@ -252,8 +231,7 @@ class ShardedWeights:
             p, c = self.params[k], self.cuts[k]
             sd["state"][k] = {key: rows_of(v, c).clone() if shaped(key, v, p.shape) else v
                               for key, v in st.items()}
-        self.optimizer.load_state_dict(sd)
-        self._state_in_pool = False
+        super().load_optimizer_state(sd)
 
     def _shaped_keys(self) -> Callable[[str, object, torch.Size], bool]:
         """Whether a state entry is per element of its parameter (cut as the parameter is):
@@ -264,13 +242,3 @@ class ShardedWeights:
                 key, (False,))[0]
         return lambda key, v, shape: isinstance(v, torch.Tensor) and v.dim() > 0 \
             and v.shape == shape
-
-    def reset_state_placement(self) -> None:
-        self._state_in_pool = False
-
-    def _move_state_to_pool(self) -> None:
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.numel() > 1:
-                    state[key] = self._pool.copy_of(value)
-        self._state_in_pool = True
