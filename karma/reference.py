@@ -42,7 +42,8 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
                     world_size: int = 1, on_step: Callable[[], None] | None = None,
                     device: str = "cpu", eval_every: int = 0, dtype: str = "fp32",
                     accumulate: int = 1, clip_grad_norm: float | None = None,
-                    host_params: Collection[str] = ()) -> ReferenceRun:
+                    host_params: Collection[str] = (),
+                    resize: tuple[int, int] | None = None) -> ReferenceRun:
     """Plain PyTorch training for `steps` steps: per step, `accumulate` (N) times forward
     and loss (under autocast with dtype bf16), backward of loss / N; then
     `clip_grad_norm_(model.parameters(), clip_grad_norm)` if given, `opt.step()`, the model
@@ -63,6 +64,10 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     `host_params`: the names of parameters stepped on the CPU, as a schedule's host-stepped
     blocks are (see HostStepped): on a GPU the reference then computes what such a schedule
     computes, to the bit.
+
+    `resize` (K, M): after step K the run goes on with M ranks, as a run resumed from step K's
+    checkpoint on M ranks does: rank r of M draws `batches(B, r, M)` from where K steps of
+    batches end, and every rank continues the random stream the ranks had drawn alike.
     """
     autocast = partial(torch.autocast, torch.device(device).type, dtype=torch.bfloat16,
                        enabled=dtype == "bf16")
@@ -83,6 +88,9 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     held_out = mf.checked_eval_batches(batch_size) if eval_every else []
     to_device = partial(torch.Tensor.to, device=device)
     for step in range(1, steps + 1):
+        if resize is not None and step == resize[0] + 1:
+            world_size, data, rng, losses = _resized(mf, batch_size, resize, accumulate,
+                                                     world_size, rng, losses, device)
         summed: list[torch.Tensor | None] = [None] * len(params)
         for r in range(world_size):
             if world_size > 1:
@@ -129,6 +137,22 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
             model.train()
             evals.append({"step": step, "loss": sum(eval_losses) / len(eval_losses)})
     return ReferenceRun(model, losses, lrs=lrs, grad_norms=grad_norms, evals=evals)
+
+
+def _resized(mf: ModelFile, batch_size: int, resize: tuple[int, int], accumulate: int,
+             world_size: int, rng: list, losses: list, device: str):
+    """The data, random streams and losses of `resize`'s M ranks after its K steps."""
+    done, ranks = resize
+    # the ranks' streams are equal (one seed, the same draws): rank 0's goes on
+    stream = _rng_state(device) if world_size == 1 else rng[0]
+    if ranks == 1:
+        _set_rng_state(stream, device)
+    data = [mf.checked_batches(batch_size, r, ranks) for r in range(ranks)]
+    for it in data:
+        for _ in range(done * accumulate):
+            next(it)
+    losses = [losses[r] if r < len(losses) else [] for r in range(ranks)]
+    return ranks, data, [stream] * ranks, losses
 
 
 def _rng_state(device: str) -> tuple:

@@ -306,6 +306,53 @@ def test_four_ranks_differ_from_the_averaged_loop_only_in_summation_order(
         assert report["losses"] == pytest.approx(ref.rank_losses[rank], rel=1e-6)
 
 
+# --- resuming at another world size -------------------------------------------------------
+
+RESIZES = [("mlp", 2, 1), ("mlp", 1, 2), ("mlp", 2, 4), ("gpt", 2, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,before,after", RESIZES,
+                         ids=[f"{n}-{b}to{a}" for n, b, a in RESIZES])
+def test_a_run_resumes_at_another_world_size(name, before, after, tmp_path):
+    """Two steps on `before` ranks, a checkpoint, two more on `after` ranks from a schedule
+    planned for them: the plain loop whose world size changes after step 2 (rank r of M then
+    draws batches(B, r, M) from where two steps of batches end; every rank goes on with the
+    random stream they all drew alike, which gpt's dropout shows). Bitwise up to two ranks;
+    four sum in another order (within 1e-6, as test_four_ranks_... measures)."""
+    mf = load_small(name)
+    ckpt, report = tmp_path / "ckpt", tmp_path / "report.json"
+    for world, steps, extra in ((before, 2, ()), (after, 4, ("--resume", "--report",
+                                                              str(report)))):
+        path = tmp_path / f"s{world}.yaml"
+        state = "sharded" if world > 1 else "auto"
+        path.write_text(dump_schedule(plan(mf, "offload_all", 1.0, world_size=world,
+                                           host_state=state)))
+        procs = start_ranks(karma_run(str(path), "--steps", str(steps), "--checkpoint-dir",
+                                      str(ckpt), *extra), world)
+        for rank, (code, _, stderr) in enumerate(finish(procs, timeout_s=300)):
+            assert code == 0, f"{world} ranks, rank {rank}: {stderr[-3000:]}"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = train_reference(mf, block_graph(mf).batch_size, 4, world_size=before,
+                              resize=(2, after))
+    finally:
+        torch.set_num_threads(threads)
+    ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
+    saved = load_model_pt(ckpt, 4)
+    resumed = json.loads(report.read_text())
+    assert resumed["steps"] == [3, 4] and resumed["world_size"] == after
+    if max(before, after) <= 2:
+        assert_bitwise_equal({n: saved[n] for n in ref_params}, ref_params)
+        assert resumed["losses"] == ref.losses[2:]
+    else:
+        ours = torch.cat([saved[n].double().flatten() for n in ref_params])
+        theirs = torch.cat([p.double().flatten() for p in ref_params.values()])
+        assert ((ours - theirs).abs().max() / theirs.abs().max()).item() <= 1e-6
+        assert resumed["losses"] == pytest.approx(ref.losses[2:], rel=1e-6)
+
+
 # --- host memory a rank ------------------------------------------------------------------
 
 @pytest.mark.slow
