@@ -145,7 +145,8 @@ def keep_all_peak_bytes(mf: ModelFile, graph: BlockGraph | None = None,
 def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
          graph: BlockGraph | None = None, seed: int = 0, world_size: int = 1,
          hardware: str = HARDWARE, dtype: str = "fp32", accumulate: int = 1,
-         clip_grad_norm: float | None = None, host_state: str = "auto") -> Schedule:
+         clip_grad_norm: float | None = None, host_state: str = "auto",
+         nproc_per_node: int | None = None) -> Schedule:
     """Plan `mf` in-process at `fraction` of keep_all's stage peak (with the same training
     options), for the CPU backend (or the hardware profile named), its host state as asked
     (karma-plan's --host-state).
@@ -155,19 +156,19 @@ def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
     graph = graph or block_graph(mf, dtype)
     training = (dtype, accumulate, clip_grad_norm)
     key = (id(mf), id(graph), strategy, fraction, seed, world_size, hardware, training,
-           host_state)
+           host_state, nproc_per_node)
     if key not in _SCHEDULES:
         _LOADED.setdefault(id(mf), (mf, model_env(mf)))
         _KEEP_ALIVE.append(graph)
         _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed, world_size, hardware,
-                                training, host_state)
+                                training, host_state, nproc_per_node)
     return _SCHEDULES[key]
 
 
 def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
           seed: int, world_size: int, hardware: str,
           training: tuple[str, int, float | None] = ("fp32", 1, None),
-          host_state: str = "auto") -> Schedule:
+          host_state: str = "auto", nproc_per_node: int | None = None) -> Schedule:
     dtype, accumulate, clip = training
     capacity = int(keep_all_peak_bytes(mf, graph, world_size, hardware,
                                        Training(accumulate, clip is not None)) * fraction)
@@ -180,7 +181,8 @@ def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
     request = PlanRequest(capacity, hw, graph.batch_size, seed=seed,
                           strategy=strategy, time_limit_s=30.0, world_size=world_size,
                           optimizer=optimizer_profile(mf), dtype=dtype, accumulate=accumulate,
-                          clip_grad_norm=clip, host_state=host_state)
+                          clip_grad_norm=clip, host_state=host_state,
+                          nproc_per_node=nproc_per_node or world_size)
     return make_schedule(graph, model, request).schedule
 
 

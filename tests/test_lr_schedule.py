@@ -82,7 +82,7 @@ def test_resume_mid_schedule_continues_exactly(strategy, fraction, tmp_path):
     assert first.losses + second.losses == full.losses
     assert first.lrs + second.lrs == full.lrs
     assert_bitwise_equal(_model_pt(parts, STEPS), _model_pt(whole, STEPS))
-    saved = torch.load(parts / "step_2" / "optimizer.pt", weights_only=True)
+    saved = torch.load(parts / "step_2" / "extras.pt", weights_only=True)
     assert saved["lr_schedule"]["scheduler"]["last_epoch"] == 2
 
 
@@ -141,7 +141,7 @@ def test_without_make_scheduler_the_lr_stays_as_before(tmp_path):
     ref_sd, ref_losses = reference_train(mf, schedule.config.batch_size, 3)
     assert report.losses == ref_losses and report.lrs == [1e-3] * 3
     assert_bitwise_equal(_model_pt(tmp_path, 3), ref_sd)
-    saved = torch.load(tmp_path / "step_3" / "optimizer.pt", weights_only=True)
+    saved = torch.load(tmp_path / "step_3" / "extras.pt", weights_only=True)
     assert saved["lr_schedule"] is None
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from karma.runtime.checkpoint import latest_checkpoint
+from karma.runtime.dcp_state import consolidated
 from karma.runtime.host import ALIGN
 from karma.runtime.replay import DivergedError
 from tests.matrix import MODELS, STRATEGIES, cells, first_fast, strategy_cells
@@ -207,7 +208,9 @@ def test_checkpoint_format(name, strategy, fraction, tmp_path):
     run(schedule, mf, 2, checkpoint_dir=tmp_path)
     d = tmp_path / "step_2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]  # no temporaries left
-    assert sorted(p.name for p in d.iterdir()) == ["meta.json", "model.pt", "optimizer.pt"]
+    assert sorted(p.name for p in d.iterdir()) == ["extras.pt", "meta.json", "model.pt",
+                                                   "optimizer"]
+    assert sorted(p.name for p in (d / "optimizer").iterdir()) == [".metadata", "__0_0.distcp"]
 
     state = torch.load(d / "model.pt", weights_only=True)
     fresh = mf.build_model()
@@ -217,9 +220,14 @@ def test_checkpoint_format(name, strategy, fraction, tmp_path):
                for t in state.values()), "model.pt holds views of larger storages"
 
     meta = json.loads((d / "meta.json").read_text())
-    assert meta["step"] == 2 and meta["complete"] is True
-    opt = torch.load(d / "optimizer.pt", weights_only=True)
-    assert len(opt["blocks"]) == len(schedule.blocks)
+    assert meta["step"] == 2 and meta["complete"] is True and meta["world_size"] == 1
+    extras = torch.load(d / "extras.pt", weights_only=True)
+    assert len(extras["optimizers"]) == len(schedule.blocks)
+    # the optimizer state, whole, by DCP's own reader: AdamW's moments of every parameter
+    state = consolidated(d / "optimizer")
+    assert set(state) == {n for b in schedule.blocks for n in b.params}
+    for name, entries in state.items():
+        assert entries["exp_avg"].shape == fresh.state_dict()[name].shape
     assert latest_checkpoint(tmp_path) == d
 
 
@@ -227,8 +235,8 @@ def test_optimizer_checkpoint_holds_only_the_optimizer_state(tmp_path):
     mf = load_small("gpt")
     run(plan(mf, "offload_all"), mf, 1, checkpoint_dir=tmp_path)
     state_bytes = 2 * sum(p.numel() * p.element_size() for p in mf.build_model().parameters())
-    size = (tmp_path / "step_1" / "optimizer.pt").stat().st_size
-    assert size < 2 * state_bytes + (64 << 10), f"optimizer.pt is {size} bytes"
+    size = sum(f.stat().st_size for f in (tmp_path / "step_1" / "optimizer").iterdir())
+    assert size < 2 * state_bytes + (64 << 10), f"optimizer/ is {size} bytes"
 
 
 def test_model_checkpoint_of_host_weights_holds_only_the_weights(tmp_path):
@@ -295,7 +303,7 @@ def test_half_written_checkpoints_are_ignored(tmp_path):
     shutil.copytree(good, hidden)
     meta = json.loads((good / "meta.json").read_text())
     (hidden / "meta.json").write_text(json.dumps({**meta, "step": 6}))
-    missing = tmp_path / "step_7"  # meta.json but no optimizer.pt
+    missing = tmp_path / "step_7"  # meta.json but no optimizer state
     missing.mkdir()
     shutil.copy(good / "model.pt", missing / "model.pt")
     (missing / "meta.json").write_text(json.dumps({**meta, "step": 7}))

@@ -1,11 +1,20 @@
-"""Atomic checkpoints: DIR/step_N/{model.pt, optimizer.pt, meta.json}.
+"""Atomic checkpoints: DIR/step_N/{model.pt, optimizer/, extras.pt, meta.json}.
 
-A checkpoint is written into a hidden temporary directory, each file to a temporary name that
-is renamed when complete, and the directory is renamed to step_N last: a run killed at any
-moment leaves either a complete checkpoint or none. model.pt is a state_dict with exactly the
-keys of build_model().state_dict() (it loads into a fresh model, with weights_only=True);
-optimizer.pt holds each block's optimizer state, the LR schedule's (lr.py) and the RNG
-state; meta.json says what the checkpoint is.
+Every rank takes part. A checkpoint is written into a hidden temporary directory, each file
+to a temporary name that is renamed when complete, and the directory is renamed to step_N
+last, by rank 0, once every rank's part is in: a run killed at any moment leaves either a
+complete checkpoint or none, and the newest complete one is what --resume loads.
+- model.pt: a state_dict with exactly the keys of build_model().state_dict() (it loads into
+  a fresh model, with weights_only=True), written by rank 0, which holds every weight whole.
+- optimizer/: every block's optimizer state through torch.distributed.checkpoint, each rank
+  writing the part it holds (dcp_state.py, [Note: the optimizer state through DCP]); it loads
+  into any number of ranks.
+- extras.pt: the optimizers' classes and hyperparameters (param_groups), the LR schedule's
+  state (lr.py), the RNG state and the world size it was written at; meta.json says what the
+  checkpoint is.
+The ranks draw the same random numbers (one seed, the same draws: their streams are equal),
+so the RNG state is rank 0's, and a run resumed on another number of ranks goes on with it
+on every rank. Checkpoints of the earlier format (model.pt, optimizer.pt) still load.
 """
 
 from __future__ import annotations
@@ -21,10 +30,13 @@ import torch
 
 from karma.errors import KarmaError
 from karma.fileio import NO_ROOM, write_failure
-from karma.runtime.shard import ShardedWeights
+from karma.runtime import dcp_state, distributed
+from karma.runtime.distributed import SINGLE, Ranks
 
-FORMAT = "karma-checkpoint-1"
-FILES = ("model.pt", "optimizer.pt", "meta.json")
+FORMAT = "karma-checkpoint-2"
+FILES = ("model.pt", "extras.pt", "meta.json", f"{dcp_state.OPTIMIZER_DIR}/.metadata")
+LEGACY_FORMAT = "karma-checkpoint-1"  # model.pt, optimizer.pt (the state gathered whole)
+LEGACY_FILES = ("model.pt", "optimizer.pt", "meta.json")
 
 
 def model_state(model: torch.nn.Module, engine, scratch: Path,
@@ -133,45 +145,95 @@ def load_runtime_state(state: dict, model: torch.nn.Module, engine, source: str,
 
 
 def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: int,
-                    lr_schedule=None) -> Path:
+                    lr_schedule=None, ranks: Ranks = SINGLE, timeout_s: float = 60.0) -> Path:
+    """Write step `step`'s checkpoint into `directory` (every rank calls it); its path."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from karma.schedule import schedule_sha256
 
     directory = Path(directory)
     final = directory / f"step_{step}"
-    tmp = directory / f".step_{step}.tmp{os.getpid()}"
+    tmp = directory / f".step_{step}.tmp"
+    engine.settle()  # the last step's updates, if still running, are part of the state
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        scratch = tmp / "scratch"
+        if ranks.main:
+            directory.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        distributed.barrier(ranks, f"starting the checkpoint of step {step}", timeout_s)
+        scratch = tmp / f"scratch{ranks.rank}"
         scratch.mkdir()
-        state = runtime_state(model, engine, scratch, lr_schedule=lr_schedule)
-        _save(tmp / "model.pt", state["model"])
-        _save(tmp / "optimizer.pt", state["optimizer"])
-        del state
+        dcp_state.save(engine, ranks, tmp / dcp_state.OPTIMIZER_DIR,
+                       lambda t: _standalone(t.detach().cpu(), scratch))
+        if ranks.main:
+            _save(tmp / "model.pt", model_state(model, engine, scratch))
+            _save(tmp / "extras.pt", _extras(engine, lr_schedule, ranks))
         scratch.rmdir()
-        meta = {"format": FORMAT, "step": step, "seed": seed,
-                "schedule_sha256": schedule_sha256(schedule),
-                "model_sha256": schedule.model.sha256, "complete": True}
-        _write(tmp / "meta.json", json.dumps(meta, indent=2).encode())
-        if final.exists():  # a rerun of the same step replaces it
-            old = directory / f".step_{step}.old{os.getpid()}"
-            os.replace(final, old)
-            shutil.rmtree(old)
-        os.replace(tmp, final)
-        _fsync_dir(directory)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        need = 2 * _state_bytes(model, engine) if e.errno in NO_ROOM else None
+        distributed.barrier(ranks, f"writing the checkpoint of step {step}", timeout_s)
+        if ranks.main:
+            meta = {"format": FORMAT, "step": step, "seed": seed,
+                    "world_size": ranks.world_size,
+                    "schedule_sha256": schedule_sha256(schedule),
+                    "model_sha256": schedule.model.sha256, "complete": True}
+            _write(tmp / "meta.json", json.dumps(meta, indent=2).encode())
+            if final.exists():  # a rerun of the same step replaces it
+                old = directory / f".step_{step}.old{os.getpid()}"
+                os.replace(final, old)
+                shutil.rmtree(old)
+            os.replace(tmp, final)
+            _fsync_dir(directory)
+    except (OSError, CheckpointException) as e:
+        if ranks.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = _os_error(e)
+        if cause is None:
+            raise KarmaError(f"cannot write checkpoint {final}: {_first_line(e)}") from e
+        need = 2 * _state_bytes(model, engine) if cause.errno in NO_ROOM else None
         raise KarmaError(write_failure(
-            "checkpoint", final, e, need,
+            "checkpoint", final, cause, need,
             "choose another --checkpoint-dir (--resume continues from the newest complete "
             "checkpoint)")) from e
     except BaseException:  # nothing half-written stays, even hidden
-        shutil.rmtree(tmp, ignore_errors=True)
+        if ranks.main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _extras(engine, lr_schedule, ranks: Ranks) -> dict:
+    """What a checkpoint holds besides tensors: extras.pt."""
+    return {
+        "format": FORMAT,
+        "world_size": ranks.world_size,
+        "optimizers": [None if w.optimizer is None else type(w.optimizer).__name__
+                       for w in engine.weights],
+        "params": [list(w.names) for w in engine.weights],
+        "param_groups": [None if w.optimizer is None else
+                         [{k: v for k, v in g.items() if k != "params"}
+                          for g in w.optimizer.param_groups] for w in engine.weights],
+        "lr_schedule": None if lr_schedule is None else copy.deepcopy(lr_schedule.state_dict()),
+        "rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None,
+    }
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind `e` (a CheckpointException wraps each rank's), if any."""
+    if isinstance(e, OSError):
+        return e
+    for failure in getattr(e, "failures", {}).values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__
+        if cause is not None:
+            return cause
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1][:300] if text else type(e).__name__
 
 
 def _state_bytes(model, engine) -> int:
@@ -195,33 +257,101 @@ def latest_checkpoint(directory: Path | None) -> Path | None:
             meta = json.loads((d / "meta.json").read_text())
         except (OSError, ValueError):
             continue
-        if meta.get("complete") and all((d / f).is_file() for f in FILES):
+        files = LEGACY_FILES if meta.get("format") == LEGACY_FORMAT else FILES
+        if meta.get("complete") and all((d / f).is_file() for f in files):
             if best is None or meta["step"] > best[0]:
                 best = (int(meta["step"]), d)
     return best[1] if best else None
 
 
-def load_checkpoint(path: Path, model, engine, lr_schedule=None) -> int:
-    """Restore model, optimizers, the LR schedule and RNG from `path`; return its step."""
+def load_checkpoint(path: Path, model, engine, lr_schedule=None, ranks: Ranks = SINGLE,
+                    schedule=None) -> int:
+    """Restore model, optimizers, the LR schedule and RNG from `path`, written by any number
+    of ranks; return its step."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    where = f"checkpoint {path}"
     try:
         meta = json.loads((path / "meta.json").read_text())
+        if meta.get("format") == LEGACY_FORMAT:
+            return _load_legacy(path, meta, model, engine, lr_schedule)
         values = torch.load(path / "model.pt", weights_only=True)
-        opt = torch.load(path / "optimizer.pt", weights_only=True)
+        extras = torch.load(path / "extras.pt", weights_only=True)
     except (OSError, ValueError, RuntimeError) as e:
-        raise KarmaError(f"cannot read checkpoint {path}: {e}; delete it to resume from the "
+        raise KarmaError(f"cannot read {where}: {_first_line(e)}; delete it to resume from the "
                          "one before") from e
-    load_runtime_state({"model": values, "optimizer": opt}, model, engine, f"checkpoint {path}",
-                       lr_schedule)
+    if schedule is not None and meta.get("model_sha256") not in (None, schedule.model.sha256):
+        raise KarmaError(f"{where} was written by another model file (sha256 "
+                         f"{str(meta['model_sha256'])[:12]}, this one's {schedule.model.sha256[:12]}); "
+                         "resume with the model file that wrote it, or start without --resume")
+    _check_optimizers(extras, engine, where)
+    engine.settle()  # nothing of the last step may still write what is loaded
+    _load_model(values, model, engine, where)
+    try:
+        dcp_state.load(engine, ranks, path / dcp_state.OPTIMIZER_DIR)
+    except (CheckpointException, OSError, RuntimeError, ValueError, KeyError) as e:
+        raise KarmaError(f"cannot read the optimizer state of {where} ({_first_line(e)}): a "
+                         "shard is missing or damaged; delete the checkpoint to resume from "
+                         "the one before") from e
+    for w, groups in zip(engine.weights, extras["param_groups"]):
+        if w.optimizer is not None and groups is not None:
+            for group, saved in zip(w.optimizer.param_groups, groups):
+                group.update(saved)
+    _load_lr_and_rng(extras, lr_schedule, where)
     return int(meta["step"])
 
 
-def share_optimizer_states(engine) -> None:
-    """On a rank that does not write the checkpoint: the collectives rank 0's runtime_state
-    runs to gather sharded optimizer states (shard.py), in the same order."""
-    engine.settle()
+def _check_optimizers(extras: dict, engine, where: str) -> None:
+    names = [None if w.optimizer is None else type(w.optimizer).__name__
+             for w in engine.weights]
+    if len(extras.get("optimizers", ())) != len(names):
+        raise KarmaError(f"{where} was written for another model ({len(extras['optimizers'])} "
+                         f"blocks, this one's {len(names)}); resume with the model that wrote it")
+    for k, (saved, now) in enumerate(zip(extras["optimizers"], names)):
+        if saved != now:
+            raise KarmaError(f"{where} holds the state of a {saved} for block {k}, but the model "
+                             f"file's make_optimizer makes a {now}; resume with the optimizer "
+                             "that wrote it, or start without --resume")
+
+
+def _load_model(values: dict, model, engine, where: str) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(values))
+    if missing:
+        raise KarmaError(f"{where} lacks {len(missing)} of the model's entries (e.g. "
+                         f"{missing[0]}); load a state of this model")
+    wrong = [k for k, v in expected.items() if tuple(values[k].shape) != tuple(v.shape)]
+    if wrong:
+        k = wrong[0]
+        raise KarmaError(f"{where}: {k} has shape {tuple(values[k].shape)}, the model's "
+                         f"{tuple(expected[k].shape)}; load a state of this model")
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(values[name])
     for w in engine.weights:
-        if isinstance(w, ShardedWeights):
-            w.optimizer_state()
+        w.load(values)
+
+
+def _load_lr_and_rng(extras: dict, lr_schedule, where: str) -> None:
+    if (extras.get("lr_schedule") is None) != (lr_schedule is None):
+        has = "has no" if lr_schedule is not None else "has an"
+        raise KarmaError(f"{where} {has} LR schedule but the model file's make_scheduler "
+                         f"{'is defined' if lr_schedule is not None else 'is not'}; load it "
+                         "with the model file that wrote it")
+    if lr_schedule is not None:
+        lr_schedule.load_state_dict(extras["lr_schedule"], where)
+    torch.set_rng_state(extras["rng_state"])
+    if extras.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(extras["cuda_rng_state"])
+
+
+def _load_legacy(path: Path, meta: dict, model, engine, lr_schedule) -> int:
+    """A checkpoint of the earlier format: model.pt and optimizer.pt, the state whole."""
+    values = torch.load(path / "model.pt", weights_only=True)
+    opt = torch.load(path / "optimizer.pt", weights_only=True)
+    load_runtime_state({"model": values, "optimizer": opt}, model, engine, f"checkpoint {path}",
+                       lr_schedule)
+    return int(meta["step"])
 
 
 def _detached_state(sd: dict | None, scratch: Path, snapshot: bool = False) -> dict | None:

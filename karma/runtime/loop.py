@@ -20,7 +20,6 @@ from karma.runtime.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
-    share_optimizer_states,
 )
 from karma.runtime.engine import Engine
 from karma.runtime.exchange import hidden_s
@@ -166,7 +165,8 @@ def _resume(rt: Runtime, options: RunOptions, data) -> int:
     if found is None:
         rt.log("resume: no complete checkpoint found; starting from step 0")
         return 0
-    start_step = load_checkpoint(found, rt.model, rt.engine, rt.lr_schedule)
+    start_step = load_checkpoint(found, rt.model, rt.engine, rt.lr_schedule, rt.ranks,
+                                 rt.schedule)
     for _ in range(start_step * rt.accumulate):  # the data continues where it stopped
         next(data)
     rt.log(f"resumed from {found} (step {start_step})")
@@ -210,12 +210,11 @@ def _evaluate(rt: Runtime, evals: list, step: int) -> dict:
 
 
 def _checkpoint(rt: Runtime, options: RunOptions, step: int) -> None:
-    if rt.ranks.main:  # the ranks hold the same weights: one writes them
-        path = save_checkpoint(options.checkpoint_dir, step, rt.model, rt.engine,
-                               rt.schedule, rt.seed, rt.lr_schedule)
+    """Every rank writes its part (checkpoint.py); rank 0 puts the checkpoint in place."""
+    path = save_checkpoint(options.checkpoint_dir, step, rt.model, rt.engine, rt.schedule,
+                           rt.seed, rt.lr_schedule, rt.ranks, options.timeout_s)
+    if rt.ranks.main:
         rt.log(f"checkpoint {path}")
-    else:
-        share_optimizer_states(rt.engine)
     distributed.barrier(rt.ranks, f"after the checkpoint of step {step}",
                         options.timeout_s, distributed.CHECKPOINT_WAIT_S)
 

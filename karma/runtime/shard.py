@@ -205,7 +205,7 @@ class ShardedWeights(BlockWeights):
         if self.optimizer is None:
             return None
         sd = self.optimizer.state_dict()
-        shaped = self._shaped_keys()
+        shaped = self.shaped_keys()
         world = self._ranks.world_size
         for k, st in sd["state"].items():
             p, m, c = self.params[k], self.masters[k], self.cuts[k]
@@ -226,14 +226,14 @@ class ShardedWeights(BlockWeights):
     def load_optimizer_state(self, sd: dict) -> None:
         """Load a state_dict whose states are whole (optimizer_state's): this rank's rows."""
         sd = {**sd, "state": dict(sd["state"])}
-        shaped = self._shaped_keys()
+        shaped = self.shaped_keys()
         for k, st in sd["state"].items():
             p, c = self.params[k], self.cuts[k]
             sd["state"][k] = {key: rows_of(v, c).clone() if shaped(key, v, p.shape) else v
                               for key, v in st.items()}
         super().load_optimizer_state(sd)
 
-    def _shaped_keys(self) -> Callable[[str, object, torch.Size], bool]:
+    def shaped_keys(self) -> Callable[[str, object, torch.Size], bool]:
         """Whether a state entry is per element of its parameter (cut as the parameter is):
         as zero_state_template found for the optimizer, else by shape."""
         template = zero_state_template(self._make_optimizer)

@@ -1,0 +1,172 @@
+"""Checkpoints as files: karma-export, and damaged or foreign checkpoints at --resume.
+
+(Resuming exactly, on one rank and on several, at the same or another world size:
+tests/test_runtime.py and tests/test_distributed.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from karma.cli.export import main as export_main
+from karma.cli.run import main as run_main
+from karma.runtime.dcp_state import consolidated
+from karma.schedule import dump_schedule
+from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, run
+
+
+@pytest.fixture(autouse=True)
+def restore_environment_and_signals():
+    """karma-run sets the schedule's KARMA_* variables and its signal handlers; undo both."""
+    saved = dict(os.environ)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGXFSZ)}
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """The tiny GPT (tied embedding) trained 2 steps under offload_all, checkpointed."""
+    mf = load_small("gpt")
+    schedule = plan(mf, "offload_all")
+    path = tmp_path / "S.yaml"
+    path.write_text(dump_schedule(schedule))
+    run(schedule, mf, 2, checkpoint_dir=tmp_path / "ckpt")
+    return mf, path, tmp_path / "ckpt"
+
+
+def cli(main, capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- karma-export --------------------------------------------------------------------------
+
+def test_export_writes_a_state_dict_the_user_s_own_model_loads(trained, tmp_path, capsys):
+    mf, _, ckpt = trained
+    code, out, err = cli(export_main, capsys, ckpt, "-o", tmp_path / "model.pt")
+    assert code == 0, err
+    assert f"from {ckpt / 'step_2'}" in out
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    fresh = mf.build_model()
+    assert list(state) == list(fresh.state_dict())  # tied weights under both names
+    fresh.load_state_dict(state, strict=True)
+    assert_bitwise_equal(state, torch.load(ckpt / "step_2" / "model.pt", weights_only=True))
+
+
+def test_export_as_safetensors_with_the_whole_optimizer_state(trained, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    mf, _, ckpt = trained
+    out_file = tmp_path / "model.safetensors"
+    code, out, err = cli(export_main, capsys, ckpt / "step_2", "-o", out_file, "--optimizer")
+    assert code == 0, err
+    fresh = mf.build_model()
+    fresh.load_state_dict(load_file(str(out_file)), strict=True)
+    saved = torch.load(ckpt / "step_2" / "model.pt", weights_only=True)
+    assert_bitwise_equal(dict(fresh.state_dict()), saved)
+    opt = torch.load(tmp_path / "model.optimizer.pt", weights_only=True)
+    names = {n for n, _ in fresh.named_parameters()}
+    assert set(opt["state"]) == names
+    whole = consolidated(ckpt / "step_2" / "optimizer")
+    for name in names:
+        assert opt["state"][name]["exp_avg"].shape == fresh.state_dict()[name].shape
+        assert torch.equal(opt["state"][name]["exp_avg_sq"], whole[name]["exp_avg_sq"])
+    assert set(opt["optimizers"]) == {"AdamW"}
+    assert all(g[0]["lr"] == 1e-3 for g in opt["param_groups"] if g)
+
+
+EXPORT_BAD = [
+    ("nothing", "holds no complete checkpoint"),
+    ("ckpt/step_2/optimizer", "holds no complete checkpoint"),
+]
+
+
+@pytest.mark.parametrize("where,expected", EXPORT_BAD, ids=[w for w, _ in EXPORT_BAD])
+def test_export_of_no_checkpoint_is_one_line(trained, tmp_path, capsys, where, expected):
+    (tmp_path / "nothing").mkdir()
+    code, out, err = cli(export_main, capsys, tmp_path / where, "-o", tmp_path / "m.pt")
+    assert code == 2 and expected in err and "Traceback" not in err
+    assert not (tmp_path / "m.pt").exists()
+
+
+# --- resuming from damaged or foreign checkpoints ------------------------------------------
+
+def damage(step_dir, how: str) -> None:
+    shard = step_dir / "optimizer" / "__0_0.distcp"
+    if how == "missing shard":
+        shard.unlink()
+    elif how == "truncated shard":
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+    elif how == "another optimizer":
+        extras = torch.load(step_dir / "extras.pt", weights_only=True)
+        extras["optimizers"] = ["SGD" if o else o for o in extras["optimizers"]]
+        torch.save(extras, step_dir / "extras.pt")
+    elif how == "another model":
+        meta = json.loads((step_dir / "meta.json").read_text())
+        (step_dir / "meta.json").write_text(json.dumps({**meta, "model_sha256": "0" * 64}))
+
+
+DAMAGE = [("missing shard", "a shard is missing or damaged"),
+          ("truncated shard", "a shard is missing or damaged"),
+          ("another optimizer", "holds the state of a SGD for block 0, but the model file's "
+                                "make_optimizer makes a AdamW"),
+          ("another model", "was written by another model file")]
+
+
+@pytest.mark.parametrize("how,expected", DAMAGE, ids=[h for h, _ in DAMAGE])
+def test_resuming_from_a_damaged_or_foreign_checkpoint_is_one_line(trained, capsys, how,
+                                                                     expected):
+    _, schedule, ckpt = trained
+    damage(ckpt / "step_2", how)
+    code, out, err = cli(run_main, capsys, schedule, "--steps", 3, "--checkpoint-dir", ckpt,
+                         "--resume")
+    assert code == 2, err
+    assert err.startswith("karma-run: error: ") and expected in err, err
+    assert "Traceback" not in err and "step 3/3" not in out
+
+
+def test_a_run_killed_while_saving_resumes_from_the_checkpoint_before(trained, tmp_path):
+    """karma-run killed (SIGKILL) after writing step 2's optimizer shards, before the
+    checkpoint is in place: step 1's is the newest complete one, and --resume takes it."""
+    import subprocess
+    import sys
+
+    from karma.runtime.checkpoint import latest_checkpoint
+    from tests.conftest import ROOT
+
+    _, schedule, _ = trained
+    ckpt = tmp_path / "killed"
+    dies = (
+        "import os, signal, sys\n"
+        "import karma.runtime.dcp_state as d\n"
+        "real = d.save\n"
+        "def save(engine, ranks, directory, standalone):\n"
+        "    real(engine, ranks, directory, standalone)\n"
+        "    if '.step_2.' in str(directory):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "d.save = save\n"
+        "from karma.cli.run import main\n"
+        f"sys.exit(main([{str(schedule)!r}, '--steps', '3', '--checkpoint-every', '1',\n"
+        f"               '--checkpoint-dir', {str(ckpt)!r}]))\n")
+    done = subprocess.run([sys.executable, "-c", dies], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert (ckpt / ".step_2.tmp" / "optimizer").is_dir()  # its shards were written
+    assert latest_checkpoint(ckpt) == ckpt / "step_1"
+    resumed = subprocess.run([sys.executable, "-m", "karma.run", str(schedule), "--steps", "3",
+                              "--checkpoint-dir", str(ckpt), "--resume"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {ckpt / 'step_1'} (step 1)" in resumed.stdout
+    assert latest_checkpoint(ckpt) == ckpt / "step_3"
