@@ -42,6 +42,7 @@ from karma.planner.hardware import load_hardware
 from karma.planner.pipeline import PlanRequest, schedule_from
 from karma.planner.plan import Plan, evaluate
 from karma.planner.problem import build_problem
+from karma.runtime.export import model_state_dict
 from karma.runtime.loop import RunOptions, open_model_file, train
 from karma.schedule import (
     ACT_CHOICES,
@@ -193,7 +194,7 @@ def run_schedule(s: Schedule, mf: ModelFile, steps: int = STEPS) -> Result:
     with tempfile.TemporaryDirectory(prefix="karma-fuzz-") as d:
         report = train(s, mf, RunOptions(steps=steps, checkpoint_dir=Path(d),
                                          log=lambda line: None))
-        state = torch.load(Path(d) / f"step_{steps}" / "model.pt", weights_only=True)
+        state = model_state_dict(Path(d) / f"step_{steps}")
     return Result(state, tuple(report.losses))
 
 

@@ -25,6 +25,7 @@ import torch
 from karma.errors import KarmaError
 from karma.reference import train_reference
 from karma.runtime.chaos import Chaos
+from karma.runtime.export import model_state_dict
 from tests.matrix import strategy_cells
 from tests.runtime_helpers import (
     assert_bitwise_equal,
@@ -52,7 +53,7 @@ def gpt_reference():
 
 def trained(mf, schedule, tmp_path) -> dict[str, torch.Tensor]:
     run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
-    return torch.load(tmp_path / f"step_{STEPS}" / "model.pt", weights_only=True)
+    return model_state_dict(tmp_path / f"step_{STEPS}")
 
 
 @pytest.mark.parametrize("seed", SEED_PARAMS)
@@ -66,8 +67,7 @@ def test_training_is_bitwise_the_plain_loops_under_chaos(strategy, fraction, see
     monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{PAUSE_MS}")
     report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
-    assert_bitwise_equal(torch.load(tmp_path / f"step_{STEPS}" / "model.pt",
-                                    weights_only=True), ref_sd)
+    assert_bitwise_equal(model_state_dict(tmp_path / f"step_{STEPS}"), ref_sd)
 
 
 # --- every other family of exactness tests -------------------------------------------------
@@ -145,8 +145,7 @@ def test_every_family_of_exactness_tests_holds_under_chaos(case, seed, tmp_path,
     monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{CASE_PAUSE_MS}")
     report = run(schedule, model_file(case.model, scheduled), CASE_STEPS,
                  checkpoint_dir=tmp_path)
-    assert_equals_reference(report, torch.load(tmp_path / f"step_{CASE_STEPS}" / "model.pt",
-                                               weights_only=True),
+    assert_equals_reference(report, model_state_dict(tmp_path / f"step_{CASE_STEPS}"),
                             case_reference(case.model, case.option))
 
 
@@ -167,8 +166,7 @@ def test_resume_with_updates_in_flight_holds_under_chaos(seed, tmp_path, monkeyp
     joined = dataclasses.replace(second, losses=first.losses + second.losses,
                                  lrs=first.lrs + second.lrs,
                                  grad_norms=first.grad_norms + second.grad_norms)
-    assert_equals_reference(joined, torch.load(tmp_path / f"step_{CASE_STEPS}" / "model.pt",
-                                               weights_only=True),
+    assert_equals_reference(joined, model_state_dict(tmp_path / f"step_{CASE_STEPS}"),
                             case_reference("mlp", "all"))
 
 
@@ -190,8 +188,7 @@ def test_evaluation_and_dict_outputs_hold_under_chaos(seed, tmp_path, monkeypatc
     monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{CASE_PAUSE_MS}")
     report = run(schedule, mf, CASE_STEPS, checkpoint_dir=tmp_path, eval_every=1)
     assert [{"step": e["step"], "loss": e["loss"]} for e in report.evals] == ref.evals
-    assert_equals_reference(report, torch.load(tmp_path / f"step_{CASE_STEPS}" / "model.pt",
-                                               weights_only=True), ref)
+    assert_equals_reference(report, model_state_dict(tmp_path / f"step_{CASE_STEPS}"), ref)
 
 
 @pytest.mark.slow
@@ -207,8 +204,7 @@ def test_a_hugging_face_model_holds_under_chaos(seed, tmp_path, monkeypatch):
     monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{CASE_PAUSE_MS}")
     report = run(schedule, mf, ZOO_STEPS, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
-    assert_bitwise_equal(torch.load(tmp_path / f"step_{ZOO_STEPS}" / "model.pt",
-                                    weights_only=True), ref_sd)
+    assert_bitwise_equal(model_state_dict(tmp_path / f"step_{ZOO_STEPS}"), ref_sd)
 
 
 @pytest.mark.parametrize("name", ["gpt", "resnet", "mlp"])

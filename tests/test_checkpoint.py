@@ -15,7 +15,8 @@ import torch
 
 from karma.cli.export import main as export_main
 from karma.cli.run import main as run_main
-from karma.runtime.dcp_state import consolidated
+from karma.runtime.dcp_state import consolidated_optimizer
+from karma.runtime.export import model_state_dict
 from karma.schedule import dump_schedule
 from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, run
 
@@ -60,7 +61,7 @@ def test_export_writes_a_state_dict_the_user_s_own_model_loads(trained, tmp_path
     fresh = mf.build_model()
     assert list(state) == list(fresh.state_dict())  # tied weights under both names
     fresh.load_state_dict(state, strict=True)
-    assert_bitwise_equal(state, torch.load(ckpt / "step_2" / "model.pt", weights_only=True))
+    assert_bitwise_equal(state, model_state_dict(ckpt / "step_2"))
 
 
 def test_export_as_safetensors_with_the_whole_optimizer_state(trained, tmp_path, capsys):
@@ -72,12 +73,12 @@ def test_export_as_safetensors_with_the_whole_optimizer_state(trained, tmp_path,
     assert code == 0, err
     fresh = mf.build_model()
     fresh.load_state_dict(load_file(str(out_file)), strict=True)
-    saved = torch.load(ckpt / "step_2" / "model.pt", weights_only=True)
+    saved = model_state_dict(ckpt / "step_2")
     assert_bitwise_equal(dict(fresh.state_dict()), saved)
     opt = torch.load(tmp_path / "model.optimizer.pt", weights_only=True)
     names = {n for n, _ in fresh.named_parameters()}
     assert set(opt["state"]) == names
-    whole = consolidated(ckpt / "step_2" / "optimizer")
+    whole = consolidated_optimizer(ckpt / "step_2" / "state")
     for name in names:
         assert opt["state"][name]["exp_avg"].shape == fresh.state_dict()[name].shape
         assert torch.equal(opt["state"][name]["exp_avg_sq"], whole[name]["exp_avg_sq"])
@@ -87,7 +88,7 @@ def test_export_as_safetensors_with_the_whole_optimizer_state(trained, tmp_path,
 
 EXPORT_BAD = [
     ("nothing", "holds no complete checkpoint"),
-    ("ckpt/step_2/optimizer", "holds no complete checkpoint"),
+    ("ckpt/step_2/state", "holds no complete checkpoint"),
 ]
 
 
@@ -102,7 +103,7 @@ def test_export_of_no_checkpoint_is_one_line(trained, tmp_path, capsys, where, e
 # --- resuming from damaged or foreign checkpoints ------------------------------------------
 
 def damage(step_dir, how: str) -> None:
-    shard = step_dir / "optimizer" / "__0_0.distcp"
+    shard = step_dir / "state" / "__0_0.distcp"
     if how == "missing shard":
         shard.unlink()
     elif how == "truncated shard":
@@ -137,7 +138,7 @@ def test_resuming_from_a_damaged_or_foreign_checkpoint_is_one_line(trained, caps
 
 
 def test_a_run_killed_while_saving_resumes_from_the_checkpoint_before(trained, tmp_path):
-    """karma-run killed (SIGKILL) after writing step 2's optimizer shards, before the
+    """karma-run killed (SIGKILL) after writing step 2's shards, before the
     checkpoint is in place: step 1's is the newest complete one, and --resume takes it."""
     import subprocess
     import sys
@@ -151,8 +152,8 @@ def test_a_run_killed_while_saving_resumes_from_the_checkpoint_before(trained, t
         "import os, signal, sys\n"
         "import karma.runtime.dcp_state as d\n"
         "real = d.save\n"
-        "def save(engine, ranks, directory, standalone):\n"
-        "    real(engine, ranks, directory, standalone)\n"
+        "def save(model, engine, ranks, directory, standalone):\n"
+        "    real(model, engine, ranks, directory, standalone)\n"
         "    if '.step_2.' in str(directory):\n"
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
         "d.save = save\n"
@@ -162,7 +163,7 @@ def test_a_run_killed_while_saving_resumes_from_the_checkpoint_before(trained, t
     done = subprocess.run([sys.executable, "-c", dies], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
-    assert (ckpt / ".step_2.tmp" / "optimizer").is_dir()  # its shards were written
+    assert (ckpt / ".step_2.tmp" / "state").is_dir()  # its shards were written
     assert latest_checkpoint(ckpt) == ckpt / "step_1"
     resumed = subprocess.run([sys.executable, "-m", "karma.run", str(schedule), "--steps", "3",
                               "--checkpoint-dir", str(ckpt), "--resume"], cwd=ROOT,
@@ -170,3 +171,23 @@ def test_a_run_killed_while_saving_resumes_from_the_checkpoint_before(trained, t
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {ckpt / 'step_1'} (step 1)" in resumed.stdout
     assert latest_checkpoint(ckpt) == ckpt / "step_3"
+
+
+def test_an_exported_hugging_face_model_round_trips_through_from_pretrained(tmp_path, capsys):
+    """karma-export of an unmodified Hugging Face GPT-2: the keys are the model's own, so
+    load_state_dict, save_pretrained and from_pretrained give back the trained weights."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from tests.conftest import EXAMPLES
+    from tests.runtime_helpers import load_with_env
+
+    mf = load_with_env(EXAMPLES / "hf_gpt2.py", {"KARMA_HF": "tiny"})
+    run(plan(mf, "offload_all"), mf, 1, checkpoint_dir=tmp_path / "ckpt")
+    code, _, err = cli(export_main, capsys, tmp_path / "ckpt", "-o", tmp_path / "m.safetensors")
+    assert code == 0, err
+    model = mf.build_model()
+    model.load_state_dict(load_file(str(tmp_path / "m.safetensors")), strict=True)
+    model.save_pretrained(tmp_path / "trained")
+    again = type(model).from_pretrained(tmp_path / "trained")
+    assert_bitwise_equal(dict(again.state_dict()), model_state_dict(tmp_path / "ckpt" / "step_1"))

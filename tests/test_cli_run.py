@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from karma.cli.run import main
+from karma.runtime.export import model_state_dict
 from karma.runtime.loop import open_model_file
 from karma.schedule import dump_schedule
 from karma.schedule_load import load_schedule
@@ -96,7 +97,7 @@ def test_plan_then_run_end_to_end(end_to_end):
     mf = load_small("gpt")
     ref_sd, ref_losses = reference_train(mf, 4, 3)
     assert report["losses"] == ref_losses
-    assert_bitwise_equal(torch.load(d / "C" / "step_3" / "model.pt", weights_only=True), ref_sd)
+    assert_bitwise_equal(model_state_dict(d / "C" / "step_3"), ref_sd)
 
 
 @pytest.mark.slow

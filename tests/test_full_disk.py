@@ -25,6 +25,7 @@ import karma.runtime.loop
 from karma.cli.run import main
 from karma.errors import KarmaError
 from karma.runtime.checkpoint import latest_checkpoint
+from karma.runtime.export import model_state_dict
 from karma.runtime.host import HostPool
 from karma.schedule import dump_schedule
 from tests.conftest import ROOT
@@ -104,7 +105,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_resume_is_exact(
     assert "resumed from" in out and "step 2/3" in out
     ref_sd, ref_losses = reference_train(load_small("gpt"), 4, 3)
     assert json.loads((tmp_path / "R.json").read_text())["losses"] == ref_losses[1:]
-    assert_bitwise_equal(torch.load(ckpt / "step_3" / "model.pt", weights_only=True), ref_sd)
+    assert_bitwise_equal(model_state_dict(ckpt / "step_3"), ref_sd)
 
 
 def test_a_checkpoint_past_the_file_size_limit_is_an_error_not_a_kill(

@@ -26,6 +26,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from karma.runtime.export import model_state_dict
 from karma.schedule_load import load_schedule
 from tests import schedule_fuzz
 from tests.conftest import ROOT
@@ -188,7 +189,7 @@ def test_karma_run_refuses_with_exit_2_and_no_traceback_or_trains_the_same(tmp_p
             assert line.split(": ", 3)[-1] == verdict.detail.split(": ", 1)[-1], (line, verdict)
         else:
             assert process.returncode == 0, err
-            state = torch.load(tmp_path / name / "step_2" / "model.pt", weights_only=True)
+            state = model_state_dict(tmp_path / name / "step_2")
             expected = b.references[training_options(load_schedule(cases[name][0]))]
             assert state.keys() == expected.state.keys()
             assert all(torch.equal(state[k], expected.state[k]) for k in state)

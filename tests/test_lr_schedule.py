@@ -18,6 +18,7 @@ import karma
 from karma.cli.plan import main as plan_main
 from karma.cli.run import main as run_main
 from karma.reference import train_reference
+from karma.runtime.export import model_state_dict
 from tests.conftest import MODELS, environment
 from tests.matrix import ONE_BUDGET, strategy_cells
 from tests.runtime_helpers import (
@@ -40,7 +41,7 @@ def _load(kind: str = "warmup_cosine"):
 
 
 def _model_pt(directory, step: int) -> dict[str, torch.Tensor]:
-    return torch.load(directory / f"step_{step}" / "model.pt", weights_only=True)
+    return model_state_dict(directory / f"step_{step}")
 
 
 @pytest.mark.parametrize("strategy,fraction", strategy_cells(ONE_BUDGET))

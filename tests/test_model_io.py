@@ -25,6 +25,7 @@ from karma.modelfile import (
     load_model_file,
     output_tensors,
 )
+from karma.runtime.export import model_state_dict
 from tests.conftest import MODELS, environment
 from tests.matrix import ONE_BUDGET, strategy_cells
 from tests.runtime_helpers import (
@@ -120,7 +121,7 @@ def test_keyword_inputs_and_dict_outputs_train_bitwise(strategy, fraction, own_l
     ref_sd, ref_losses = reference_train(mf, 4, 3)
     report = run(plan(mf, strategy, fraction), mf, 3, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
-    assert_bitwise_equal(torch.load(tmp_path / "step_3" / "model.pt", weights_only=True), ref_sd)
+    assert_bitwise_equal(model_state_dict(tmp_path / "step_3"), ref_sd)
 
 
 @functools.cache
@@ -268,7 +269,7 @@ def test_backward_is_found_whatever_the_order_of_keyword_arguments(strategy, tmp
     ref_sd, ref_losses = reference_train(mf, 4, 3)
     report = run(plan(mf, strategy, 1.5), mf, 3, checkpoint_dir=tmp_path)  # recompute: > 1
     assert report.losses == ref_losses
-    assert_bitwise_equal(torch.load(tmp_path / "step_3" / "model.pt", weights_only=True), ref_sd)
+    assert_bitwise_equal(model_state_dict(tmp_path / "step_3"), ref_sd)
 
 
 @pytest.mark.slow

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from karma.runtime.checkpoint import latest_checkpoint
-from karma.runtime.dcp_state import consolidated
+from karma.runtime.dcp_state import consolidated_optimizer
+from karma.runtime.export import model_state_dict
 from karma.runtime.host import ALIGN
 from karma.runtime.replay import DivergedError
 from tests.matrix import MODELS, STRATEGIES, cells, first_fast, strategy_cells
@@ -43,7 +44,7 @@ def reference(name: str, steps: int):
 
 
 def load_model_pt(directory, step: int) -> dict[str, torch.Tensor]:
-    return torch.load(directory / f"step_{step}" / "model.pt", weights_only=True)
+    return model_state_dict(directory / f"step_{step}")
 
 
 class Probe:
@@ -208,46 +209,36 @@ def test_checkpoint_format(name, strategy, fraction, tmp_path):
     run(schedule, mf, 2, checkpoint_dir=tmp_path)
     d = tmp_path / "step_2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]  # no temporaries left
-    assert sorted(p.name for p in d.iterdir()) == ["extras.pt", "meta.json", "model.pt",
-                                                   "optimizer"]
-    assert sorted(p.name for p in (d / "optimizer").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert sorted(p.name for p in d.iterdir()) == ["extras.pt", "meta.json", "state"]
+    assert sorted(p.name for p in (d / "state").iterdir()) == [".metadata", "__0_0.distcp"]
 
-    state = torch.load(d / "model.pt", weights_only=True)
+    state = model_state_dict(d)  # what karma-export writes
     fresh = mf.build_model()
     assert list(state) == list(fresh.state_dict())  # exactly its keys, tied ones included
     fresh.load_state_dict(state, strict=True)
-    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
-               for t in state.values()), "model.pt holds views of larger storages"
 
     meta = json.loads((d / "meta.json").read_text())
     assert meta["step"] == 2 and meta["complete"] is True and meta["world_size"] == 1
     extras = torch.load(d / "extras.pt", weights_only=True)
     assert len(extras["optimizers"]) == len(schedule.blocks)
     # the optimizer state, whole, by DCP's own reader: AdamW's moments of every parameter
-    state = consolidated(d / "optimizer")
+    state = consolidated_optimizer(d / "state")
     assert set(state) == {n for b in schedule.blocks for n in b.params}
     for name, entries in state.items():
         assert entries["exp_avg"].shape == fresh.state_dict()[name].shape
     assert latest_checkpoint(tmp_path) == d
 
 
-def test_optimizer_checkpoint_holds_only_the_optimizer_state(tmp_path):
-    mf = load_small("gpt")
-    run(plan(mf, "offload_all"), mf, 1, checkpoint_dir=tmp_path)
-    state_bytes = 2 * sum(p.numel() * p.element_size() for p in mf.build_model().parameters())
-    size = sum(f.stat().st_size for f in (tmp_path / "step_1" / "optimizer").iterdir())
-    assert size < 2 * state_bytes + (64 << 10), f"optimizer/ is {size} bytes"
-
-
-def test_model_checkpoint_of_host_weights_holds_only_the_weights(tmp_path):
-    # offload_all keeps every weight as a view into the host tier's arena (64 MiB or more);
-    # model.pt must hold the weights' own bytes, not the arena, and not via private clones
-    # (see [Note: saving views of the host tier] in karma/runtime/checkpoint.py).
+def test_a_checkpoint_of_host_weights_holds_only_the_weights_and_their_state(tmp_path):
+    # offload_all keeps every weight and AdamW's moments as views into the host tier's arena
+    # (64 MiB or more); the checkpoint must hold their own bytes (three times the weights),
+    # not the arena, and not via private clones (see [Note: saving views of the host tier]
+    # in karma/runtime/checkpoint.py).
     mf = load_small("gpt")
     run(plan(mf, "offload_all"), mf, 1, checkpoint_dir=tmp_path)
     param_bytes = sum(p.numel() * p.element_size() for p in mf.build_model().parameters())
-    size = (tmp_path / "step_1" / "model.pt").stat().st_size
-    assert param_bytes < size < param_bytes + (64 << 10), f"model.pt is {size} bytes"
+    size = sum(f.stat().st_size for f in (tmp_path / "step_1" / "state").iterdir())
+    assert 3 * param_bytes < size < 3 * param_bytes + (256 << 10), f"state/ is {size} bytes"
     assert not list((tmp_path / "step_1").glob("scratch*"))
 
 
@@ -297,15 +288,13 @@ def test_half_written_checkpoints_are_ignored(tmp_path):
     run(schedule, mf, 2, checkpoint_dir=tmp_path)
     good = tmp_path / "step_2"
     torn = tmp_path / "step_5"  # killed before meta.json was written
-    torn.mkdir()
-    shutil.copy(good / "model.pt", torn / "model.pt")
+    shutil.copytree(good / "state", torn / "state")
     hidden = tmp_path / ".step_6.tmp123"  # killed before the rename
     shutil.copytree(good, hidden)
     meta = json.loads((good / "meta.json").read_text())
     (hidden / "meta.json").write_text(json.dumps({**meta, "step": 6}))
-    missing = tmp_path / "step_7"  # meta.json but no optimizer state
-    missing.mkdir()
-    shutil.copy(good / "model.pt", missing / "model.pt")
+    missing = tmp_path / "step_7"  # meta.json but no extras.pt
+    shutil.copytree(good / "state", missing / "state")
     (missing / "meta.json").write_text(json.dumps({**meta, "step": 7}))
     partial = tmp_path / "step_8"  # a meta.json that does not say complete
     shutil.copytree(good, partial)

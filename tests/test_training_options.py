@@ -17,6 +17,7 @@ from karma.cli.plan import main as plan_main
 from karma.cli.run import main as run_main
 from karma.errors import KarmaError
 from karma.reference import train_reference
+from karma.runtime.export import model_state_dict
 from karma.runtime.runtime import Runtime
 from tests.conftest import EXAMPLES, SMALL_ENV
 from tests.matrix import FAST, MODELS, ONE_BUDGET, cell_id, first_fast, strategy_cells
@@ -55,7 +56,7 @@ def reference(name: str, option: str):
 
 
 def _model_pt(directory, step: int) -> dict[str, torch.Tensor]:
-    return torch.load(directory / f"step_{step}" / "model.pt", weights_only=True)
+    return model_state_dict(directory / f"step_{step}")
 
 
 # every option, model and strategy; `make test-fast` trains all the options together on the

@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
+from karma.runtime.export import model_state_dict
 from tests.conftest import EXAMPLES
 from tests.runtime_helpers import (
     assert_bitwise_equal,
@@ -46,5 +46,4 @@ def test_zoo_model_trains_bitwise_at_half_of_keep_all(name, tmp_path):
     assert any(b.act != "keep" or b.weights == "streamed" for b in schedule.blocks)
     report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
-    assert_bitwise_equal(torch.load(tmp_path / f"step_{STEPS}" / "model.pt",
-                                    weights_only=True), ref_sd)
+    assert_bitwise_equal(model_state_dict(tmp_path / f"step_{STEPS}"), ref_sd)

@@ -1,17 +1,16 @@
-"""Atomic checkpoints: DIR/step_N/{model.pt, optimizer/, extras.pt, meta.json}.
+"""Atomic checkpoints: DIR/step_N/{state/, extras.pt, meta.json}.
 
 Every rank takes part. A checkpoint is written into a hidden temporary directory, each file
 to a temporary name that is renamed when complete, and the directory is renamed to step_N
 last, by rank 0, once every rank's part is in: a run killed at any moment leaves either a
 complete checkpoint or none, and the newest complete one is what --resume loads.
-- model.pt: a state_dict with exactly the keys of build_model().state_dict() (it loads into
-  a fresh model, with weights_only=True), written by rank 0, which holds every weight whole.
-- optimizer/: every block's optimizer state through torch.distributed.checkpoint, each rank
-  writing the part it holds (dcp_state.py, [Note: the optimizer state through DCP]); it loads
-  into any number of ranks.
-- extras.pt: the optimizers' classes and hyperparameters (param_groups), the LR schedule's
-  state (lr.py), the RNG state and the world size it was written at; meta.json says what the
-  checkpoint is.
+- state/: the weights, buffers and every block's optimizer state through
+  torch.distributed.checkpoint, each rank writing the part it holds (dcp_state.py, [Note:
+  the state through DCP]); it loads into any number of ranks. karma-export (export.py)
+  writes the model's plain state_dict from it.
+- extras.pt: the model's state_dict keys, the optimizers' classes and hyperparameters
+  (param_groups), the LR schedule's state (lr.py), the RNG state and the world size it was
+  written at; meta.json says what the checkpoint is.
 The ranks draw the same random numbers (one seed, the same draws: their streams are equal),
 so the RNG state is rank 0's, and a run resumed on another number of ranks goes on with it
 on every rank. Checkpoints of the earlier format (model.pt, optimizer.pt) still load.
@@ -34,7 +33,7 @@ from karma.runtime import dcp_state, distributed
 from karma.runtime.distributed import SINGLE, Ranks
 
 FORMAT = "karma-checkpoint-2"
-FILES = ("model.pt", "extras.pt", "meta.json", f"{dcp_state.OPTIMIZER_DIR}/.metadata")
+FILES = ("extras.pt", "meta.json", f"{dcp_state.STATE_DIR}/.metadata")
 LEGACY_FORMAT = "karma-checkpoint-1"  # model.pt, optimizer.pt (the state gathered whole)
 LEGACY_FILES = ("model.pt", "optimizer.pt", "meta.json")
 
@@ -164,11 +163,10 @@ def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: i
         distributed.barrier(ranks, f"starting the checkpoint of step {step}", timeout_s)
         scratch = tmp / f"scratch{ranks.rank}"
         scratch.mkdir()
-        dcp_state.save(engine, ranks, tmp / dcp_state.OPTIMIZER_DIR,
+        dcp_state.save(model, engine, ranks, tmp / dcp_state.STATE_DIR,
                        lambda t: _standalone(t.detach().cpu(), scratch))
         if ranks.main:
-            _save(tmp / "model.pt", model_state(model, engine, scratch))
-            _save(tmp / "extras.pt", _extras(engine, lr_schedule, ranks))
+            _save(tmp / "extras.pt", _extras(model, engine, lr_schedule, ranks))
         scratch.rmdir()
         distributed.barrier(ranks, f"writing the checkpoint of step {step}", timeout_s)
         if ranks.main:
@@ -201,11 +199,12 @@ def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: i
     return final
 
 
-def _extras(engine, lr_schedule, ranks: Ranks) -> dict:
+def _extras(model, engine, lr_schedule, ranks: Ranks) -> dict:
     """What a checkpoint holds besides tensors: extras.pt."""
     return {
         "format": FORMAT,
         "world_size": ranks.world_size,
+        "state_keys": dcp_state.state_keys(model),
         "optimizers": [None if w.optimizer is None else type(w.optimizer).__name__
                        for w in engine.weights],
         "params": [list(w.names) for w in engine.weights],
@@ -275,7 +274,6 @@ def load_checkpoint(path: Path, model, engine, lr_schedule=None, ranks: Ranks = 
         meta = json.loads((path / "meta.json").read_text())
         if meta.get("format") == LEGACY_FORMAT:
             return _load_legacy(path, meta, model, engine, lr_schedule)
-        values = torch.load(path / "model.pt", weights_only=True)
         extras = torch.load(path / "extras.pt", weights_only=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise KarmaError(f"cannot read {where}: {_first_line(e)}; delete it to resume from the "
@@ -285,14 +283,16 @@ def load_checkpoint(path: Path, model, engine, lr_schedule=None, ranks: Ranks = 
                          f"{str(meta['model_sha256'])[:12]}, this one's {schedule.model.sha256[:12]}); "
                          "resume with the model file that wrote it, or start without --resume")
     _check_optimizers(extras, engine, where)
+    if [k for k, _ in extras.get("state_keys", ())] != list(model.state_dict()):
+        raise KarmaError(f"{where} holds another model's entries; resume with the model file "
+                         "that wrote it")
     engine.settle()  # nothing of the last step may still write what is loaded
-    _load_model(values, model, engine, where)
     try:
-        dcp_state.load(engine, ranks, path / dcp_state.OPTIMIZER_DIR)
+        dcp_state.load(model, engine, ranks, path / dcp_state.STATE_DIR)
     except (CheckpointException, OSError, RuntimeError, ValueError, KeyError) as e:
-        raise KarmaError(f"cannot read the optimizer state of {where} ({_first_line(e)}): a "
-                         "shard is missing or damaged; delete the checkpoint to resume from "
-                         "the one before") from e
+        raise KarmaError(f"cannot read the state of {where} ({_first_line(e)}): a shard is "
+                         "missing or damaged; delete the checkpoint to resume from the one "
+                         "before") from e
     for w, groups in zip(engine.weights, extras["param_groups"]):
         if w.optimizer is not None and groups is not None:
             for group, saved in zip(w.optimizer.param_groups, groups):
@@ -312,24 +312,6 @@ def _check_optimizers(extras: dict, engine, where: str) -> None:
             raise KarmaError(f"{where} holds the state of a {saved} for block {k}, but the model "
                              f"file's make_optimizer makes a {now}; resume with the optimizer "
                              "that wrote it, or start without --resume")
-
-
-def _load_model(values: dict, model, engine, where: str) -> None:
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(values))
-    if missing:
-        raise KarmaError(f"{where} lacks {len(missing)} of the model's entries (e.g. "
-                         f"{missing[0]}); load a state of this model")
-    wrong = [k for k, v in expected.items() if tuple(values[k].shape) != tuple(v.shape)]
-    if wrong:
-        k = wrong[0]
-        raise KarmaError(f"{where}: {k} has shape {tuple(values[k].shape)}, the model's "
-                         f"{tuple(expected[k].shape)}; load a state of this model")
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            buf.copy_(values[name])
-    for w in engine.weights:
-        w.load(values)
 
 
 def _load_lr_and_rng(extras: dict, lr_schedule, where: str) -> None:

@@ -40,15 +40,24 @@ def export_checkpoint(source: str | Path, output: str | Path, optimizer: bool = 
                          "safetensors")
     if not output.parent.is_dir():
         raise KarmaError(f"-o {output}: directory {output.parent} does not exist; create it")
-    try:
-        model = torch.load(step_dir / "model.pt", weights_only=True)
-    except (OSError, RuntimeError, ValueError) as e:
-        raise KarmaError(f"cannot read {step_dir / 'model.pt'}: {e}; export another "
-                         "checkpoint") from e
-    written = [_write_model(model, output, fmt)]
+    written = [_write_model(model_state_dict(step_dir), output, fmt)]
     if optimizer:
         written.append(_write_optimizer(step_dir, output))
     return written
+
+
+def model_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model, whole: the keys of build_model().state_dict(), in its order."""
+    try:
+        meta = json.loads((step_dir / "meta.json").read_text())
+        if meta.get("format") == checkpoint.LEGACY_FORMAT:
+            return torch.load(step_dir / "model.pt", weights_only=True)
+        extras = torch.load(step_dir / "extras.pt", weights_only=True)
+        return dcp_state.consolidated_model(step_dir / dcp_state.STATE_DIR,
+                                            [tuple(k) for k in extras["state_keys"]])
+    except Exception as e:  # noqa: BLE001 - DCP's errors name no type of their own
+        raise KarmaError(f"cannot read the model of {step_dir} ({e}); export another "
+                         "checkpoint") from e
 
 
 def resolve(source: Path) -> Path:
@@ -98,7 +107,7 @@ def _write_optimizer(step_dir: Path, output: Path) -> Path:
                          "state already: copy it, or export a checkpoint written since")
     extras = torch.load(step_dir / "extras.pt", weights_only=True)
     try:
-        state = dcp_state.consolidated(step_dir / dcp_state.OPTIMIZER_DIR)
+        state = dcp_state.consolidated_optimizer(step_dir / dcp_state.STATE_DIR)
     except Exception as e:  # noqa: BLE001 - DCP's errors name no type of their own
         raise KarmaError(f"cannot read the optimizer state of {step_dir} ({e}); export "
                          "another checkpoint") from e
