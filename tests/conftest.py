@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -52,6 +53,19 @@ def _karma_cache(tmp_path_factory):
     once a session and each small model's blocks once."""
     with environment({"XDG_CACHE_HOME": str(tmp_path_factory.mktemp("xdg-cache"))}):
         yield
+
+
+@pytest.fixture
+def restore_environment_and_signals():
+    """karma-run (its main, called in this process) sets the schedule's KARMA_* variables
+    and its signal handlers; undo both."""
+    saved = dict(os.environ)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGXFSZ)}
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
 
 
 @pytest.fixture

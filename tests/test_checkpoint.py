@@ -7,7 +7,6 @@ tests/test_runtime.py and tests/test_distributed.py.)
 from __future__ import annotations
 
 import json
-import os
 import signal
 
 import pytest
@@ -20,17 +19,7 @@ from karma.runtime.export import model_state_dict
 from karma.schedule import dump_schedule
 from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, run
 
-
-@pytest.fixture(autouse=True)
-def restore_environment_and_signals():
-    """karma-run sets the schedule's KARMA_* variables and its signal handlers; undo both."""
-    saved = dict(os.environ)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGXFSZ)}
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-    for s, handler in handlers.items():
-        signal.signal(s, handler)
+pytestmark = pytest.mark.usefixtures("restore_environment_and_signals")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import json
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -34,16 +33,7 @@ from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, refere
 NO_SPACE = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-@pytest.fixture(autouse=True)
-def restore_environment_and_signals():
-    """karma-run sets the schedule's KARMA_* variables and its signal handlers; undo both."""
-    saved = dict(os.environ)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGXFSZ)}
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-    for s, handler in handlers.items():
-        signal.signal(s, handler)
+pytestmark = pytest.mark.usefixtures("restore_environment_and_signals")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from karma.runtime.distributed import Ranks
+from karma.runtime.host import _contiguous_strides
 from karma.runtime.shard import ShardedWeights, rows_of
 from karma.runtime.weights import BlockWeights
 
@@ -64,7 +65,7 @@ def save(model: torch.nn.Module, engine, ranks: Ranks, directory: Path,
             if isinstance(w, ShardedWeights) and shaped(key, v, w.masters[k].shape):
                 v = _whole_scalar(v, ranks) if p.dim() == 0 else DTensor.from_local(
                     standalone(v), mesh, [Shard(0)], run_check=False, shape=p.shape,
-                    stride=_contiguous(p.shape))
+                    stride=_contiguous_strides(p.shape))
             else:
                 v = standalone(v)
             state[f"{OPTIM}{name}.{key}"] = v
@@ -83,7 +84,7 @@ def _model_tensors(model: torch.nn.Module, engine, ranks: Ranks, mesh: DeviceMes
         if isinstance(w, ShardedWeights) and p.dim() > 0:  # its rows of the whole weights
             out[MODEL + name] = DTensor.from_local(
                 keep(w.masters[k].detach()), mesh, [Shard(0)], run_check=False,
-                shape=p.shape, stride=_contiguous(p.shape))
+                shape=p.shape, stride=_contiguous_strides(p.shape))
         else:
             out[MODEL + name] = keep(w.current()[name])
     if standalone is None or ranks.main:
@@ -120,7 +121,7 @@ def load(model: torch.nn.Module, engine, ranks: Ranks, directory: Path) -> None:
                 local = torch.zeros((c.stop - c.start, *size[1:]), dtype=dtype)
                 targets[f"{OPTIM}{name}.{key}"] = DTensor.from_local(
                     local, mesh, [Shard(0)], run_check=False, shape=torch.Size(size),
-                    stride=_contiguous(size))
+                    stride=_contiguous_strides(size))
             else:
                 local = torch.zeros(size, dtype=dtype)
                 targets[f"{OPTIM}{name}.{key}"] = local
@@ -210,11 +211,3 @@ def _whole_scalar(v: torch.Tensor, ranks: Ranks) -> torch.Tensor:
         out.copy_(v.reshape(()))
     dist.broadcast(out, src=0)
     return out
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
