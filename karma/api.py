@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -60,10 +60,35 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
     measuring (default: printed to stderr). profile_blocks=True is the old name of
     measure=True. remeasure=True measures the machine and the blocks again instead of reading
     them from the cache (karma-plan --remeasure)."""
-    capacity = gpu_mem if isinstance(gpu_mem, int) else parse_size(str(gpu_mem), "gpu_mem")
-    if capacity <= 0:
-        raise KarmaError(f"the memory budget {gpu_mem!r} (gpu_mem, --gpu-mem) must be more than "
-                         "zero, e.g. 16G")
+    prepared = _prepare(model_file, _bytes(gpu_mem), hardware, batch_size,
+                        world_size=world_size, dtype=dtype, strategy=strategy, seed=seed,
+                        time_limit_s=time_limit_s, gap=gap, blocks=blocks,
+                        measure=True if profile_blocks else measure, accumulate=accumulate,
+                        clip_grad_norm=clip_grad_norm, nproc_per_node=nproc_per_node,
+                        host_mem=host_mem, host_state=host_state, log=log,
+                        remeasure=remeasure)
+    return _solve(prepared, prepared.request)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What every plan of one model at one batch size shares: its block graph, its
+    calibration and the request the points of a sweep vary."""
+
+    graph: BlockGraph
+    model: ModelRef
+    request: PlanRequest
+    block_times: str
+
+
+def _prepare(model_file, capacity: int, hardware, batch_size: int | None, *,
+             world_size: int = 1, dtype: str = "fp32", strategy: str = "ilp", seed: int = 0,
+             time_limit_s: float = 60.0, gap: float = 0.01, blocks: str | None = None,
+             measure: bool | None = None, accumulate: int = 1,
+             clip_grad_norm: float | None = None, nproc_per_node: int | None = None,
+             host_mem: str | int | None = None, host_state: str = "auto",
+             log: Callable[[str], None] | None = None, remeasure: bool = False) -> _Prepared:
+    """The options checked, the model traced and calibrated: what plans are made from."""
     if strategy not in STRATEGIES:
         raise KarmaError(f"strategy {strategy!r} (--strategy) is not a strategy; use one of "
                          f"{', '.join(STRATEGIES)}")
@@ -82,8 +107,8 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
         (log or _note_to_stderr)(note)
     model = ModelRef.now(str(model_file), mf.sha256, graph.to_json())
     optimizer = optimizer_profile(mf)
-    cal = calibration(mf, graph, hardware, hw, optimizer, True if profile_blocks else measure,
-                      blocks, log or _note_to_stderr, remeasure)
+    cal = calibration(mf, graph, hardware, hw, optimizer, measure, blocks,
+                      log or _note_to_stderr, remeasure)
     request = PlanRequest(
         capacity_bytes=capacity, hardware=cal.hardware, batch_size=graph.batch_size,
         dtype=dtype, world_size=world_size, seed=seed, strategy=strategy,
@@ -93,12 +118,68 @@ def plan_report(model_file: str | Path, gpu_mem: str | int, hardware: str | Hard
         nproc_per_node=node.nproc_per_node, host_state=host_state,
         host_mem_bytes=node.host_mem_bytes,
     )
+    return _Prepared(graph, model, request, cal.summary)
+
+
+def _solve(prepared: _Prepared, request: PlanRequest) -> PlanReport:
     try:
-        report = make_schedule(graph, model, request)
+        report = make_schedule(prepared.graph, prepared.model, request)
     except InfeasiblePlan as e:
-        e.batch_size = graph.batch_size  # for the advice of a smaller batch
+        e.batch_size = prepared.graph.batch_size  # for the advice of a smaller batch
         raise
-    return replace(report, block_times=cal.summary)
+    return replace(report, block_times=prepared.block_times)
+
+
+SWEEPS = ("gpu-mem", "batch-size")
+
+
+def sweep(model_file: str | Path, quantity: str, values: Sequence[int],
+          gpu_mem: str | int | None, hardware: str | Hardware = "v100-16g",
+          batch_size: int | None = None, **options) -> list[dict]:
+    """Plan at every value of `quantity` ("gpu-mem": device memory budgets in bytes;
+    "batch-size"), the other options as plan_report's; one record per point, an infeasible
+    one naming the resource that ran out. A budget sweep traces and calibrates once: each
+    point is a solve."""
+    if quantity not in SWEEPS:
+        raise KarmaError(f"--sweep {quantity}=...: karma sweeps {' or '.join(SWEEPS)}")
+    points = []
+    prepared = None
+    for value in values:
+        capacity = value if quantity == "gpu-mem" else gpu_mem
+        batch = value if quantity == "batch-size" else batch_size
+        if prepared is None or quantity == "batch-size":
+            prepared = _prepare(model_file, _bytes(capacity), hardware, batch, **options)
+        request = replace(prepared.request, capacity_bytes=_bytes(capacity))
+        points.append(_point(prepared, request))
+    return points
+
+
+def _bytes(size: str | int | None) -> int:
+    if size is None:
+        raise KarmaError("a batch-size sweep plans at one budget: give --gpu-mem")
+    value = size if isinstance(size, int) else parse_size(str(size), "gpu_mem")
+    if value <= 0:
+        raise KarmaError(f"the memory budget {size!r} (gpu_mem, --gpu-mem) must be more than "
+                         "zero, e.g. 16G")
+    return value
+
+
+def _point(prepared: _Prepared, request: PlanRequest) -> dict:
+    """One point of a sweep: the plan's figures, or why nothing fits."""
+    samples = request.batch_size * request.world_size * request.accumulate
+    point = {"gpu_mem_bytes": request.capacity_bytes, "batch_size": request.batch_size}
+    try:
+        report = _solve(prepared, request)
+    except InfeasiblePlan as e:
+        return {**point, "feasible": False, "resource": e.resource, "reason": str(e),
+                "iteration_s": None, "samples_per_s": None, "baselines": {}}
+    ev, p = report.chosen, report.schedule.predicted
+    return {**point, "feasible": True, "strategy": ev.plan.strategy,
+            "iteration_s": ev.step_s, "samples_per_s": samples / ev.step_s,
+            "peak_device_bytes": ev.peak_device_bytes, "host_bytes": p.host_bytes,
+            "node_host_bytes": p.node_host_bytes,
+            "baselines": {name: b.step_s if b.feasible else None
+                          for name, b in report.baselines.items()}}
 
 
 def calibration(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Hardware,

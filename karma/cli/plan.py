@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
                         "machine's by 45%% within an hour)")
     p.add_argument("--profile-blocks", action="store_true",
                    help=argparse.SUPPRESS)  # the old flag: measure, even for other hardware
+    p.add_argument("--sweep", action="append", metavar="QUANTITY=RANGE",
+                   help="plan at every point of gpu-mem=4G:24G:2G (from:to:step), or "
+                        "batch-size=1:64 (doubling; from:to:step adds step), or a list "
+                        "(gpu-mem=8G,16G): a table of every point, each baseline beside it")
     p.add_argument("-o", "--output", metavar="FILE", help="write the schedule YAML here")
     p.add_argument("--print-ir", action="store_true",
                    help="print the block graph (blocks, sizes, FLOPs, edges) and exit")
@@ -90,6 +94,8 @@ def _plan(args: argparse.Namespace) -> int:
     from karma.planner.hardware import load_hardware
     from karma.planner.plan import InfeasiblePlan
 
+    if args.sweep:
+        return _sweep(args)
     if not args.print_ir:  # check the cheap things before tracing
         if args.gpu_mem is None:
             raise KarmaError("--gpu-mem is required to plan, e.g. --gpu-mem 16G "
@@ -134,6 +140,84 @@ def _plan(args: argparse.Namespace) -> int:
     print(json.dumps(_summary_json(report), indent=2) if args.json
           else _summary_text(report, hardware.name, args.output))
     return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """--sweep: every point planned, a table (or --json: a list) of them."""
+    from karma.api import node_layout, sweep
+    from karma.planner.hardware import load_hardware
+
+    if len(args.sweep) > 1:
+        raise KarmaError(f"--sweep is given {len(args.sweep)} times; sweep one quantity at a "
+                         "time, e.g. --sweep gpu-mem=4G:24G:2G")
+    if args.output or args.print_ir:
+        raise KarmaError("--sweep plans many points and writes no schedule: leave out "
+                         f"{'-o' if args.output else '--print-ir'}, and plan the point you "
+                         "choose with --gpu-mem and --batch-size")
+    quantity, values = parse_sweep(args.sweep[0])
+    if quantity == "gpu-mem" and args.gpu_mem is not None:
+        raise KarmaError("--sweep gpu-mem=... and --gpu-mem contradict each other; give one")
+    hardware = load_hardware(args.hardware)
+    node_layout(hardware, args.world_size, args.nproc_per_node, args.host_mem, args.host_state)
+    points = sweep(args.model, quantity, values, args.gpu_mem, args.hardware, args.batch_size,
+                   world_size=args.world_size, dtype=args.dtype, strategy=args.strategy,
+                   seed=args.seed, time_limit_s=args.time_limit, gap=args.gap,
+                   blocks=args.blocks, measure=_measure(args), accumulate=args.accumulate,
+                   clip_grad_norm=args.clip_grad_norm, nproc_per_node=args.nproc_per_node,
+                   host_mem=args.host_mem, host_state=args.host_state,
+                   remeasure=args.remeasure, log=lambda note: _notes([note]))
+    print(json.dumps(points, indent=2) if args.json else _sweep_table(points, hardware.name))
+    return 0
+
+
+def parse_sweep(spec: str) -> tuple[str, list[int]]:
+    """QUANTITY=A:B[:STEP] or QUANTITY=V1,V2,...: the quantity and its values, in order."""
+    from karma.api import SWEEPS
+
+    quantity, _, text = spec.partition("=")
+    if quantity not in SWEEPS:
+        raise KarmaError(f"--sweep {spec!r}: karma sweeps {' or '.join(SWEEPS)}, as "
+                         "gpu-mem=4G:24G:2G or batch-size=1:64")
+    parse = (lambda t: parse_size(t, "--sweep gpu-mem")) if quantity == "gpu-mem" \
+        else (lambda t: positive_int(t))
+    try:
+        if ":" in text:
+            parts = [parse(t) for t in text.split(":")]
+            if len(parts) not in (2, 3) or parts[0] > parts[1] or (len(parts) == 3
+                                                                  and parts[2] <= 0):
+                raise ValueError
+            values, v = [], parts[0]
+            while v <= parts[1] and len(values) < 1000:
+                values.append(v)
+                v = v + parts[2] if len(parts) == 3 else 2 * v
+        else:
+            values = [parse(t) for t in text.split(",")]
+    except (ValueError, argparse.ArgumentTypeError, KarmaError):
+        raise KarmaError(f"--sweep {spec!r} is not a range or a list; write {quantity}="
+                         + ("4G:24G:2G (from:to:step) or 8G,16G,24G" if quantity == "gpu-mem"
+                            else "1:64 (doubling), 8:64:8 (from:to:step) or 4,8,16")) from None
+    if not values or (quantity == "gpu-mem" and ":" in text and len(text.split(":")) == 2):
+        raise KarmaError(f"--sweep {spec!r}: a budget range needs its step, e.g. "
+                         "gpu-mem=4G:24G:2G")
+    return quantity, values
+
+
+def _sweep_table(points: list[dict], hardware_name: str) -> str:
+    names = sorted({n for p in points for n in p["baselines"]})
+    head = f"{'gpu-mem':>9} {'batch':>5} {'ilp':>9} {'samples/s':>9} {'peak':>9} {'host':>9}"
+    lines = [f"sweep on {hardware_name}: iteration of the chosen plan, and of each baseline "
+             "(- does not fit)", head + "".join(f" {n:>13}" for n in names)]
+    for p in points:
+        cells = f"{format_bytes(p['gpu_mem_bytes']):>9} {p['batch_size']:>5} "
+        if not p["feasible"]:
+            lines.append(cells + f"no plan fits: {p['resource']} memory runs out")
+            continue
+        cells += (f"{format_seconds(p['iteration_s']):>9} {p['samples_per_s']:>9.2f} "
+                  f"{format_bytes(p['peak_device_bytes']):>9} {format_bytes(p['host_bytes']):>9}")
+        lines.append(cells + "".join(
+            f" {format_seconds(p['baselines'][n]) if p['baselines'].get(n) else '-':>13}"
+            for n in names))
+    return "\n".join(lines)
 
 
 def _measure(args: argparse.Namespace) -> bool | None:
