@@ -154,6 +154,50 @@ def sweep(model_file: str | Path, quantity: str, values: Sequence[int],
     return points
 
 
+BATCH_CHOICES = ("max", "best")
+MAX_BATCH = 1 << 16  # the search's ceiling
+
+
+def choose_batch(model_file: str | Path, how: str, gpu_mem: str | int,
+                 hardware: str | Hardware = "v100-16g", **options) -> tuple[int, list[dict]]:
+    """The batch `how` asks for ("max": the largest any plan fits in the budget; "best": the
+    one of most predicted samples per second, up to that), and the points searched (sweep's
+    records, in the order tried). The search doubles from 1 until no plan fits, then halves
+    the interval around the answer: logarithmic, then refined."""
+    if how not in BATCH_CHOICES:
+        raise KarmaError(f"--batch-size {how!r}: give a number, max or best")
+    tried: dict[int, dict] = {}
+
+    def point(batch: int) -> dict:
+        if batch not in tried:
+            tried[batch] = sweep(model_file, "batch-size", [batch], gpu_mem, hardware,
+                                 **options)[0]
+        return tried[batch]
+
+    if not point(1)["feasible"]:
+        raise InfeasiblePlan(f"no batch fits: {point(1)['reason']}", 0,
+                             resource=point(1)["resource"])
+    fits = 1
+    while 2 * fits <= MAX_BATCH and point(2 * fits)["feasible"]:
+        fits *= 2
+    low, high = fits, min(2 * fits, MAX_BATCH + 1)  # low fits, high does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if point(mid)["feasible"] else (low, mid)
+    if how == "max":
+        return low, list(tried.values())
+    best = max((b for b, p in tried.items() if p["feasible"]),
+               key=lambda b: tried[b]["samples_per_s"])
+    step = max(1, best // 4)  # refine around it, in halving steps
+    while step >= 1:
+        for b in (best - step, best + step):
+            if 1 <= b <= low and point(b)["feasible"] \
+                    and point(b)["samples_per_s"] > tried[best]["samples_per_s"]:
+                best = b
+        step //= 2
+    return best, list(tried.values())
+
+
 def _bytes(size: str | int | None) -> int:
     if size is None:
         raise KarmaError("a batch-size sweep plans at one budget: give --gpu-mem")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
 
 from karma.cli.plan import main, parse_sweep
 from karma.errors import KarmaError
+from karma.schedule_load import load_schedule
 from tests.conftest import EXAMPLES
 
 GPT = str(EXAMPLES / "gpt.py")
@@ -98,3 +101,51 @@ def test_a_bad_sweep_is_one_line(capsys, monkeypatch, argv, expected):
 def test_parse_sweep_errors_are_karma_errors():
     with pytest.raises(KarmaError, match="from:to:step"):
         parse_sweep("gpu-mem=oops")
+
+
+# --- --batch-size max | best ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    """karma-plan --batch-size max and best for the tiny GPT at 2 MiB: their JSON."""
+    from tests.conftest import environment
+
+    out = {}
+    with environment({"KARMA_GPT": "tiny"}):
+        for how in ("max", "best"):
+            path = tmp_path_factory.mktemp(how) / "s.yaml"
+            buffer = io.StringIO()
+            with contextlib.redirect_stdout(buffer):
+                code = main([GPT, "--hardware", "v100-16g", "--no-measure", "--gpu-mem", "2M",
+                             "--batch-size", how, "--json", "-o", str(path)])
+            assert code == 0
+            out[how] = (json.loads(buffer.getvalue()), path)
+    return out
+
+
+def test_batch_size_max_is_the_largest_that_fits(searched):
+    doc, path = searched["max"]
+    fits = {p["batch_size"] for p in doc["batch_search"] if p["feasible"]}
+    short = {p["batch_size"] for p in doc["batch_search"] if not p["feasible"]}
+    assert doc["batch_size"] == max(fits) and doc["batch_size"] + 1 in short
+    assert len(doc["batch_search"]) < max(fits)  # searched, not every batch tried
+    assert load_schedule(path).config.batch_size == doc["batch_size"]
+
+
+def test_batch_size_best_has_the_most_samples_per_second_of_those_searched(searched):
+    doc, path = searched["best"]
+    fits = [p for p in doc["batch_search"] if p["feasible"]]
+    assert doc["batch_size"] == max(fits, key=lambda p: p["samples_per_s"])["batch_size"]
+    best = next(p for p in fits if p["batch_size"] == doc["batch_size"])
+    assert doc["iteration_s"] == pytest.approx(best["iteration_s"])
+    # refined around the doubling's best: its neighbours were tried
+    tried = {p["batch_size"] for p in doc["batch_search"]}
+    assert {doc["batch_size"] - 1, doc["batch_size"] + 1} & tried
+
+
+def test_batch_size_search_needs_a_budget(capsys, monkeypatch):
+    code, out, err = sweep_cli(capsys, monkeypatch, "--batch-size", "best")
+    assert code == 2 and "give --gpu-mem" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exc:
+        main([GPT, "--gpu-mem", "1G", "--batch-size", "most"])
+    assert exc.value.code == 2

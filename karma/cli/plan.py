@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default="v100-16g", metavar="NAME|FILE",
                    help="a built-in profile (v100-16g, a100-40g, a100-80g, h100-80g, "
                         "h200-141g, cpu) or a file from karma-profile (default: v100-16g)")
-    p.add_argument("--batch-size", type=positive_int, default=None,
+    p.add_argument("--batch-size", type=_batch_size, default=None,
                    help="samples per step and rank (default: the model file's BATCH_SIZE, or 8)")
     p.add_argument("--world-size", type=positive_int, default=1, help="ranks (default 1)")
     p.add_argument("--nproc-per-node", type=positive_int, default=None, metavar="N",
@@ -87,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _batch_size(text: str) -> int | str:
+    """A batch size: a positive whole number, or max or best (searched: karma.api)."""
+    return text if text in ("max", "best") else positive_int(text)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from karma.api import node_layout, plan_report
     from karma.ir.build import build_block_graph
@@ -96,6 +101,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.sweep:
         return _sweep(args)
+    search = None
+    if args.batch_size in ("max", "best"):
+        args.batch_size, search = _search_batch(args)
     if not args.print_ir:  # check the cheap things before tracing
         if args.gpu_mem is None:
             raise KarmaError("--gpu-mem is required to plan, e.g. --gpu-mem 16G "
@@ -137,9 +145,34 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.output:
         report.schedule.save(args.output)
-    print(json.dumps(_summary_json(report), indent=2) if args.json
-          else _summary_text(report, hardware.name, args.output))
+    if args.json:
+        doc = _summary_json(report)
+        if search is not None:
+            doc["batch_search"] = search
+        print(json.dumps(doc, indent=2))
+    else:
+        if search is not None:
+            print(_sweep_table(search, hardware.name, "batches searched") + "\n")
+        print(_summary_text(report, hardware.name, args.output))
     return 0
+
+
+def _search_batch(args: argparse.Namespace) -> tuple[int, list[dict]]:
+    """--batch-size max|best: the batch, and the points searched (by batch)."""
+    from karma.api import choose_batch
+
+    if args.gpu_mem is None:
+        raise KarmaError(f"--batch-size {args.batch_size} searches the batches that fit a "
+                         "budget: give --gpu-mem")
+    batch, points = choose_batch(
+        args.model, args.batch_size, args.gpu_mem, args.hardware, world_size=args.world_size,
+        dtype=args.dtype, strategy=args.strategy, seed=args.seed,
+        time_limit_s=args.time_limit, gap=args.gap, blocks=args.blocks,
+        measure=_measure(args), accumulate=args.accumulate,
+        clip_grad_norm=args.clip_grad_norm, nproc_per_node=args.nproc_per_node,
+        host_mem=args.host_mem, host_state=args.host_state, remeasure=args.remeasure,
+        log=lambda note: _notes([note]))
+    return batch, sorted(points, key=lambda p: p["batch_size"])
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -202,10 +235,10 @@ def parse_sweep(spec: str) -> tuple[str, list[int]]:
     return quantity, values
 
 
-def _sweep_table(points: list[dict], hardware_name: str) -> str:
+def _sweep_table(points: list[dict], hardware_name: str, what: str = "sweep") -> str:
     names = sorted({n for p in points for n in p["baselines"]})
     head = f"{'gpu-mem':>9} {'batch':>5} {'ilp':>9} {'samples/s':>9} {'peak':>9} {'host':>9}"
-    lines = [f"sweep on {hardware_name}: iteration of the chosen plan, and of each baseline "
+    lines = [f"{what} on {hardware_name}: iteration of the chosen plan, and of each baseline "
              "(- does not fit)", head + "".join(f" {n:>13}" for n in names)]
     for p in points:
         cells = f"{format_bytes(p['gpu_mem_bytes']):>9} {p['batch_size']:>5} "
@@ -249,6 +282,7 @@ def _summary_json(report) -> dict:
         "block_times": "measured" if s.predicted.calibration == "measured" else "roofline",
         "process_bytes": report.problem.process_bytes,
         "scaling_efficiency": s.predicted.scaling_efficiency,
+        "batch_size": s.config.batch_size,
         "world_size": s.config.world_size,
         "nproc_per_node": s.config.nproc_per_node,
         "host_state": s.config.host_state,
