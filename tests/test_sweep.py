@@ -149,3 +149,34 @@ def test_batch_size_search_needs_a_budget(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         main([GPT, "--gpu-mem", "1G", "--batch-size", "most"])
     assert exc.value.code == 2
+
+
+# --- what-if hardware: --hardware A,B,C -------------------------------------------------------
+
+def test_the_same_model_on_several_profiles_is_one_table(capsys, monkeypatch):
+    monkeypatch.setenv("KARMA_GPT", "tiny")
+    code = main([GPT, "--no-measure", "--hardware", "v100-16g,h100-80g", "--world-size", "4",
+                 "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [r["hardware"] for r in rows] == ["v100-16g", "h100-80g"]
+    # each at its own device memory, its own node's ranks
+    assert rows[0]["gpu_mem_bytes"] < rows[1]["gpu_mem_bytes"]
+    assert all(r["feasible"] and r["world_size"] == 4 and r["nproc_per_node"] == 4
+               and 0 < r["scaling_efficiency"] for r in rows)
+    assert rows[1]["iteration_s"] < rows[0]["iteration_s"]  # the H100 is faster
+    code = main([GPT, "--no-measure", "--hardware", "v100-16g,h100-80g", "--gpu-mem", "200K"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.count("does not fit: no plan fits 200 KiB") == 2, out
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--hardware", "v100-16g,h100-80g", "-o", "s.yaml"], "writes no schedule"),
+    (["--hardware", "v100-16g,nonesuch"], "unknown hardware 'nonesuch'"),
+])
+def test_a_bad_hardware_comparison_is_one_line(capsys, monkeypatch, argv, expected):
+    monkeypatch.setenv("KARMA_GPT", "tiny")
+    code = main([GPT, "--no-measure", "--gpu-mem", "1G", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and expected in err and "Traceback" not in err, err

@@ -101,6 +101,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.sweep:
         return _sweep(args)
+    if "," in args.hardware:
+        return _compare_hardware(args)
     search = None
     if args.batch_size in ("max", "best"):
         args.batch_size, search = _search_batch(args)
@@ -155,6 +157,66 @@ def _plan(args: argparse.Namespace) -> int:
             print(_sweep_table(search, hardware.name, "batches searched") + "\n")
         print(_summary_text(report, hardware.name, args.output))
     return 0
+
+
+def _compare_hardware(args: argparse.Namespace) -> int:
+    """--hardware A,B,C: the same model planned on each profile, at its own device memory
+    unless --gpu-mem is given; one row each (--json: a list)."""
+    from karma.api import plan_report
+    from karma.planner.hardware import load_hardware
+    from karma.planner.plan import InfeasiblePlan
+
+    if args.output or args.print_ir or args.batch_size in ("max", "best"):
+        raise KarmaError("--hardware A,B,... compares plans and writes no schedule: leave out "
+                         "-o, --print-ir and --batch-size max|best, and plan on the profile "
+                         "you choose")
+    profiles = [load_hardware(name) for name in args.hardware.split(",")]
+    rows = []
+    for hw in profiles:
+        budget = args.gpu_mem or hw.device_mem_bytes
+        row = {"hardware": hw.name, "gpu_mem_bytes": parse_size(str(budget), "--gpu-mem")
+               if not isinstance(budget, int) else budget, "world_size": args.world_size}
+        try:
+            report = plan_report(
+                args.model, budget, hw, None if args.batch_size is None else args.batch_size,
+                world_size=args.world_size, dtype=args.dtype, strategy=args.strategy,
+                seed=args.seed, accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
+                nproc_per_node=args.nproc_per_node, host_mem=args.host_mem,
+                host_state=args.host_state, time_limit_s=args.time_limit, gap=args.gap,
+                blocks=args.blocks, measure=_measure(args), remeasure=args.remeasure,
+                log=lambda note: _notes([note]))
+        except (InfeasiblePlan, KarmaError) as e:
+            rows.append({**row, "feasible": False, "reason": str(e)})
+            continue
+        s, ev = report.schedule, report.chosen
+        samples = s.config.batch_size * s.config.world_size * s.config.accumulate
+        rows.append({**row, "feasible": True, "batch_size": s.config.batch_size,
+                     "strategy": ev.plan.strategy, "iteration_s": ev.step_s,
+                     "samples_per_s": samples / ev.step_s,
+                     "peak_device_bytes": ev.peak_device_bytes,
+                     "node_host_bytes": s.predicted.node_host_bytes,
+                     "nproc_per_node": s.config.nproc_per_node,
+                     "scaling_efficiency": s.predicted.scaling_efficiency})
+    print(json.dumps(rows, indent=2) if args.json else _hardware_table(rows))
+    return 0
+
+
+def _hardware_table(rows: list[dict]) -> str:
+    ranks = rows[0]["world_size"] > 1
+    lines = [f"{'hardware':<12} {'budget':>9} {'iteration':>10} {'samples/s':>10} "
+             f"{'peak':>9} {'host a node':>11} {'strategy':<13}"
+             + (f" {'ranks':>6} {'scaling':>7}" if ranks else "")]
+    for r in rows:
+        cells = f"{r['hardware']:<12} {format_bytes(r['gpu_mem_bytes']):>9} "
+        if not r["feasible"]:
+            lines.append(cells + f"does not fit: {r['reason']}")
+            continue
+        lines.append(cells + f"{format_seconds(r['iteration_s']):>10} "
+                     f"{r['samples_per_s']:>10.2f} {format_bytes(r['peak_device_bytes']):>9} "
+                     f"{format_bytes(r['node_host_bytes']):>11} {r['strategy']:<13}"
+                     + (f" {r['world_size']:>6} {100 * r['scaling_efficiency']:>6.1f}%"
+                        if ranks else ""))
+    return "\n".join(lines)
 
 
 def _search_batch(args: argparse.Namespace) -> tuple[int, list[dict]]:
