@@ -315,3 +315,43 @@ def _save_atomically(fig, path: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def plot_sweep(points: list[dict], quantity: str, hardware_name: str,
+               path: str | os.PathLike) -> None:
+    """karma-plan --sweep --plot: samples per second against the swept quantity, a line per
+    strategy (the plan karma chooses drawn bold and marked), written as a PNG atomically.
+    A strategy is drawn where it fits."""
+    Figure, _, _ = _matplotlib()
+    path = Path(path)
+    _check_directory(path)
+    gib = quantity == "gpu-mem"
+    xs = [p["gpu_mem_bytes"] / 2**30 if gib else p["batch_size"] for p in points]
+    fig = Figure(figsize=(8.0, 4.8), dpi=_DPI, layout="constrained")
+    ax = fig.subplots()
+    names = sorted({n for p in points for n in p["baselines"]})
+    for name in names:
+        line = [(x, p["samples_per_s"] * p["iteration_s"] / p["baselines"][name])
+                for x, p in zip(xs, points) if p["feasible"] and p["baselines"].get(name)]
+        if line:
+            ax.plot(*zip(*line), label=name, linewidth=1.2, alpha=0.8,
+                    color=_STRATEGY_COLORS.get(name))
+    chosen = [(x, p["samples_per_s"]) for x, p in zip(xs, points) if p["feasible"]]
+    if chosen:
+        ax.plot(*zip(*chosen), label="karma's plan (ILP)", color="black", linewidth=2.2,
+                marker="o", markersize=4)
+    short = [x for x, p in zip(xs, points) if not p["feasible"]]
+    for x in short:
+        ax.axvline(x, color="#d62728", alpha=0.15, linewidth=6)
+    ax.set_xlabel("device memory budget (GiB)" if gib else "batch size per rank")
+    ax.set_ylabel("predicted samples per second")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    ax.set_title(f"{quantity} sweep on {hardware_name}"
+                 + (" (red: no plan fits)" if short else ""), fontsize=10)
+    _save_atomically(fig, path)
+
+
+_STRATEGY_COLORS = {"keep_all": "#1f77b4", "recompute_all": "#9467bd", "swap_all": "#2ca02c",
+                    "offload_all": "#17becf", "greedy": "#ff7f0e"}

@@ -180,3 +180,15 @@ def test_a_bad_hardware_comparison_is_one_line(capsys, monkeypatch, argv, expect
     code = main([GPT, "--no-measure", "--gpu-mem", "1G", *argv])
     out, err = capsys.readouterr()
     assert code == 2 and expected in err and "Traceback" not in err, err
+
+
+def test_a_sweep_draws_its_curves(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    code, out, err = sweep_cli(capsys, monkeypatch, "--sweep", "gpu-mem=400K:1M:200K",
+                               "--plot", str(tmp_path / "sweep.png"))
+    assert code == 0, err
+    assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
+    assert f"wrote {tmp_path / 'sweep.png'}" in out
+    code, out, err = sweep_cli(capsys, monkeypatch, "--gpu-mem", "1M", "--plot",
+                               str(tmp_path / "x.png"))
+    assert code == 2 and "--plot draws a sweep: give --sweep too" in err

@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="plan at every point of gpu-mem=4G:24G:2G (from:to:step), or "
                         "batch-size=1:64 (doubling; from:to:step adds step), or a list "
                         "(gpu-mem=8G,16G): a table of every point, each baseline beside it")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="with --sweep: draw samples/s against the swept quantity, a line per "
+                        "strategy")
     p.add_argument("-o", "--output", metavar="FILE", help="write the schedule YAML here")
     p.add_argument("--print-ir", action="store_true",
                    help="print the block graph (blocks, sizes, FLOPs, edges) and exit")
@@ -101,6 +104,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.sweep:
         return _sweep(args)
+    if args.plot:
+        raise KarmaError("--plot draws a sweep: give --sweep too (karma-inspect --plot draws "
+                         "one schedule)")
     if "," in args.hardware:
         return _compare_hardware(args)
     search = None
@@ -261,7 +267,12 @@ def _sweep(args: argparse.Namespace) -> int:
                    clip_grad_norm=args.clip_grad_norm, nproc_per_node=args.nproc_per_node,
                    host_mem=args.host_mem, host_state=args.host_state,
                    remeasure=args.remeasure, log=lambda note: _notes([note]))
-    print(json.dumps(points, indent=2) if args.json else _sweep_table(points, hardware.name))
+    if args.plot:
+        from karma.plot import plot_sweep
+
+        plot_sweep(points, quantity, hardware.name, args.plot)
+    print(json.dumps(points, indent=2) if args.json else _sweep_table(points, hardware.name)
+          + (f"\nwrote {args.plot}" if args.plot else ""))
     return 0
 
 
