@@ -4,10 +4,11 @@
     export_checkpoint("ckpt/step_40", "model.safetensors", optimizer=True)
 
 The model file holds exactly the keys of build_model().state_dict() (tied weights under each
-of their names), so `model.load_state_dict(torch.load(FILE))` of the user's own model takes
-it; a Hugging Face model's keys are its own, so `save_pretrained` after that loading writes a
-directory `from_pretrained` reads. The optimizer state is read whole from the ranks' shards by
-torch.distributed.checkpoint's own loader (dcp_state.consolidated) and written beside the
+of their names), so `model.load_state_dict(torch.load(FILE, weights_only=True))` of the
+user's own model takes it; a Hugging Face model's keys are its own, so `save_pretrained`
+after that loading writes a directory `from_pretrained` reads. The optimizer state is read
+whole from the ranks' shards by torch.distributed.checkpoint's own loader
+(dcp_state.consolidated_optimizer) and written beside the
 model as FILE's stem + ".optimizer.pt": {"state": {parameter name: {entry: tensor}},
 "param_groups": each block's hyperparameters, "optimizers": their classes, "params": each
 block's parameter names}. Every file is written to a temporary name and renamed.

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from karma.runtime.distributed import Ranks, lost
 from karma.runtime.host import BuildInTier, HostPool
 from karma.runtime.nodecopy import NodeCopy
-from karma.runtime.weights import BlockWeights, SharedStorage, _place, zero_state_template
+from karma.runtime.weights import BlockWeights, SharedStorage, zero_state_template
 from karma.schedule import Schedule
 
 
@@ -116,14 +116,7 @@ class ShardedWeights(BlockWeights):
         self._make_optimizer = make_optimizer
         self.optimizer = make_optimizer(self.masters) if self.params else None
         self._state_in_pool = False
-        template = zero_state_template(make_optimizer) if self.optimizer else None
-        if template is not None:
-            self._prefill_state(template)
-        for p in self.params:
-            _place(p, device, weights == "streamed", tier, pool)
-        if weights == "streamed":
-            for p, w in zip(self.params, self.whole):
-                shared.register(p, w)
+        self._host_setup(make_optimizer, self.whole, device, tier, pool, shared)
 
     # --- the schedule's operations ---------------------------------------------------------
 

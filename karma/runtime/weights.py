@@ -90,19 +90,26 @@ class BlockWeights:
             # none (unused, frozen) is skipped by the optimizer, as in plain PyTorch
             self.has_grad = [False] * len(self.params)
             self.optimizer = make_optimizer(self.masters) if self.params else None
-            template = zero_state_template(make_optimizer) if self.optimizer else None
-            if template is not None:
-                self._prefill_state(template)
-            for p in self.params:
-                _place(p, device, weights == "streamed", tier, pool)
-            if weights == "streamed":
-                for p, m in zip(self.params, self.masters):
-                    shared.register(p, m)
+            self._host_setup(make_optimizer, self.masters, device, tier, pool, shared)
         else:
             self.masters, self.host_grads = [], []
             for p in self.params:
                 _place(p, device, False, tier, pool)
             self.optimizer = make_optimizer(self.params) if self.params else None
+
+    def _host_setup(self, make_optimizer: Callable, sources: list[torch.Tensor],
+                    device: torch.device | None, tier: BuildInTier | None, pool: HostPool,
+                    shared: SharedStorage) -> None:
+        """A host-stepped block, its masters and optimizer made: the optimizer's state born
+        in the host tier, the parameters on the device (streamed: filled from `sources`)."""
+        template = zero_state_template(make_optimizer) if self.optimizer else None
+        if template is not None:
+            self._prefill_state(template)
+        for p in self.params:
+            _place(p, device, self.weights == "streamed", tier, pool)
+        if self.weights == "streamed":
+            for p, source in zip(self.params, sources):
+                shared.register(p, source)
 
     # --- the schedule's operations ---------------------------------------------------------
 
