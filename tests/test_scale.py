@@ -15,7 +15,8 @@ import pytest
 
 from karma.cli.plan import main
 from karma.planner.hardware import load_hardware
-from karma.planner.lowering import Choice, HostUse, fragment
+from karma.planner.host_state import HostUse
+from karma.planner.lowering import Choice, fragment
 from karma.planner.plan import Plan, evaluate
 from karma.planner.problem import build_problem
 from tests.conftest import EXAMPLES, ROOT

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from karma.cli.plan import main, parse_sweep
+from karma.cli.capacity import parse_sweep
+from karma.cli.plan import main
 from karma.errors import KarmaError
 from karma.schedule_load import load_schedule
 from tests.conftest import EXAMPLES

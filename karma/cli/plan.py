@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from karma.cli import capacity
 from karma.cli.common import huge_pages_for_large_tensors, positive_int, run_cli
 from karma.errors import KarmaError
 from karma.units import format_bytes, format_seconds, parse_size
@@ -103,20 +104,20 @@ def _plan(args: argparse.Namespace) -> int:
     from karma.planner.plan import InfeasiblePlan
 
     if args.sweep:
-        return _sweep(args)
+        return capacity.sweep(args, plan_options(args))
     if args.plot:
         raise KarmaError("--plot draws a sweep: give --sweep too (karma-inspect --plot draws "
                          "one schedule)")
     if "," in args.hardware:
-        return _compare_hardware(args)
+        return capacity.compare_hardware(args, plan_options(args))
     search = None
     if args.batch_size in ("max", "best"):
-        args.batch_size, search = _search_batch(args)
+        args.batch_size, search = capacity.search_batch(args, plan_options(args))
     if not args.print_ir:  # check the cheap things before tracing
         if args.gpu_mem is None:
             raise KarmaError("--gpu-mem is required to plan, e.g. --gpu-mem 16G "
                              "(or use --print-ir to see the block graph)")
-        capacity = parse_size(args.gpu_mem, "--gpu-mem")
+        capacity_bytes = parse_size(args.gpu_mem, "--gpu-mem")
         hardware = load_hardware(args.hardware)  # the other options: karma.api checks them
         node_layout(hardware, args.world_size, args.nproc_per_node, args.host_mem,
                     args.host_state)
@@ -131,17 +132,11 @@ def _plan(args: argparse.Namespace) -> int:
         print(graph.to_json() if args.json else graph.table())
         return 0
     try:
-        report = plan_report(
-            args.model, args.gpu_mem, args.hardware, args.batch_size, world_size=args.world_size,
-            dtype=args.dtype, strategy=args.strategy, seed=args.seed,
-            accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
-            nproc_per_node=args.nproc_per_node, host_mem=args.host_mem,
-            host_state=args.host_state, time_limit_s=args.time_limit, gap=args.gap, blocks=args.blocks,
-            measure=_measure(args), remeasure=args.remeasure,
-            log=lambda note: _notes([note]))
+        report = plan_report(args.model, args.gpu_mem, args.hardware, args.batch_size,
+                             **plan_options(args))
     except InfeasiblePlan as e:
         if args.json:
-            print(json.dumps({"feasible": False, "capacity_bytes": capacity,
+            print(json.dumps({"feasible": False, "capacity_bytes": capacity_bytes,
                               "min_capacity_bytes": e.min_capacity_bytes,
                               "resource": e.resource}, indent=2))
         if e.resource != "device":
@@ -160,170 +155,20 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     else:
         if search is not None:
-            print(_sweep_table(search, hardware.name, "batches searched") + "\n")
+            print(capacity.sweep_table(search, hardware.name, "batches searched") + "\n")
         print(_summary_text(report, hardware.name, args.output))
     return 0
 
 
-def _compare_hardware(args: argparse.Namespace) -> int:
-    """--hardware A,B,C: the same model planned on each profile, at its own device memory
-    unless --gpu-mem is given; one row each (--json: a list)."""
-    from karma.api import plan_report
-    from karma.planner.hardware import load_hardware
-    from karma.planner.plan import InfeasiblePlan
-
-    if args.output or args.print_ir or args.batch_size in ("max", "best"):
-        raise KarmaError("--hardware A,B,... compares plans and writes no schedule: leave out "
-                         "-o, --print-ir and --batch-size max|best, and plan on the profile "
-                         "you choose")
-    profiles = [load_hardware(name) for name in args.hardware.split(",")]
-    rows = []
-    for hw in profiles:
-        budget = args.gpu_mem or hw.device_mem_bytes
-        row = {"hardware": hw.name, "gpu_mem_bytes": parse_size(str(budget), "--gpu-mem")
-               if not isinstance(budget, int) else budget, "world_size": args.world_size}
-        try:
-            report = plan_report(
-                args.model, budget, hw, None if args.batch_size is None else args.batch_size,
-                world_size=args.world_size, dtype=args.dtype, strategy=args.strategy,
-                seed=args.seed, accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
-                nproc_per_node=args.nproc_per_node, host_mem=args.host_mem,
-                host_state=args.host_state, time_limit_s=args.time_limit, gap=args.gap,
-                blocks=args.blocks, measure=_measure(args), remeasure=args.remeasure,
-                log=lambda note: _notes([note]))
-        except (InfeasiblePlan, KarmaError) as e:
-            rows.append({**row, "feasible": False, "reason": str(e)})
-            continue
-        s, ev = report.schedule, report.chosen
-        samples = s.config.batch_size * s.config.world_size * s.config.accumulate
-        rows.append({**row, "feasible": True, "batch_size": s.config.batch_size,
-                     "strategy": ev.plan.strategy, "iteration_s": ev.step_s,
-                     "samples_per_s": samples / ev.step_s,
-                     "peak_device_bytes": ev.peak_device_bytes,
-                     "node_host_bytes": s.predicted.node_host_bytes,
-                     "nproc_per_node": s.config.nproc_per_node,
-                     "scaling_efficiency": s.predicted.scaling_efficiency})
-    print(json.dumps(rows, indent=2) if args.json else _hardware_table(rows))
-    return 0
-
-
-def _hardware_table(rows: list[dict]) -> str:
-    ranks = rows[0]["world_size"] > 1
-    lines = [f"{'hardware':<12} {'budget':>9} {'iteration':>10} {'samples/s':>10} "
-             f"{'peak':>9} {'host a node':>11} {'strategy':<13}"
-             + (f" {'ranks':>6} {'scaling':>7}" if ranks else "")]
-    for r in rows:
-        cells = f"{r['hardware']:<12} {format_bytes(r['gpu_mem_bytes']):>9} "
-        if not r["feasible"]:
-            lines.append(cells + f"does not fit: {r['reason']}")
-            continue
-        lines.append(cells + f"{format_seconds(r['iteration_s']):>10} "
-                     f"{r['samples_per_s']:>10.2f} {format_bytes(r['peak_device_bytes']):>9} "
-                     f"{format_bytes(r['node_host_bytes']):>11} {r['strategy']:<13}"
-                     + (f" {r['world_size']:>6} {100 * r['scaling_efficiency']:>6.1f}%"
-                        if ranks else ""))
-    return "\n".join(lines)
-
-
-def _search_batch(args: argparse.Namespace) -> tuple[int, list[dict]]:
-    """--batch-size max|best: the batch, and the points searched (by batch)."""
-    from karma.api import choose_batch
-
-    if args.gpu_mem is None:
-        raise KarmaError(f"--batch-size {args.batch_size} searches the batches that fit a "
-                         "budget: give --gpu-mem")
-    batch, points = choose_batch(
-        args.model, args.batch_size, args.gpu_mem, args.hardware, world_size=args.world_size,
-        dtype=args.dtype, strategy=args.strategy, seed=args.seed,
-        time_limit_s=args.time_limit, gap=args.gap, blocks=args.blocks,
-        measure=_measure(args), accumulate=args.accumulate,
-        clip_grad_norm=args.clip_grad_norm, nproc_per_node=args.nproc_per_node,
-        host_mem=args.host_mem, host_state=args.host_state, remeasure=args.remeasure,
-        log=lambda note: _notes([note]))
-    return batch, sorted(points, key=lambda p: p["batch_size"])
-
-
-def _sweep(args: argparse.Namespace) -> int:
-    """--sweep: every point planned, a table (or --json: a list) of them."""
-    from karma.api import node_layout, sweep
-    from karma.planner.hardware import load_hardware
-
-    if len(args.sweep) > 1:
-        raise KarmaError(f"--sweep is given {len(args.sweep)} times; sweep one quantity at a "
-                         "time, e.g. --sweep gpu-mem=4G:24G:2G")
-    if args.output or args.print_ir:
-        raise KarmaError("--sweep plans many points and writes no schedule: leave out "
-                         f"{'-o' if args.output else '--print-ir'}, and plan the point you "
-                         "choose with --gpu-mem and --batch-size")
-    quantity, values = parse_sweep(args.sweep[0])
-    if quantity == "gpu-mem" and args.gpu_mem is not None:
-        raise KarmaError("--sweep gpu-mem=... and --gpu-mem contradict each other; give one")
-    hardware = load_hardware(args.hardware)
-    node_layout(hardware, args.world_size, args.nproc_per_node, args.host_mem, args.host_state)
-    points = sweep(args.model, quantity, values, args.gpu_mem, args.hardware, args.batch_size,
-                   world_size=args.world_size, dtype=args.dtype, strategy=args.strategy,
-                   seed=args.seed, time_limit_s=args.time_limit, gap=args.gap,
-                   blocks=args.blocks, measure=_measure(args), accumulate=args.accumulate,
-                   clip_grad_norm=args.clip_grad_norm, nproc_per_node=args.nproc_per_node,
-                   host_mem=args.host_mem, host_state=args.host_state,
-                   remeasure=args.remeasure, log=lambda note: _notes([note]))
-    if args.plot:
-        from karma.plot import plot_sweep
-
-        plot_sweep(points, quantity, hardware.name, args.plot)
-    print(json.dumps(points, indent=2) if args.json else _sweep_table(points, hardware.name)
-          + (f"\nwrote {args.plot}" if args.plot else ""))
-    return 0
-
-
-def parse_sweep(spec: str) -> tuple[str, list[int]]:
-    """QUANTITY=A:B[:STEP] or QUANTITY=V1,V2,...: the quantity and its values, in order."""
-    from karma.api import SWEEPS
-
-    quantity, _, text = spec.partition("=")
-    if quantity not in SWEEPS:
-        raise KarmaError(f"--sweep {spec!r}: karma sweeps {' or '.join(SWEEPS)}, as "
-                         "gpu-mem=4G:24G:2G or batch-size=1:64")
-    parse = (lambda t: parse_size(t, "--sweep gpu-mem")) if quantity == "gpu-mem" \
-        else (lambda t: positive_int(t))
-    try:
-        if ":" in text:
-            parts = [parse(t) for t in text.split(":")]
-            if len(parts) not in (2, 3) or parts[0] > parts[1] or (len(parts) == 3
-                                                                  and parts[2] <= 0):
-                raise ValueError
-            values, v = [], parts[0]
-            while v <= parts[1] and len(values) < 1000:
-                values.append(v)
-                v = v + parts[2] if len(parts) == 3 else 2 * v
-        else:
-            values = [parse(t) for t in text.split(",")]
-    except (ValueError, argparse.ArgumentTypeError, KarmaError):
-        raise KarmaError(f"--sweep {spec!r} is not a range or a list; write {quantity}="
-                         + ("4G:24G:2G (from:to:step) or 8G,16G,24G" if quantity == "gpu-mem"
-                            else "1:64 (doubling), 8:64:8 (from:to:step) or 4,8,16")) from None
-    if not values or (quantity == "gpu-mem" and ":" in text and len(text.split(":")) == 2):
-        raise KarmaError(f"--sweep {spec!r}: a budget range needs its step, e.g. "
-                         "gpu-mem=4G:24G:2G")
-    return quantity, values
-
-
-def _sweep_table(points: list[dict], hardware_name: str, what: str = "sweep") -> str:
-    names = sorted({n for p in points for n in p["baselines"]})
-    head = f"{'gpu-mem':>9} {'batch':>5} {'ilp':>9} {'samples/s':>9} {'peak':>9} {'host':>9}"
-    lines = [f"{what} on {hardware_name}: iteration of the chosen plan, and of each baseline "
-             "(- does not fit)", head + "".join(f" {n:>13}" for n in names)]
-    for p in points:
-        cells = f"{format_bytes(p['gpu_mem_bytes']):>9} {p['batch_size']:>5} "
-        if not p["feasible"]:
-            lines.append(cells + f"no plan fits: {p['resource']} memory runs out")
-            continue
-        cells += (f"{format_seconds(p['iteration_s']):>9} {p['samples_per_s']:>9.2f} "
-                  f"{format_bytes(p['peak_device_bytes']):>9} {format_bytes(p['host_bytes']):>9}")
-        lines.append(cells + "".join(
-            f" {format_seconds(p['baselines'][n]) if p['baselines'].get(n) else '-':>13}"
-            for n in names))
-    return "\n".join(lines)
+def plan_options(args: argparse.Namespace) -> dict:
+    """karma-plan's flags as the keyword arguments of karma.api's planning functions."""
+    return {"world_size": args.world_size, "dtype": args.dtype, "strategy": args.strategy,
+            "seed": args.seed, "accumulate": args.accumulate,
+            "clip_grad_norm": args.clip_grad_norm, "nproc_per_node": args.nproc_per_node,
+            "host_mem": args.host_mem, "host_state": args.host_state,
+            "time_limit_s": args.time_limit, "gap": args.gap, "blocks": args.blocks,
+            "measure": _measure(args), "remeasure": args.remeasure,
+            "log": lambda note: _notes([note])}
 
 
 def _measure(args: argparse.Namespace) -> bool | None:

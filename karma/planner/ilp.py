@@ -29,10 +29,10 @@ from typing import NamedTuple
 
 import pulp
 
+from karma.planner.host_state import HostUse
 from karma.planner.lowering import (
     PLAIN,
     Choice,
-    HostUse,
     Stages,
     Training,
     buffer_spans,
@@ -342,7 +342,7 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
         lp += m[k] + host_temp[k] <= cap, f"capacity_{k}"
 
     # [Constraint] host memory and pinned host memory, of the node: its ranks' own, plus
-    # what they share once ([Note: host state per rank and per node] in lowering.py)
+    # what they share once ([Note: host state per rank and per node] in host_state.py)
     k = problem.nproc_per_node
     lp += chosen(lambda f: (k * f.host_bytes + f.node_host_bytes) / GIB) \
         <= limits.host_bytes / GIB, "host_memory"

@@ -30,7 +30,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from karma.planner.problem import BlockCost, Problem
+from karma.planner.host_state import add_host_state, shard_bytes
+from karma.planner.problem import Problem
 from karma.schedule import (
     PROCESS_BUFFER,
     STREAMS,
@@ -305,7 +306,7 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
         # sharded, a rank copies only its shard of the averaged gradients (all of them when
         # they add up on the host over micro-batches, before the exchange)
         to_host_bytes = b.param_bytes if reduce_on_host or not sharded \
-            else _shard(b.param_bytes, problem.world_size)
+            else shard_bytes(b.param_bytes, problem.world_size)
         to_host = f.op(("grads_to_host", i), "grads_to_host", i,
                        st.allreduce(i) if reduce_on_host else st.to_host(i), "d2h",
                        problem.d2h_s(to_host_bytes), to_host_bytes, uses=(grad,))
@@ -332,54 +333,8 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
         if c.weights == "resident":
             f.op(("upload", i), "upload", i, st.update, "h2d", problem.h2d_s(b.param_bytes),
                  b.param_bytes, uses=(f"w.{i}",), after=(updated,))
-        _host_state(f, problem, b, sharded, reduce_on_host)
+        add_host_state(f, problem, b, sharded, reduce_on_host)
     return f
-
-
-@dataclass(frozen=True)
-class HostUse:
-    """Host memory a plan needs, per rank and per node ([Note: host state per rank and per
-    node]): a rank's figures include its share of what the node's ranks share."""
-
-    host_bytes: int
-    pinned_bytes: int
-    node_host_bytes: int
-    node_pinned_bytes: int
-
-    @classmethod
-    def of(cls, problem: Problem, frags: list[Fragment]) -> HostUse:
-        k = problem.nproc_per_node
-        own = sum(f.host_bytes for f in frags), sum(f.pinned_bytes for f in frags)
-        shared = sum(f.node_host_bytes for f in frags), sum(f.node_pinned_bytes for f in frags)
-        return cls(own[0] + _shard(shared[0], k), own[1] + _shard(shared[1], k),
-                   k * own[0] + shared[0], k * own[1] + shared[1])
-
-
-def _shard(nbytes: int, world_size: int) -> int:
-    """One rank's share of `nbytes` cut in `world_size` parts."""
-    return -(-nbytes // world_size)
-
-
-def _host_state(f: Fragment, problem: Problem, b: BlockCost, sharded: bool,
-                reduce_on_host: bool) -> None:
-    """[Note: host state per rank and per node] A host-stepped block keeps fp32 master
-    weights, gradients and optimizer state on the host, and the weights its device copies
-    are filled from (pinned: the uploads and fetches copy them). Replicated, every rank keeps
-    all of it, the masters being the weights it copies from. Sharded, a rank keeps its 1/N
-    of gradients (pinned: the gradients' copies land there) and optimizer state, plus all of
-    the gradients where they add up over micro-batches before the exchange (the shard is
-    then part of them); the whole weights are gathered into one copy per node, which its
-    ranks share, and a rank's masters are its rows of it (runtime/shard.py)."""
-    if not sharded:
-        f.host_bytes += b.optim_bytes + 2 * b.param_bytes
-        f.pinned_bytes += b.param_bytes
-        return
-    n = problem.world_size
-    grads = b.param_bytes if reduce_on_host else _shard(b.param_bytes, n)
-    f.host_bytes += _shard(b.optim_bytes, n) + grads
-    f.pinned_bytes += grads
-    f.node_host_bytes += b.param_bytes
-    f.node_pinned_bytes += b.param_bytes
 
 
 def _stream_weights(f: Fragment, problem: Problem, st: Stages, owner: int, user: int,

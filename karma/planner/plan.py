@@ -10,10 +10,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from karma.errors import KarmaError
+from karma.planner.host_state import HostUse
 from karma.planner.lowering import (
     PLAIN,
     Choice,
-    HostUse,
     Training,
     assemble,
     fragment,

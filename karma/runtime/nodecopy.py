@@ -4,7 +4,7 @@
 masters, gradients and optimizer state, but every rank's device copies are filled from the
 whole weights (shard.py). The ranks of one node would hold that copy once each, 4 bytes a
 parameter times the ranks of the node; instead they map one file together (the planner
-counts it once a node: lowering.py, [Note: host state per rank and per node]). The node's
+counts it once a node: planner/host_state.py, [Note: host state per rank and per node]). The node's
 first rank (LOCAL_RANK 0; torchrun sets LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, the
 node's number) creates it in the host tier's directory, under a name every rank agrees on,
 and takes its blocks (posix_fallocate, as the tier does: host.py, [Note: the tier's disk is
