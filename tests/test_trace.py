@@ -137,6 +137,31 @@ def test_run_traces_the_second_step_by_default(traced):
     assert len(report["wait_s"]) == 3
 
 
+def test_run_traces_consecutive_steps_each_into_a_file_of_its_own(traced, tmp_path, capsys):
+    """--trace-steps K: steps N..N+K-1, each into FILE with its step in the name, each a
+    trace karma-inspect compares with the plan."""
+    _, schedule_path, _ = traced
+    saved = dict(os.environ)
+    try:
+        code = run_main([str(schedule_path), "--steps", "4", "--trace", str(tmp_path / "t.json"),
+                         "--trace-step", "2", "--trace-steps", "3", "--report",
+                         str(tmp_path / "R.json")])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert code == 0
+    assert sorted(p.name for p in tmp_path.glob("t*.json")) == \
+        ["t.step2.json", "t.step3.json", "t.step4.json"]
+    assert [load_trace(tmp_path / f"t.step{s}.json").step for s in (2, 3, 4)] == [2, 3, 4]
+    assert json.loads((tmp_path / "R.json").read_text())["traced_step"] == 4
+    capsys.readouterr()
+    for s in (2, 3, 4):
+        assert inspect_main([str(schedule_path), "--trace", str(tmp_path / f"t.step{s}.json"),
+                             "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)["trace"]
+        assert info["step"] == s and info["ops_traced"] == info["ops"]
+
+
 def test_inspect_compares_plots_and_exports_a_trace(traced, capsys):
     d, schedule_path, trace_path = traced
     schedule = load_schedule(schedule_path)
@@ -247,6 +272,8 @@ def test_inspect_refuses_what_is_not_a_trace(traced, tmp_path, capsys):
     (["--trace", "{tmp}"], "is a directory"),
     (["--trace", "{tmp}/t.json", "--trace-step", "5"], "is after the last step"),
     (["--trace-step", "1"], "--trace-step needs --trace"),
+    (["--trace-steps", "2"], "--trace-steps needs --trace"),
+    (["--trace", "{tmp}/t.json", "--trace-steps", "2"], "goes past the last step"),
 ])
 def test_run_refuses_a_bad_trace_before_training(argv, fragment, traced, tmp_path, capsys):
     _, schedule_path, _ = traced

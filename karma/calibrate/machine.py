@@ -43,8 +43,9 @@ _RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_
 # 4: with its CPU cache (runtime/cpu_cache.py); 5: contention conserving work in the
 # measurement (since removed); 6: the tier measured where the runtime keeps it
 # (fileio.tier_directory); 7: the fractions recorded as measured (the simulator bounds their
-# sum: simulate.Contention.speed)
-MACHINE_VERSION = 7
+# sum: simulate.Contention.speed); 8: copies timed on a worker thread, contention beside a
+# training layer's forward and backward, over more bytes than a cache holds
+MACHINE_VERSION = 8
 
 
 def local_device(hardware: str | Hardware) -> str | None:

@@ -59,12 +59,14 @@ class _Sizes(NamedTuple):
     optim_numel: int  # fp32 parameters stepped by AdamW
     repeats: int  # timed runs per measurement; the median is kept
     contention_bytes: int = 0  # copied each way, and stepped by AdamW, beside compute (cpu)
-    contention_matmuls: int = 0  # 1024 x 1024 fp32 matmuls that make one run of compute (cpu)
+    contention_layers: int = 0  # forwards and backwards of _training_layer: one run of compute
 
 
 _PLANS = {
-    ("cpu", False): _Sizes(0.1, 2048, 256 * _MiB, 256 * _MiB, 32 * _MiB, 5, 32 * _MiB, 3),
-    ("cpu", True): _Sizes(0.05, 1024, 64 * _MiB, 64 * _MiB, 4 * _MiB, 5, 8 * _MiB, 1),
+    # contention: copies and steps larger than a cache (a training step's are), compute
+    # about 0.1 s a layer on 2 cores
+    ("cpu", False): _Sizes(0.1, 2048, 256 * _MiB, 256 * _MiB, 32 * _MiB, 5, 64 * _MiB, 2),
+    ("cpu", True): _Sizes(0.05, 1024, 64 * _MiB, 64 * _MiB, 4 * _MiB, 5, 64 * _MiB, 1),
     # On CUDA the largest sizes keep an H200 busy for a millisecond or more per repeat.
     ("cuda", False): _Sizes(0.005, 8192, _GiB, 256 * _MiB, 32 * _MiB, 10),
     ("cuda", True): _Sizes(0.005, 4096, 256 * _MiB, 64 * _MiB, 4 * _MiB, 5),
@@ -105,8 +107,8 @@ def measure_local(
     optim = _round3(_host_optim_bytes_per_s(plan.optim_numel, plan.repeats))
     slowdowns = {}
     if dev.type == "cpu":
-        say("contention: a matmul beside copies and beside AdamW")
-        slowdowns = _contention(plan.contention_bytes, plan.contention_matmuls, plan.repeats)
+        say("contention: a training layer beside copies and beside AdamW")
+        slowdowns = _contention(plan.contention_bytes, plan.contention_layers, plan.repeats)
     net_bytes_per_s, net_latency_s = _NET_DEFAULTS[dev.type]
     return Hardware(
         name=name,
@@ -217,13 +219,26 @@ def _file_tier_bytes_per_s(nbytes: int, repeats: int) -> tuple[float, float, int
 
 
 def _file_copy_bytes_per_s(path: str, nbytes: int, repeats: int) -> tuple[float, float]:
+    """(file -> RAM, RAM -> file) bytes per second of fp32 copies on a worker thread, as the
+    runtime's h2d and d2h streams copy ([Note: copies as the streams run them])."""
     # The mapping is released when this returns, before the caller removes the file.
-    tier = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    ram = torch.ones(nbytes, dtype=torch.uint8)
+    tier = torch.from_file(path, shared=True, size=nbytes // 4, dtype=torch.float32)
+    ram = torch.ones(nbytes // 4, dtype=torch.float32)
     cpu = torch.device("cpu")
-    to_ram = nbytes / _median_seconds(lambda: ram.copy_(tier), cpu, repeats)
-    to_file = nbytes / _median_seconds(lambda: tier.copy_(ram), cpu, repeats)
+    to_ram = nbytes / _on_worker(lambda: _median_seconds(lambda: ram.copy_(tier), cpu, repeats))
+    to_file = nbytes / _on_worker(lambda: _median_seconds(lambda: tier.copy_(ram), cpu, repeats))
     return to_ram, to_file
+
+
+def _on_worker(fn: Callable[[], float]) -> float:
+    """`fn()` run on a thread of its own, as a stream's worker runs its ops."""
+    out: list[float] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), name="karma-profile-copy")
+    thread.start()
+    thread.join()
+    if not out:
+        raise KarmaError("timing a copy on a worker thread failed")
+    return out[0]
 
 
 def _host_optim_bytes_per_s(numel: int, repeats: int) -> float:
@@ -240,30 +255,28 @@ def _host_optim_bytes_per_s(numel: int, repeats: int) -> float:
     return 4 * (numel // 8) * 8 / seconds
 
 
-def _contention(nbytes: int, matmuls: int, repeats: int) -> dict[str, float]:
+def _contention(nbytes: int, layers: int, repeats: int) -> dict[str, float]:
     """[Note: measuring contention] The Hardware fields of [Note: contention between
     streams], measured as the runtime's CPU backend runs its streams: compute on the calling
     thread, a copy or a host step on a worker thread, each with the process's thread setting.
 
-    Compute is `matmuls` 1024 x 1024 fp32 matmuls (each about 0.04 s on 2 cores); the copy
-    moves `nbytes` from a file-tier mapping (`torch.from_file(shared=True)`) to RAM and back,
-    as a swap does; the host step is AdamW(foreach) on `nbytes` of fp32 parameters. Each is
+    Compute is `layers` forwards and backwards of a transformer-like layer (two linears
+    around a GELU, a layer norm, a softmax over attention-like scores: `_training_layer`),
+    not bare matmuls: a training step's elementwise kernels and reductions read memory as a
+    copy does, and a matmul mostly does not. On the 2-core test machine a copy beside 1024 x
+    1024 matmuls lost 0.146 of its speed, beside the layer 0.534; the runtime's swaps of an
+    8-layer GPT ran beside its compute at 5 GB/s against 17-22 GB/s alone. The copy moves
+    `nbytes` from a file-tier mapping (`torch.from_file(shared=True)`) to RAM and back, as a
+    swap does; the host step is AdamW(foreach) on `nbytes` of fp32 parameters. Each is
     timed alone, then beside the other running in a loop on a second thread; a slowdown is
     1 - alone / beside, kept between 0 and 0.95. A side that runs faster beside compute (on a
     small VM OpenMP's idle threads sleep less when compute keeps the cores busy) counts as 0.
-    A pair is recorded as measured, even where its two speeds add up to more than 1 (the
-    micro-benchmark measured 0.603 + 0.503 for compute and host steps): the simulator bounds
-    the sum of all busy streams' speeds (simulate.py, [Note: every stream on shared cores
-    conserves work]).
+    A pair is recorded as measured, even where its two speeds add up to more than 1: the
+    simulator bounds the sum of all busy streams' speeds (simulate.py, [Note: every stream
+    on shared cores conserves work]).
     """
     cpu = torch.device("cpu")
-    n = 1024
-    a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
-
-    def compute() -> None:
-        for _ in range(matmuls):
-            torch.mm(a, b, out=out)
-
+    compute = _training_layer(layers)
     with tempfile.TemporaryDirectory(prefix="karma-profile-",
                                      dir=tier_directory(2 * nbytes)) as directory:
         compute_copy, copy_compute = _slowdowns(
@@ -275,6 +288,25 @@ def _contention(nbytes: int, matmuls: int, repeats: int) -> dict[str, float]:
     compute_host, host_compute = _slowdowns(compute, optimizer.step, cpu, repeats)
     return {"compute_slowdown_copy": compute_copy, "copy_slowdown_compute": copy_compute,
             "compute_slowdown_host": compute_host, "host_slowdown_compute": host_compute}
+
+
+def _training_layer(repeats: int, width: int = 512, tokens: int = 2048) -> Callable[[], None]:
+    """`repeats` forwards and backwards of a transformer-like layer: what a training step's
+    compute does to the cores and to memory ([Note: measuring contention])."""
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                torch.nn.Linear(4 * width, width), torch.nn.LayerNorm(width))
+    x = torch.randn(tokens, width)
+    heads = 8
+
+    def compute() -> None:
+        for _ in range(repeats):
+            y = layer(x).view(heads, tokens // heads, width)
+            scores = torch.softmax(y @ y.transpose(1, 2), dim=-1)
+            (scores.sum() + y.sum()).backward()
+        layer.zero_grad(set_to_none=True)
+
+    return compute
 
 
 def _file_copy(path: str, nbytes: int) -> Callable[[], None]:

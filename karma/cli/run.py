@@ -3,6 +3,7 @@
     karma-run schedule.yaml --steps 100 --checkpoint-dir ckpt --report report.json
     karma-run schedule.yaml --steps 100 --checkpoint-dir ckpt --resume
     karma-run schedule.yaml --steps 3 --trace trace.json    # step 2's ops on each stream
+    karma-run schedule.yaml --steps 10 --trace t.json --trace-steps 8   # t.step2.json .. step9
     torchrun --nproc-per-node 2 --no-python karma-run schedule.yaml   # planned --world-size 2
     torchrun --nproc-per-node 2 --no-python karma-run s.yaml --dist-backend gloo  # 1 GPU, 2 ranks
     python -m karma.run schedule.yaml                                  # the same as karma-run
@@ -48,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-step", type=positive_int, default=None, metavar="N",
                    help="the step --trace records (default: the second step this run "
                         "trains, or the only one)")
+    p.add_argument("--trace-steps", type=positive_int, default=1, metavar="K",
+                   help="trace K steps from --trace-step on, each into FILE with its step in "
+                        "the name (trace.json: trace.step2.json, ...); a traced step waits "
+                        "at its end for the updates it leaves running, so its time is not "
+                        "an untraced step's")
     p.add_argument("--cap-device-memory", nargs="?", const=True, default=False,
                    metavar="SIZE",
                    help="on CUDA: emulate a GPU of SIZE (default: the schedule's budget): "
@@ -88,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every, resume=args.resume,
             timeout_s=args.timeout, cap_device_memory=cap, dist_backend=args.dist_backend,
             eval_every=args.eval_every, trace_path=args.trace, trace_step=args.trace_step,
+            trace_steps=args.trace_steps,
             log=lambda line: print(line, flush=True)))
     except (MemoryError, RuntimeError) as e:
         reported = user_error(e)
@@ -118,6 +125,13 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.trace_step is not None and args.trace_step > args.steps:
         raise KarmaError(f"--trace-step {args.trace_step} is after the last step "
                          f"(--steps {args.steps}); choose a step from 1 to {args.steps}")
+    if args.trace_steps > 1 and args.trace is None:
+        raise KarmaError("--trace-steps needs --trace FILE (where the timelines go)")
+    first = args.trace_step or min(2, args.steps)
+    if first + args.trace_steps - 1 > args.steps:
+        raise KarmaError(f"--trace-steps {args.trace_steps} from step {first} goes past the "
+                         f"last step (--steps {args.steps}); train "
+                         f"--steps {first + args.trace_steps - 1} or trace fewer")
     for path in filter(None, (args.checkpoint_dir, args.report and args.report.parent)):
         _check_writable(Path(path))
     if args.trace is not None:

@@ -45,6 +45,7 @@ class RunOptions:
     eval_every: int = 0  # evaluate on the model file's eval_batches every N steps (0: never)
     trace_path: Path | None = None  # write the timeline of one step here (timeline.py)
     trace_step: int | None = None  # the step traced; None: the second this run trains
+    trace_steps: int = 1  # how many steps traced from trace_step on (trace_file: their files)
     log: Callable[[str], None] = field(default=print)  # rank 0's progress lines
 
 
@@ -84,7 +85,7 @@ class RunReport:
     # per step: seconds the compute thread waited, per stream blamed (the traced step's
     # intervals are in the trace file)
     wait_s: list[dict[str, float]] = field(default_factory=list)
-    traced_step: int | None = None  # the step written to RunOptions.trace_path
+    traced_step: int | None = None  # the last step written to RunOptions.trace_path
     # each rank's host memory at its peak (its tier's, and its share of the node's copy of
     # the weights), in rank order, beside the schedule's per-rank prediction
     rank_host_bytes: list[int] = field(default_factory=list)
@@ -114,7 +115,8 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
     data = rt.model_file.checked_batches(schedule.config.batch_size, ranks.rank,
                                           ranks.world_size)
     start_step = _resume(rt, options, data) if options.resume else 0
-    trace_step = traced_step(options, start_step)
+    first = traced_step(options, start_step)
+    traced = range(first, first + options.trace_steps) if first is not None else range(0)
     report = RunReport(
         steps=[], losses=[], step_s=[], lrs=[], grad_norms=[], peak_device_bytes=0,
         predicted_step_s=schedule.predicted.iteration_s,
@@ -128,18 +130,19 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
         predicted_allreduce_s=dict(schedule.predicted.busy_s).get("net", 0.0),
         predicted_host_bytes=schedule.predicted.host_bytes)
     for step in range(start_step + 1, options.steps + 1):
-        if step == trace_step:
+        if step in traced:
             rt.trace_next_step()
         for _ in range(rt.accumulate):  # one micro-batch each
             inputs, targets = next(data)
             rt.step(inputs, targets)
         log(_record(report, step, options.steps, rt))
         if rt.last.trace is not None and options.trace_path is not None:
+            path = trace_file(options.trace_path, step, options.trace_steps)
             if ranks.main:  # the ranks run the same schedule: one writes its timeline
-                write_trace(options.trace_path, rt.last.trace)
+                write_trace(path, rt.last.trace)
             report = dataclasses.replace(report, traced_step=step)
             waits = ", ".join(f"{s} {format_seconds(t)}" for s, t in report.wait_s[-1].items())
-            log(f"trace of step {step} written to {options.trace_path} (compute waited for: "
+            log(f"trace of step {step} written to {path} (compute waited for: "
                 f"{waits or 'nothing'})")
         if options.eval_every and step % options.eval_every == 0:
             report.evals.append(_evaluate(rt, evals, step))
@@ -230,6 +233,13 @@ def traced_step(options: RunOptions, start_step: int) -> int | None:
         raise KarmaError(f"--trace-step {options.trace_step} is not a step this run trains "
                          f"(steps {start_step + 1} to {options.steps}); choose one of those")
     return options.trace_step
+
+
+def trace_file(path: Path, step: int, steps: int = 1) -> Path:
+    """Where the trace of `step` goes: `path` itself when one step is traced, else the step
+    in its name (trace.json: trace.step2.json, trace.step3.json, ...)."""
+    path = Path(path)
+    return path if steps == 1 else path.with_name(f"{path.stem}.step{step}{path.suffix}")
 
 
 def _digest(engine: Engine) -> str:
