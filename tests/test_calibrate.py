@@ -141,6 +141,10 @@ def test_blocks_are_timed_in_a_keep_all_step_where_one_fits(own_cache):
     assert len(data["fwd_bwd_s"]) == n and all(f > 0 and b > 0 for f, b in data["fwd_bwd_s"])
     assert [(b.fwd_s, b.bwd_s) for b in report.problem.blocks] == \
         [tuple(t) for t in data["fwd_bwd_s"]]
+    # the loss too: the trace's, not the roofline's three passes over what it saves
+    assert data["loss_s"] > 0 and report.problem.loss_s == data["loss_s"]
+    loss_op = next(op for op in report.schedule.ops if op.kind == "loss")
+    assert loss_op.dur_s == pytest.approx(data["loss_s"], rel=1e-5)
 
 
 def test_a_keep_all_step_too_big_for_memory_times_the_blocks_alone(own_cache, monkeypatch):
@@ -150,6 +154,10 @@ def test_a_keep_all_step_too_big_for_memory_times_the_blocks_alone(own_cache, mo
         report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
     assert "block by block" in report.block_times
     assert any("timing its blocks one by one instead" in n for n in notes)
+    # timed alone, the loss keeps the roofline's estimate
+    problem = report.problem
+    mem_bytes_per_s = float(dict(report.schedule.hardware)["mem_bytes_per_s"])
+    assert problem.loss_s == pytest.approx(3 * problem.loss_act_bytes / mem_bytes_per_s)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@
     cal.measured_s      # (fwd s, bwd s) per block, or None for the roofline estimate
     cal.measured_step_s # (device s, host s) of each block's optimizer step, or None
     cal.process_bytes   # what the process holds outside its tensors while training (CPU), or 0
+    cal.measured_loss_s # the loss's forward and backward, where timed in context, or None
     cal.summary         # one line for karma-plan: where the block times came from
 
 One way through: `calibrate` is the entry, and what it needs from planning (the roofline
@@ -83,6 +84,8 @@ class Calibration:
     # what the process held outside its tensors while it trained (CPU backend, measured in
     # a keep_all step: [Note: the process's own memory], in_context.py); 0 when not measured
     process_bytes: int = 0
+    # the loss's forward and backward, timed in a keep_all step; None: the roofline estimate
+    measured_loss_s: float | None = None
 
 
 def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Hardware,
@@ -124,7 +127,7 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
     how = (f"measured now in {time.perf_counter() - start:.0f} s" if fresh
            else "measured on this machine")
     return Calibration(hw, timed.fwd_bwd_s, f"{how}, {timed.where} (cached in {path})",
-                       timed.step_s, timed.process_bytes)
+                       timed.step_s, timed.process_bytes, timed.loss_s)
 
 
 def _block_times(mf: ModelFile, graph: BlockGraph, planning: FromPlanning, device: str,

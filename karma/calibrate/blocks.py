@@ -44,6 +44,7 @@ class Timed:
     step_s: tuple[tuple[float, float], ...]  # (device s, host s) of each block's optimizer step
     process_bytes: int  # Calibration.process_bytes
     where: str  # "in a keep_all step" or "block by block"
+    loss_s: float | None = None  # the loss's forward and backward (in context), else None
 
 
 def blocks_key(mf: ModelFile, graph: BlockGraph, device: str, blocks_regex: str | None,
@@ -69,12 +70,14 @@ def read_times(path: Path, n_blocks: int) -> Timed | None:
         steps = tuple((float(d), float(h)) for d, h in data["step_s"])
         process_bytes = data["process_bytes"]
         where = str(data["where"])
+        loss_s = None if data.get("loss_s") is None else float(data["loss_s"])
     except (KeyError, TypeError, ValueError):
         return None
     ok = (len(times) == len(steps) == n_blocks
           and all(math.isfinite(t) and t >= 0 for p in (*times, *steps) for t in p)
-          and isinstance(process_bytes, int) and process_bytes >= 0)
-    return Timed(times, steps, process_bytes, where) if ok else None
+          and isinstance(process_bytes, int) and process_bytes >= 0
+          and (loss_s is None or (math.isfinite(loss_s) and loss_s >= 0)))
+    return Timed(times, steps, process_bytes, where, loss_s) if ok else None
 
 
 def timed_alone(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float], device: str,

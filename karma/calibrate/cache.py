@@ -15,8 +15,8 @@ from pathlib import Path
 from karma.errors import KarmaError
 from karma.fileio import cache_dir, write_text_atomic
 
-CACHE_VERSION = 5  # bump when what a cache file holds changes meaning (3: in context; 4: scaled
-# to the median step; 5: with the process's bytes outside its tensors)
+CACHE_VERSION = 6  # bump when what a cache file holds changes meaning (3: in context; 4: scaled
+# to the median step; 5: with the process's bytes outside its tensors; 6: with the loss's time)
 
 
 def cache_path(kind: str, key: dict) -> Path:

@@ -45,6 +45,7 @@ class PlanRequest:
     # what the process holds outside its tensors while training, measured (CPU backend:
     # Problem.process_bytes)
     process_bytes: int = 0
+    measured_loss_s: float | None = None  # the loss's seconds, measured (else the roofline's)
     accumulate: int = 1  # micro-batches per optimizer step
     clip_grad_norm: float | None = None  # clip gradients to this global norm (None: never)
     nproc_per_node: int = 1  # ranks per node: they share its host memory
@@ -133,7 +134,7 @@ def _problem(graph: BlockGraph, request: PlanRequest, host_state: str) -> Proble
     return build_problem(graph, request.hardware, request.dtype, request.world_size,
                          request.optimizer, request.measured_s, request.measured_step_s,
                          request.process_bytes, request.nproc_per_node, host_state,
-                         request.host_mem_bytes)
+                         request.host_mem_bytes, request.measured_loss_s)
 
 
 def _host_state_choice(graph: BlockGraph, request: PlanRequest, cap: int, training: Training,

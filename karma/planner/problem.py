@@ -196,8 +196,8 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
                   measured_s: Sequence[tuple[float, float]] | None = None,
                   measured_step_s: Sequence[tuple[float, float]] | None = None,
                   process_bytes: int = 0, nproc_per_node: int = 1,
-                  host_state: str = "replicated", host_mem_bytes: int | None = None
-                  ) -> Problem:
+                  host_state: str = "replicated", host_mem_bytes: int | None = None,
+                  measured_loss_s: float | None = None) -> Problem:
     """Per-block costs of `graph` on `hw`.
 
     optimizer: the optimizer's state and temporaries per parameter byte (default AdamW's:
@@ -206,7 +206,8 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
     the estimate from the profile's rates. process_bytes: what the process holds outside its
     tensors while training, measured (Problem.process_bytes). nproc_per_node, host_state:
     Problem's; host_mem_bytes: the node's host memory, instead of the profile's (its pinned
-    share scaled alike).
+    share scaled alike). measured_loss_s: the loss's forward and backward, replacing the
+    estimate of three passes over what it saves at the memory bandwidth.
     """
     optimizer = optimizer or ADAMW
     if dtype not in DTYPES:
@@ -274,7 +275,8 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         d2h_bytes_per_s=hw.d2h_bytes_per_s,
         input_bytes=graph.input_bytes,
         loss_act_bytes=loss_act_bytes,
-        loss_s=3 * loss_act_bytes / hw.mem_bytes_per_s,
+        loss_s=(measured_loss_s if measured_loss_s is not None
+                else 3 * loss_act_bytes / hw.mem_bytes_per_s),
         host_mem_bytes=host_mem_bytes or hw.host_mem_bytes,
         pinned_mem_bytes=(hw.pinned_mem_bytes if host_mem_bytes is None else
                           host_mem_bytes * hw.pinned_mem_bytes // hw.host_mem_bytes),
