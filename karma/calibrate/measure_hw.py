@@ -302,10 +302,11 @@ def _contention(nbytes: int, layers: int, repeats: int) -> dict[str, float]:
 def _training_layer(repeats: int, width: int = 512, tokens: int = 2048) -> Callable[[], None]:
     """`repeats` forwards and backwards of a transformer-like layer: what a training step's
     compute does to the cores and to memory ([Note: measuring contention])."""
-    torch.manual_seed(0)
-    layer = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                                torch.nn.Linear(4 * width, width), torch.nn.LayerNorm(width))
-    x = torch.randn(tokens, width)
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
+        torch.manual_seed(0)
+        layer = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                    torch.nn.Linear(4 * width, width), torch.nn.LayerNorm(width))
+        x = torch.randn(tokens, width)
     heads = 8
 
     def compute() -> None:
