@@ -212,7 +212,8 @@ def _bytes(size: str | int | None) -> int:
 def _point(prepared: _Prepared, request: PlanRequest) -> dict:
     """One point of a sweep: the plan's figures, or why nothing fits."""
     samples = request.batch_size * request.world_size * request.accumulate
-    point = {"gpu_mem_bytes": request.capacity_bytes, "batch_size": request.batch_size}
+    point = {"gpu_mem_bytes": request.capacity_bytes, "batch_size": request.batch_size,
+             "world_size": request.world_size, "nproc_per_node": request.nproc_per_node}
     try:
         report = _solve(prepared, request)
     except InfeasiblePlan as e:
@@ -222,7 +223,7 @@ def _point(prepared: _Prepared, request: PlanRequest) -> dict:
     return {**point, "feasible": True, "strategy": ev.plan.strategy,
             "iteration_s": ev.step_s, "samples_per_s": samples / ev.step_s,
             "peak_device_bytes": ev.peak_device_bytes, "host_bytes": p.host_bytes,
-            "node_host_bytes": p.node_host_bytes,
+            "node_host_bytes": p.node_host_bytes, "scaling_efficiency": p.scaling_efficiency,
             "baselines": {name: b.step_s if b.feasible else None
                           for name, b in report.baselines.items()}}
 

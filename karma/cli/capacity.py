@@ -21,9 +21,8 @@ from karma.units import format_bytes, format_seconds, parse_size
 def compare_hardware(args: argparse.Namespace, options: dict) -> int:
     """--hardware A,B,C: the same model planned on each profile, at its own device memory
     unless --gpu-mem is given; one row each (--json: a list)."""
-    from karma.api import plan_report
+    from karma.api import sweep as plan_sweep
     from karma.planner.hardware import load_hardware
-    from karma.planner.plan import InfeasiblePlan
 
     if args.output or args.print_ir or args.batch_size in ("max", "best"):
         raise KarmaError("--hardware A,B,... compares plans and writes no schedule: leave out "
@@ -32,23 +31,14 @@ def compare_hardware(args: argparse.Namespace, options: dict) -> int:
     profiles = [load_hardware(name) for name in args.hardware.split(",")]
     rows = []
     for hw in profiles:
-        budget = args.gpu_mem or hw.device_mem_bytes
-        row = {"hardware": hw.name, "gpu_mem_bytes": parse_size(str(budget), "--gpu-mem"),
-               "world_size": args.world_size}
-        try:
-            report = plan_report(args.model, budget, hw, args.batch_size, **options)
-        except (InfeasiblePlan, KarmaError) as e:
-            rows.append({**row, "feasible": False, "reason": str(e)})
-            continue
-        s, ev = report.schedule, report.chosen
-        samples = s.config.batch_size * s.config.world_size * s.config.accumulate
-        rows.append({**row, "feasible": True, "batch_size": s.config.batch_size,
-                     "strategy": ev.plan.strategy, "iteration_s": ev.step_s,
-                     "samples_per_s": samples / ev.step_s,
-                     "peak_device_bytes": ev.peak_device_bytes,
-                     "node_host_bytes": s.predicted.node_host_bytes,
-                     "nproc_per_node": s.config.nproc_per_node,
-                     "scaling_efficiency": s.predicted.scaling_efficiency})
+        budget = parse_size(str(args.gpu_mem or hw.device_mem_bytes), "--gpu-mem")
+        row = {"hardware": hw.name, "gpu_mem_bytes": budget, "world_size": args.world_size}
+        try:  # one point of a budget sweep: the same record
+            point = plan_sweep(args.model, "gpu-mem", [budget], None, hw, args.batch_size,
+                               **options)[0]
+        except KarmaError as e:  # the profile cannot hold the ranks (--nproc-per-node), say
+            point = {"feasible": False, "reason": str(e)}
+        rows.append({**row, **point})
     print(json.dumps(rows, indent=2) if args.json else hardware_table(rows))
     return 0
 
