@@ -40,6 +40,50 @@ def test_a_freed_tensor_is_handed_to_the_next_request_of_its_size(cache):
     assert after.live_bytes - kept.live_bytes == MIB
 
 
+def test_a_smaller_request_takes_the_first_part_of_a_larger_kept_block(cache):
+    """[Note: reshaping kept memory]: no fresh pages, the rest stays kept."""
+    cache.start(1 << 40)
+    a = torch.empty(3 * MIB // 4)  # 3 MiB: no kept block of 1 MiB to take
+    address = a.data_ptr()
+    del a
+    kept = cache.stats()
+    b = torch.full((MIB // 4,), 5.0)
+    after = cache.stats()
+    assert b.data_ptr() == address
+    assert after.fresh_bytes == kept.fresh_bytes and after.reshaped == kept.reshaped + 1
+    assert after.idle_bytes == kept.idle_bytes - MIB
+    c = torch.full((2 * MIB // 4,), 6.0)  # the rest: just after b
+    assert c.data_ptr() == address + MIB and cache.stats().fresh_bytes == kept.fresh_bytes
+    assert torch.equal(b, torch.full((MIB // 4,), 5.0))
+
+
+def test_a_larger_request_is_made_of_kept_blocks_moved_side_by_side(cache):
+    cache.start(1 << 40)
+    parts = [torch.empty(MIB // 4) for _ in range(3)]
+    other = torch.full((2 * MIB // 4,), 7.0)  # live: must not be touched
+    del parts
+    kept = cache.stats()
+    assert kept.idle_bytes >= 3 * MIB
+    big = torch.empty(3 * MIB // 4 - 10)  # 3 MiB less 40 bytes: rounded to pages
+    after = cache.stats()
+    assert after.fresh_bytes == kept.fresh_bytes  # three 1 MiB blocks, no fresh page
+    assert after.reshaped == kept.reshaped + 1 and after.idle_bytes == kept.idle_bytes - 3 * MIB
+    big.fill_(3.0)  # every page is writable (checks below make no tensor of 64 KiB)
+    assert big.sum().item() == 3.0 * big.numel()
+    assert other.min().item() == other.max().item() == 7.0
+    del big
+    again = torch.empty(4 * MIB // 4)  # 3 MiB kept, 1 MiB fresh
+    assert cache.stats().fresh_bytes == after.fresh_bytes + MIB
+    again.fill_(1.0)
+    assert again.sum().item() == MIB
+
+
+def test_what_the_system_refuses_is_out_of_memory(cache):
+    cache.start(1 << 40)
+    with pytest.raises(torch.OutOfMemoryError, match="can't allocate memory"):
+        torch.empty(1 << 46, dtype=torch.uint8)  # 64 TiB
+
+
 def test_small_tensors_are_left_to_glibc(cache):
     cache.start(1 << 40)
     before = cache.stats()
