@@ -11,20 +11,29 @@ report's schedule.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from karma.calibrate import Calibration, FromPlanning, calibrate
+from karma.calibrate import Calibration, FromPlanning, Probe, calibrate
+from karma.calibrate.blocks import Timed
 from karma.errors import KarmaError
 from karma.ir.build import build_block_graph
 from karma.ir.graph import BlockGraph, OptimizerProfile
 from karma.ir.optimizer import optimizer_profile
 from karma.modelfile import ModelFile, load_model_file
+from karma.planner.fit_contention import fit_side_fractions
 from karma.planner.hardware import Hardware, load_hardware
-from karma.planner.pipeline import STRATEGIES, PlanReport, PlanRequest, make_schedule
+from karma.planner.pipeline import (
+    STRATEGIES,
+    PlanReport,
+    PlanRequest,
+    make_schedule,
+    probe_schedule,
+)
 from karma.planner.plan import InfeasiblePlan
 from karma.planner.problem import build_problem
 from karma.schedule import DTYPES, HOST_STATES, ModelRef, Schedule
@@ -236,14 +245,23 @@ def calibration(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: 
     what it needs from planning handed in (`optimizer`: the model file's, measured)."""
     roofline = build_problem(graph, hw, graph.dtype)
 
+    # the model file by its absolute path: karma-run trains it from another directory
+    model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json())
+
     def keep_all(measured: Hardware) -> Schedule:
-        # the model file by its absolute path: karma-run trains it from another directory
-        model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json())
         return make_schedule(graph, model, PlanRequest(
             capacity_bytes=1 << 62, hardware=measured, batch_size=graph.batch_size,
             dtype=graph.dtype, strategy="keep_all", optimizer=optimizer)).schedule
 
-    planning = FromPlanning(tuple(b.fwd_s + b.bwd_s for b in roofline.blocks), keep_all)
+    def probe(measured: Hardware, timed: Timed) -> Probe:
+        schedule = probe_schedule(graph, model, PlanRequest(
+            capacity_bytes=1 << 62, hardware=measured, batch_size=graph.batch_size,
+            dtype=graph.dtype, optimizer=optimizer, measured_s=timed.fwd_bwd_s,
+            measured_step_s=timed.step_s, process_bytes=timed.process_bytes,
+            measured_loss_s=timed.loss_s))
+        return Probe(schedule, functools.partial(fit_side_fractions, schedule))
+
+    planning = FromPlanning(tuple(b.fwd_s + b.bwd_s for b in roofline.blocks), keep_all, probe)
     return calibrate(mf, graph, hardware, hw, planning, measure, blocks, log, remeasure)
 
 

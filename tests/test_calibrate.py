@@ -127,8 +127,9 @@ def test_the_traced_step_is_scaled_to_the_median_step():
 
 
 @pytest.mark.slow
-def test_blocks_are_timed_in_a_keep_all_step_where_one_fits(own_cache):
+def test_blocks_are_timed_in_a_keep_all_step_where_one_fits(own_cache, monkeypatch):
     # [Note: block times in context]: the runtime's own trace of a keep_all step
+    monkeypatch.setattr("karma.calibrate.in_context.MIN_SIDE_OP_S", 0.0)  # the probe runs
     notes = []
     with environment(TINY):
         report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
@@ -145,6 +146,27 @@ def test_blocks_are_timed_in_a_keep_all_step_where_one_fits(own_cache):
     assert data["loss_s"] > 0 and report.problem.loss_s == data["loss_s"]
     loss_op = next(op for op in report.schedule.ops if op.kind == "loss")
     assert loss_op.dur_s == pytest.approx(data["loss_s"], rel=1e-5)
+    # and the side streams beside compute, in an out-of-core probe's traced steps: planned with
+    side = data["side_fractions"]
+    assert set(side) == {"copy_slowdown_compute", "host_slowdown_compute"}
+    assert all(0.0 <= v <= 0.95 for v in side.values())
+    hw = dict(report.schedule.hardware)
+    assert {f: hw.get(f, 0.0) for f in side} == side  # a fraction of 0 is left out
+    assert any(n.startswith("side streams beside compute, fitted to the probe's steps")
+               for n in notes)
+
+
+@pytest.mark.slow
+def test_a_probe_whose_side_ops_are_too_short_to_time_is_not_run(own_cache):
+    # [Note: side streams timed in context]: the tiny GPT's side ops are microseconds
+    notes = []
+    with environment(TINY):
+        report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
+    (blocks,) = own_cache.glob("blocks-*.json")
+    assert json.loads(blocks.read_text())["side_fractions"] is None
+    assert any(n.startswith("not timing the side streams in context: the probe's side ops are "
+                            "planned at ") for n in notes), notes
+    assert "side streams" not in report.block_times
 
 
 def test_a_keep_all_step_too_big_for_memory_times_the_blocks_alone(own_cache, monkeypatch):
@@ -348,4 +370,5 @@ def test_remeasure_measures_the_machine_and_the_blocks_again(own_cache):
     assert again.block_times.startswith("measured now in ")
     assert sum(n.startswith("measuring this machine") for n in notes) == 1  # own_cache had it
     assert sum(n.startswith("timing the blocks") for n in notes) == 2
-    assert "; again, cached in " in notes[-1] and "; once, cached in " in notes[0]
+    timing = [n for n in notes if n.startswith("timing the blocks")]
+    assert "; once, cached in " in timing[0] and "; again, cached in " in timing[1]

@@ -38,8 +38,8 @@ before ran 1.16x, the noise of eight steps on this machine).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from karma.calibrate.blocks import Timed, blocks_key, read_times, timed_alone
@@ -57,7 +57,7 @@ from karma.modelfile import ModelFile
 from karma.planner.hardware import Hardware
 from karma.schedule import Schedule
 
-__all__ = ["Calibration", "FromPlanning", "calibrate"]
+__all__ = ["Calibration", "FromPlanning", "Probe", "calibrate"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,18 @@ class FromPlanning:
     # the graph's keep_all schedule on a profile, memory unlimited, its model file named by
     # an absolute path: what the in-context timing trains (in_context.py)
     keep_all: Callable[[Hardware], Schedule]
+    # the probe that times the side streams in context, planned on a profile with the block
+    # times measured ([Note: side streams timed in context]); None: not timed
+    probe: Callable[[Hardware, Timed], Probe] | None = None
+
+
+@dataclass(frozen=True)
+class Probe:
+    """An out-of-core schedule to train a few steps of, and what fits the side streams'
+    contention fractions (Hardware fields) to its traced steps' ops."""
+
+    schedule: Schedule
+    fit: Callable[[Sequence[Sequence[Mapping]]], dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -126,7 +138,11 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
         return Calibration(hw, None, "roofline estimate (timing the blocks failed)")
     how = (f"measured now in {time.perf_counter() - start:.0f} s" if fresh
            else "measured on this machine")
-    return Calibration(hw, timed.fwd_bwd_s, f"{how}, {timed.where} (cached in {path})",
+    if timed.side_fractions:  # fitted in context: [Note: side streams timed in context]
+        hw = replace(hw, **timed.side_fractions)
+    where = timed.where + (", side streams in an out-of-core probe's steps"
+                           if timed.side_fractions else "")
+    return Calibration(hw, timed.fwd_bwd_s, f"{how}, {where} (cached in {path})",
                        timed.step_s, timed.process_bytes, timed.loss_s)
 
 
@@ -145,7 +161,8 @@ def _block_times(mf: ModelFile, graph: BlockGraph, planning: FromPlanning, devic
         return cached, path, False
     timed, how = None, {}
     if in_context_hw is not None:
-        timed = timed_in_context(graph, in_context_hw, planning.keep_all, path, say, remeasure)
+        timed = timed_in_context(graph, in_context_hw, planning.keep_all, path, say, remeasure,
+                                 planning.probe)
     if timed is None:  # not in context, or a keep_all step does not fit or failed
         timed, how = timed_alone(mf, graph, planning.roofline_s, device, blocks_regex, path,
                                  say, remeasure)

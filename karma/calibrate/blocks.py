@@ -45,6 +45,9 @@ class Timed:
     process_bytes: int  # Calibration.process_bytes
     where: str  # "in a keep_all step" or "block by block"
     loss_s: float | None = None  # the loss's forward and backward (in context), else None
+    # the side streams' contention fractions (Hardware fields) fitted to a probe's steps (in
+    # context: [Note: side streams timed in context] in planner/fit_contention.py), else None
+    side_fractions: dict[str, float] | None = None
 
 
 def blocks_key(mf: ModelFile, graph: BlockGraph, device: str, blocks_regex: str | None,
@@ -71,13 +74,16 @@ def read_times(path: Path, n_blocks: int) -> Timed | None:
         process_bytes = data["process_bytes"]
         where = str(data["where"])
         loss_s = None if data.get("loss_s") is None else float(data["loss_s"])
-    except (KeyError, TypeError, ValueError):
+        side = data.get("side_fractions")
+        side = None if side is None else {str(k): float(v) for k, v in side.items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
     ok = (len(times) == len(steps) == n_blocks
           and all(math.isfinite(t) and t >= 0 for p in (*times, *steps) for t in p)
           and isinstance(process_bytes, int) and process_bytes >= 0
-          and (loss_s is None or (math.isfinite(loss_s) and loss_s >= 0)))
-    return Timed(times, steps, process_bytes, where, loss_s) if ok else None
+          and (loss_s is None or (math.isfinite(loss_s) and loss_s >= 0))
+          and (side is None or all(0 <= v < 1 for v in side.values())))
+    return Timed(times, steps, process_bytes, where, loss_s, side) if ok else None
 
 
 def timed_alone(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float], device: str,

@@ -48,25 +48,38 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from karma.calibrate.blocks import Timed
 from karma.calibrate.measure_hw import mem_available_bytes
 from karma.errors import KarmaError
 from karma.ir.graph import BlockGraph
 from karma.planner.hardware import Hardware
+from karma.runtime.loop import trace_file
 from karma.schedule import Schedule
 
+if TYPE_CHECKING:
+    from karma.calibrate import Probe
+
+PROBE_STEPS = 4  # steps of the probe: the first warms up, the other three are traced
+SIDE_STREAMS = ("h2d", "d2h", "host")
+# A probe is run only where its side ops are planned at this much or more (the median): a
+# side op costs its stream's worker tens to hundreds of microseconds of Python however small
+# it is, which no fraction of compute's cores explains
+MIN_SIDE_OP_S = 1e-3
 _BUDGET_S = 120.0  # the keep_all steps at most this long (roofline): [Note: block times in
 # context]
 
 
 def timed_in_context(graph: BlockGraph, hw: Hardware, keep_all: Callable[[Hardware], Schedule],
-                     path: Path, say: Callable[[str], None], remeasure: bool = False
-                     ) -> Timed | None:
+                     path: Path, say: Callable[[str], None], remeasure: bool = False,
+                     probe: Callable[[Hardware, Timed], Probe] | None = None) -> Timed | None:
     """Every block of `graph` timed in keep_all steps on this machine (`keep_all(hw)`: the
     keep_all schedule of `graph` on `hw`, this machine's profile), or None where a step does
-    not fit or fails."""
+    not fit or fails; with `probe`, the side streams' fractions too, fitted to a probe's
+    steps ([Note: side streams timed in context])."""
     schedule = keep_all(hw)
     need, free = schedule.predicted.peak_device_bytes, mem_available_bytes()
     n_steps = min(6, int(_BUDGET_S // max(schedule.predicted.iteration_s, 1e-9)))
@@ -88,29 +101,69 @@ def timed_in_context(graph: BlockGraph, hw: Hardware, keep_all: Callable[[Hardwa
     n = len(graph.blocks)
     times = tuple((took[("forward", i)], took[("backward", i)]) for i in range(n))
     steps = tuple((took.get(("device_step", i), 0.0),) * 2 for i in range(n))
-    return Timed(times, steps, int(run["outside_private_bytes"]), "in a keep_all step",
-                 took.get(("loss", n - 1)))
+    timed = Timed(times, steps, int(run["outside_private_bytes"]), "in a keep_all step",
+                  took.get(("loss", n - 1)))
+    return timed if probe is None else _with_side_fractions(timed, hw, probe, say)
+
+
+def _with_side_fractions(timed: Timed, hw: Hardware, probe: Callable[[Hardware, Timed], Probe],
+                         say: Callable[[str], None]) -> Timed:
+    """`timed` with the side streams' fractions fitted to PROBE_STEPS - 1 traced steps of
+    the probe planned on `hw` with `timed` (from its second step on); as it was, with the
+    profile's, where the probe fails."""
+    try:
+        planned = probe(hw, timed)
+        side_s = [op.dur_s for op in planned.schedule.ops if op.stream in SIDE_STREAMS]
+        if not side_s or statistics.median(side_s) < MIN_SIDE_OP_S:
+            say(f"not timing the side streams in context: the probe's side ops are planned at "
+                f"{statistics.median(side_s or [0.0]) * 1e6:.0f} us (median), too short to "
+                "time; planning with the profile's contention fractions")
+            return timed
+        fractions = planned.fit(_run_traced(planned.schedule, PROBE_STEPS))
+    except (OSError, ValueError, KeyError, KarmaError, subprocess.SubprocessError) as e:
+        say(f"timing the side streams in an out-of-core probe failed ({type(e).__name__}: "
+            f"{str(e)[:200]}); planning with the profile's contention fractions")
+        return timed
+    say("side streams beside compute, fitted to the probe's steps: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in fractions.items()))
+    return replace(timed, side_fractions=fractions)
 
 
 def _run(schedule: Schedule, n_steps: int) -> tuple[list[dict], dict]:
     """karma-run trains `schedule` for `n_steps` steps in a process of its own: the ops of
     its traced third step, and its report."""
+    with tempfile.TemporaryDirectory(prefix="karma-calibrate-") as directory:
+        d = Path(directory)
+        _karma_run(schedule, d, n_steps, "--trace-step", "3", "--report",
+                   str(d / "report.json"))
+        return (json.loads((d / "trace.json").read_text())["ops"],
+                json.loads((d / "report.json").read_text()))
+
+
+def _run_traced(schedule: Schedule, n_steps: int) -> list[list[dict]]:
+    """The ops of every step after the first of `n_steps` that karma-run trains of
+    `schedule`, each step traced."""
+    with tempfile.TemporaryDirectory(prefix="karma-calibrate-") as directory:
+        d = Path(directory)
+        _karma_run(schedule, d, n_steps, "--trace-steps", str(n_steps - 1))
+        return [json.loads(trace_file(d / "trace.json", step, n_steps - 1).read_text())["ops"]
+                for step in range(2, n_steps + 1)]
+
+
+def _karma_run(schedule: Schedule, directory: Path, n_steps: int, *options: str) -> None:
+    """karma-run trains `schedule` (saved in `directory`) for `n_steps` steps in a process of
+    its own, tracing into directory/trace.json as `options` say."""
     # the karma this process runs, wherever it was imported from
     source = str(Path(__file__).resolve().parent.parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [source, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    with tempfile.TemporaryDirectory(prefix="karma-calibrate-") as directory:
-        d = Path(directory)
-        schedule.save(d / "keep_all.yaml")
-        ran = subprocess.run(
-            [sys.executable, "-m", "karma.cli.run", str(d / "keep_all.yaml"),
-             "--steps", str(n_steps), "--trace", str(d / "trace.json"), "--trace-step", "3",
-             "--report", str(d / "report.json")],
-            env=env, capture_output=True, text=True, timeout=10 * _BUDGET_S)
-        if ran.returncode != 0:
-            raise KarmaError((ran.stderr.strip().splitlines() or ["no message"])[-1])
-        return (json.loads((d / "trace.json").read_text())["ops"],
-                json.loads((d / "report.json").read_text()))
+    schedule.save(directory / "schedule.yaml")
+    ran = subprocess.run(
+        [sys.executable, "-m", "karma.cli.run", str(directory / "schedule.yaml"),
+         "--steps", str(n_steps), "--trace", str(directory / "trace.json"), *options],
+        env=env, capture_output=True, text=True, timeout=10 * _BUDGET_S)
+    if ran.returncode != 0:
+        raise KarmaError((ran.stderr.strip().splitlines() or ["no message"])[-1])
 
 
 def median_over_traced(step_s: list[float]) -> float:

@@ -16,7 +16,7 @@ from karma.ir.graph import ADAMW, BlockGraph, OptimizerProfile
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import Hardware, dump_hardware
 from karma.planner.ilp import min_capacity_bytes, solve_ilp
-from karma.planner.lowering import Training
+from karma.planner.lowering import Choice, Training
 from karma.planner.plan import Evaluation, InfeasiblePlan, Plan, evaluate
 from karma.planner.problem import Problem, build_problem
 from karma.schedule import BlockEntry, ModelRef, Predicted, Schedule, TrainConfig
@@ -128,6 +128,22 @@ def make_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> P
     schedule = schedule_from(graph, model, request, chosen, single,
                              ideal_s=baselines["keep_all"].step_s)
     return PlanReport(problem, chosen, baselines, schedule, single)
+
+
+def probe_schedule(graph: BlockGraph, model: ModelRef, request: PlanRequest) -> Schedule:
+    """Every block's activations swapped (the last block's kept: its backward follows at
+    once), its weights streamed and its optimizer on the host, on `request`'s profile with
+    its memory unlimited: a schedule whose steps keep every side stream busy beside compute,
+    which the calibration traces to time them ([Note: side streams timed in context] in
+    karma/planner/fit_contention.py)."""
+    request = dataclasses.replace(request, capacity_bytes=1 << 62, strategy="ilp")
+    problem = _problem(graph, request, "replicated")
+    n = len(problem.blocks)
+    swap, keep = Choice("swap", "streamed", "host"), Choice("keep", "streamed", "host")
+    plan = Plan("probe", (swap,) * (n - 1) + (keep,))
+    training = Training(request.accumulate, request.clip_grad_norm is not None)
+    ev = evaluate(problem, plan, request.capacity_bytes, training)
+    return schedule_from(graph, model, request, ev, ev.step_s)
 
 
 def _problem(graph: BlockGraph, request: PlanRequest, host_state: str) -> Problem:
