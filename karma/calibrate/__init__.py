@@ -1,7 +1,8 @@
 """Calibrated planning: when karma plans for this machine, it measures it.
 
     cal = calibrate(mf, graph, "cpu", load_hardware("cpu"), planning)   # planning: FromPlanning
-    cal.hardware        # the profile to plan with: built-in sizes, this machine's rates
+    cal.hardware        # the profile to plan with: built-in sizes, this machine's rates (on
+                        # the CPU, the side streams' fractions fitted in context)
     cal.measured_s      # (fwd s, bwd s) per block, or None for the roofline estimate
     cal.measured_step_s # (device s, host s) of each block's optimizer step, or None
     cal.process_bytes   # what the process holds outside its tensors while training (CPU), or 0
@@ -15,7 +16,8 @@ calibration never calls back into the planner. Its rooms:
 - machine.py: which built-in profile is this machine (`local_device`), and its rates;
 - measure_hw.py: measuring a device's rates (what `karma-profile` runs);
 - blocks.py: block times, cached, and timing blocks one by one (karma.ir.timing);
-- in_context.py: timing them in keep_all steps that karma-run trains (the CPU backend);
+- in_context.py: timing them in keep_all steps that karma-run trains (the CPU backend), and
+  the side streams in steps of an out-of-core probe;
 - cache.py: the JSON files under $XDG_CACHE_HOME/karma, named by a hash of their key.
 
 Planning for another built-in profile, or for a karma-profile file (which may describe

@@ -22,6 +22,10 @@ third step alone ran 0.82-1.21x their predictions. So the trace's times are scal
 median of the steps after the first over the third's own time.
 Otherwise, or if that fails, the blocks are timed alone (blocks.py).
 
+Then, with the block times just measured, the runtime trains PROBE_STEPS steps of an
+out-of-core probe, and the side streams' contention fractions are fitted to its traced
+steps ([Note: side streams timed in context] in karma/planner/fit_contention.py).
+
 [Note: the process's own memory] On the CPU backend the measured peak is the process's
 private memory above its baseline, and the process holds more than its tensors while it
 trains: the stream workers' thread pools and malloc arenas, tensors under the CPU cache's
@@ -65,9 +69,10 @@ if TYPE_CHECKING:
 
 PROBE_STEPS = 4  # steps of the probe: the first warms up, the other three are traced
 SIDE_STREAMS = ("h2d", "d2h", "host")
-# A probe is run only where its side ops are planned at this much or more (the median): a
-# side op costs its stream's worker tens to hundreds of microseconds of Python however small
-# it is, which no fraction of compute's cores explains
+# A probe is run only where its side ops are planned at this much or more on average: a side
+# op costs its stream's worker tens to hundreds of microseconds of Python however small it is,
+# which no fraction of compute's cores explains (the tests' tiny GPT's are microseconds; the
+# 8-layer GPT of bench/price.py's 2.6 ms)
 MIN_SIDE_OP_S = 1e-3
 _BUDGET_S = 120.0  # the keep_all steps at most this long (roofline): [Note: block times in
 # context]
@@ -114,9 +119,9 @@ def _with_side_fractions(timed: Timed, hw: Hardware, probe: Callable[[Hardware, 
     try:
         planned = probe(hw, timed)
         side_s = [op.dur_s for op in planned.schedule.ops if op.stream in SIDE_STREAMS]
-        if not side_s or statistics.median(side_s) < MIN_SIDE_OP_S:
+        if not side_s or statistics.mean(side_s) < MIN_SIDE_OP_S:
             say(f"not timing the side streams in context: the probe's side ops are planned at "
-                f"{statistics.median(side_s or [0.0]) * 1e6:.0f} us (median), too short to "
+                f"{statistics.mean(side_s or [0.0]) * 1e6:.0f} us on average, too short to "
                 "time; planning with the profile's contention fractions")
             return timed
         fractions = planned.fit(_run_traced(planned.schedule, PROBE_STEPS))
