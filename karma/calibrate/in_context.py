@@ -71,8 +71,7 @@ PROBE_STEPS = 4  # steps of the probe: the first warms up, the other three are t
 SIDE_STREAMS = ("h2d", "d2h", "host")
 # A probe is run only where its side ops are planned at this much or more on average: a side
 # op costs its stream's worker tens to hundreds of microseconds of Python however small it is,
-# which no fraction of compute's cores explains (the tests' tiny GPT's are microseconds; the
-# 8-layer GPT of bench/price.py's 2.6 ms)
+# which no fraction of compute's cores explains (the tests' tiny GPT's average 272 us)
 MIN_SIDE_OP_S = 1e-3
 _BUDGET_S = 120.0  # the keep_all steps at most this long (roofline): [Note: block times in
 # context]
