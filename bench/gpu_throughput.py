@@ -174,13 +174,17 @@ def main() -> None:
     if args.one:
         print(json.dumps(contender(args.one, args.steps, args.batch_size, cap, args.device)))
         return
-    env = {**os.environ, "KARMA_GPT": args.size, "KARMA_SEQ": args.seq,
+    # every contender with expandable segments, the CUDA backend's default (cuda_backend.py,
+    # [Note: expandable segments]), so that the allocator is not what separates them
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **os.environ,
+           "KARMA_GPT": args.size, "KARMA_SEQ": args.seq,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     out = args.out or Path(tempfile.mkdtemp(prefix="karma-gpu-"))
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"GPT-2 {args.size}, sequence {args.seq}, batch {args.batch_size}, fp32, AdamW; "
              f"{args.device} emulating a {args.cap} card (the allocator capped at {args.cap} "
-             f"less what is in use outside it); medians of steps 2..{args.steps}; peaks "
+             f"less what is in use outside it, expandable segments on); medians of steps "
+             f"2..{args.steps}; peaks "
              "absolute: allocated, and reserved + outside the allocator (what the card holds)",
              "", "| strategy | samples/s | step | allocated | reserved + outside | note |",
              "|---|---:|---:|---:|---:|---|"]

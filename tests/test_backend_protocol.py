@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from karma.runtime.cuda_backend import CudaBackend
+from karma.runtime.cuda_backend import CudaBackend, allocator_settings
 from karma.runtime.distributed import Ranks
 from tests.matrix import MODELS, STRATEGIES, cells
 from tests.protocol import CheckingBackend
@@ -174,3 +174,11 @@ def test_cuda_releases_what_is_due_there_waiting_for_its_copy():
     assert not events[1].finished
     backend.release_due([0])  # nothing left of it
     assert released == [0]
+
+
+def test_the_cuda_allocator_gets_expandable_segments_unless_the_user_configures_it():
+    """[Note: expandable segments]: karma's setting, or none where the environment has one."""
+    assert allocator_settings({}) == "expandable_segments:True"
+    assert allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": ""}) == "expandable_segments:True"
+    assert allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) is None
+    assert allocator_settings({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) is None

@@ -259,10 +259,15 @@ def test_a_smaller_gpu_emulated_trains_within_its_budget(tmp_path):
     schedule = plan(mf, "ilp", 0.5, hardware=HARDWARE)
     capacity = schedule.config.capacity_bytes
     backend = CudaBackend()
+    _REFERENCES.clear()  # earlier tests' reference models, on this GPU
+    gc.collect()
     torch.cuda.empty_cache()
     # a card with the schedule's budget, what is in use outside the allocator (the CUDA
-    # context), and 256 MiB for workspaces and the allocator's rounding
-    card = capacity + backend.outside_allocator_bytes() + 256 * MIB
+    # context), what this process still holds in it (below the run's baseline, as a
+    # framework's own tensors would be), and 256 MiB for workspaces and the allocator's
+    # rounding
+    card = (capacity + backend.outside_allocator_bytes() + torch.cuda.memory_allocated()
+            + 256 * MIB)
     try:
         backend.cap(card)
         assert not plain_fits(mf, schedule.config.batch_size)

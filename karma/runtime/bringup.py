@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from karma.errors import KarmaError
+from karma.fileio import tier_directory
 from karma.modelfile import ModelFile
 from karma.runtime import cpu_cache, distributed
 from karma.runtime.backend import Backend, CpuBackend
@@ -133,8 +134,10 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
         if sharded(schedule):  # [Note: the node's copy of the weights]
             named = dict(model.named_parameters(remove_duplicate=False))
             shapes = [(named[n].shape, named[n].dtype) for n in sharded_params(schedule)]
-            node = NodeCopy(whole_bytes(shapes, ranks.world_size), ranks,
-                            host_memory.tier_dir, backend.pool_kind == "pinned", timeout_s)
+            # on CUDA in shared memory, where the driver can pin it (nodecopy.py)
+            node_dir = host_memory.tier_dir if backend.name == "cpu" else tier_directory()
+            node = NodeCopy(whole_bytes(shapes, ranks.world_size), ranks, node_dir,
+                            backend.pool_kind == "pinned", timeout_s, log)
             stack.callback(node.close)
         exchange = GradientExchange(ranks, backend) if ranks.world_size > 1 else None
         precision = MixedPrecision.of(schedule, backend.device.type)

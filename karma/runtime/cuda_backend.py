@@ -1,8 +1,18 @@
 """The CUDA backend: compute on the current stream, copies and all-reduces on streams of
 their own, ordered by events (backend.py says the contract and its Notes).
 
-Not yet run on a GPU: its ordering is checked on the CPU by tests/protocol.py's
-CheckingBackend, and its event bookkeeping by tests that fake the events.
+Its ordering is checked on the CPU by tests/protocol.py's CheckingBackend, and its event
+bookkeeping by tests that fake the events; on a GPU by tests/test_gpu.py (bench/gpu_check.sh,
+run on an H200: bench/RESULTS.md).
+
+[Note: expandable segments] A schedule plans device memory to within a few percent of the
+budget, and the caching allocator's fragmentation is not in the plan. On an H200 emulating a
+card of the budget, GPT-2 small planned at half of what it needs ran out of memory asking for
+its 786 MiB logits' log-softmax with 585 MiB reserved but free in pieces, its allocated bytes
+inside the plan. Expandable segments (PyTorch's allocator maps more pages onto the end of a
+segment instead of a new segment) leave no such pieces, so the backend turns them on, unless
+the user configures the allocator (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF). They can be
+turned on after CUDA has started: the segments made before stay as they were.
 """
 
 from __future__ import annotations
@@ -61,6 +71,7 @@ class CudaBackend(Backend):
     pool_kind = "pinned"
 
     def __init__(self, device: torch.device | None = None):
+        use_expandable_segments()
         self.device = device or torch.device("cuda", torch.cuda.current_device())
         # compute: forward (main thread) and backward (autograd's device thread, which runs
         # each node on its forward's stream); it waits for the swap-ins and fetches of its op
@@ -244,6 +255,28 @@ class CudaBackend(Backend):
     def cap(self, nbytes: int) -> DeviceCap:
         """Emulate a GPU of `nbytes` (cap_device_memory)."""
         return cap_device_memory(nbytes, self.device)
+
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def allocator_settings(environ) -> str | None:
+    """The settings karma gives PyTorch's CUDA allocator ([Note: expandable segments]), or
+    None where the user's environment configures it (options combine badly: expandable
+    segments with max_split_size_mb grow the reserved bytes, pytorch/pytorch#123548)."""
+    if any(environ.get(v) for v in ALLOC_CONF_VARS):
+        return None
+    return "expandable_segments:True"
+
+
+def use_expandable_segments() -> None:
+    settings = allocator_settings(os.environ)
+    if settings is None:
+        return
+    # the setter moved to torch._C (PyTorch 2.13 deprecates torch.cuda.memory's)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) \
+        or torch.cuda.memory._set_allocator_settings
+    setter(settings)
 
 
 class DeviceCap(NamedTuple):

@@ -10,7 +10,12 @@ node's number) creates it in the host tier's directory, under a name every rank 
 and takes its blocks (posix_fallocate, as the tier does: host.py, [Note: the tier's disk is
 taken when it grows]); the others map it once it exists, and it is unlinked once all have
 (the mappings stay). On CUDA the mapping is registered as pinned memory (cudaHostRegister),
-so that copies from it are asynchronous, as the tier's pinned arenas are.
+so that copies from it are asynchronous, as the tier's pinned arenas are. The driver pins
+shared memory (a file in a tmpfs, /dev/shm) but refuses a writable mapping of a file on a
+disk's filesystem (CUDA error 1, invalid value, seen on an H200 machine with the file in
+/tmp), so on CUDA the file goes to /dev/shm unless KARMA_TIER_DIR says otherwise
+(bringup.py). Where the driver refuses, the run goes on with the copy unpinned (its copies
+to the device then wait for the host) and says so.
 
 Every rank of the node writes the same values into it: each all-gathers every shard into
 the whole copy itself, so none depends on another's write having landed, and what they
@@ -26,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,7 +48,7 @@ class NodeCopy:
     same on every rank)."""
 
     def __init__(self, nbytes: int, ranks: Ranks, directory: str, pinned: bool,
-                 timeout_s: float):
+                 timeout_s: float, log: Callable[[str], None] = print):
         local_rank = _env_int("LOCAL_RANK", 0)
         node = os.environ.get("GROUP_RANK", "0")
         key = [uuid.uuid4().hex if ranks.main else None]
@@ -64,11 +70,14 @@ class NodeCopy:
                 os.unlink(path)
         self._pinned = False
         if pinned:
-            err = torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self.nbytes, 0)
-            if int(err) != 0:
-                raise KarmaError(f"cannot pin the node's copy of the weights "
-                                 f"({self.nbytes} bytes): CUDA error {int(err)}")
-            self._pinned = True
+            err = int(torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(),
+                                                           self.nbytes, 0))
+            if err == 0:
+                self._pinned = True
+            elif ranks.main:
+                log(f"warning: the driver does not pin the node's copy of the weights in "
+                    f"{directory} (CUDA error {err}); its copies to the GPU will wait for the "
+                    "host. Set KARMA_TIER_DIR to a tmpfs such as /dev/shm")
         self._offset = 0
         self.ranks_here = max(1, _env_int("LOCAL_WORLD_SIZE", 1))
 
