@@ -87,7 +87,8 @@ def attribution(schedule: Path, traces: list[Path]) -> dict[str, dict[str, float
     plan = load_schedule(schedule)
     fractions = Contention.of(dict(plan.hardware))
     beside_planned = {"h2d": 1 / (1 - fractions.copy_slowdown_compute),
-                      "d2h": 1 / (1 - fractions.copy_slowdown_compute),
+                      "d2h": 1 / (1 - (fractions.d2h_slowdown_compute
+                                       or fractions.copy_slowdown_compute)),
                       "host": 1 / (1 - fractions.host_slowdown_compute)}
     sums: dict[tuple[str, str], list[float]] = {}
     for path in traces:

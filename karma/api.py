@@ -25,7 +25,7 @@ from karma.ir.build import build_block_graph
 from karma.ir.graph import BlockGraph, OptimizerProfile
 from karma.ir.optimizer import optimizer_profile
 from karma.modelfile import ModelFile, load_model_file
-from karma.planner.fit_contention import fit_side_fractions
+from karma.planner.fit_contention import fit_side_streams
 from karma.planner.hardware import Hardware, load_hardware
 from karma.planner.pipeline import (
     STRATEGIES,
@@ -259,7 +259,7 @@ def calibration(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: 
             dtype=graph.dtype, optimizer=optimizer, measured_s=timed.fwd_bwd_s,
             measured_step_s=timed.step_s, process_bytes=timed.process_bytes,
             measured_loss_s=timed.loss_s))
-        return Probe(schedule, functools.partial(fit_side_fractions, schedule))
+        return Probe(schedule, functools.partial(fit_side_streams, schedule))
 
     planning = FromPlanning(tuple(b.fwd_s + b.bwd_s for b in roofline.blocks), keep_all, probe)
     return calibrate(mf, graph, hardware, hw, planning, measure, blocks, log, remeasure)

@@ -147,8 +147,9 @@ def test_blocks_are_timed_in_a_keep_all_step_where_one_fits(own_cache, monkeypat
     loss_op = next(op for op in report.schedule.ops if op.kind == "loss")
     assert loss_op.dur_s == pytest.approx(data["loss_s"], rel=1e-5)
     # and the side streams beside compute, in an out-of-core probe's traced steps: planned with
-    side = data["side_fractions"]
-    assert set(side) == {"copy_slowdown_compute", "host_slowdown_compute"}
+    side = data["side_streams"]
+    assert set(side) == {"copy_slowdown_compute", "d2h_slowdown_compute",
+                         "host_slowdown_compute", "side_wait_s"}
     assert all(0.0 <= v <= 0.95 for v in side.values())
     hw = dict(report.schedule.hardware)
     assert {f: hw.get(f, 0.0) for f in side} == side  # a fraction of 0 is left out
@@ -163,7 +164,7 @@ def test_a_probe_whose_side_ops_are_too_short_to_time_is_not_run(own_cache):
     with environment(TINY):
         report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
     (blocks,) = own_cache.glob("blocks-*.json")
-    assert json.loads(blocks.read_text())["side_fractions"] is None
+    assert json.loads(blocks.read_text())["side_streams"] is None
     assert any(n.startswith("not timing the side streams in context: the probe's side ops are "
                             "planned at ") for n in notes), notes
     assert "side streams" not in report.block_times

@@ -222,3 +222,57 @@ def test_karma_inspect_accepts_a_cpu_schedule():
     from karma.cli.inspect import check_predicted
 
     check_predicted(_cpu_schedule(), "s.yaml")
+
+
+def test_a_side_op_beside_compute_first_waits_for_a_core_by_hand():
+    """[Note: waiting for a core]: the wait holds the stream and takes no core."""
+    wait = dataclasses.replace(HALF, side_wait_s=0.2)
+    ops = [_op(0, "compute", 1.0), _op(1, "h2d", 0.5)]
+    # without the wait both run at half speed from 0: the copy ends at 1 s, compute at 1.5 s
+    assert _times(ops, HALF)[1] == pytest.approx([1.5, 1.0])
+    # with it compute runs alone to 0.2 s, then both at half until the copy's 0.5 s of work
+    # is done at 1.2 s, compute's last 0.3 s at full speed: the copy pays the wait, compute
+    # nothing
+    assert _times(ops, wait) == ([0.0, 0.0], pytest.approx([1.5, 1.2]))
+    # each op of the stream waits again, holding the stream: the second copy starts at
+    # 1.2 s and works from 1.4 s; compute is alone for both waits
+    two = [_op(0, "compute", 10.0), _op(1, "h2d", 0.5), _op(2, "h2d", 0.5)]
+    assert _times(two, wait)[1] == pytest.approx([11.0, 1.2, 2.4])
+    # started while compute is idle, a copy finds a core at once
+    idle = [_op(0, "h2d", 0.5), _op(1, "compute", 1.0, deps=[0])]
+    assert _times(idle, wait) == ([0.0, 0.5], [0.5, 1.5])
+    # the network is not the cores
+    assert _times([_op(0, "compute", 1.0), _op(1, "net", 0.5)], wait)[1] == [1.0, 0.5]
+
+
+def test_copies_to_the_host_may_lose_their_own_fraction():
+    both = Contention(compute_slowdown_copy=0.6, copy_slowdown_compute=0.5)
+    own = dataclasses.replace(both, d2h_slowdown_compute=0.8)
+    with_d2h, with_h2d = ("compute", "d2h"), ("compute", "h2d")
+    assert both.speed("d2h", with_d2h) == both.speed("h2d", with_h2d) == 0.5  # 0: as h2d's
+    assert own.speed("h2d", with_h2d) == 0.5 and own.speed("d2h", with_d2h) == pytest.approx(0.2)
+    cpu = dataclasses.replace(load_hardware("cpu"), d2h_slowdown_compute=0.3, side_wait_s=0.001)
+    assert Contention.of(cpu.__dict__) == Contention(
+        cpu.compute_slowdown_copy, cpu.copy_slowdown_compute, cpu.compute_slowdown_host,
+        cpu.host_slowdown_compute, 0.3, 0.001)
+    assert cpu.independent_streams() == dataclasses.replace(
+        cpu, compute_slowdown_copy=0.0, copy_slowdown_compute=0.0, compute_slowdown_host=0.0,
+        host_slowdown_compute=0.0, d2h_slowdown_compute=0.0, side_wait_s=0.0)
+
+
+def test_the_wait_is_written_only_when_fitted_and_read_back():
+    v100 = load_hardware("v100-16g")
+    assert "side_wait_s" not in dump_hardware(v100) and "d2h_slowdown" not in dump_hardware(v100)
+    fitted = dataclasses.replace(v100, device_kind="cpu", d2h_slowdown_compute=0.25,
+                                 side_wait_s=0.0014)
+    text = dump_hardware(fitted)
+    assert "side_wait_s: 0.0014" in text and "d2h_slowdown_compute: 0.25" in text
+    assert hardware_from_yaml(text) == fitted
+
+
+@pytest.mark.parametrize("bad", [-0.001, 1.0, "soon", True])
+def test_the_wait_must_be_seconds_under_one(bad):
+    from karma.errors import KarmaError
+
+    with pytest.raises(KarmaError, match="side_wait_s must be a number of seconds"):
+        dataclasses.replace(load_hardware("v100-16g"), side_wait_s=bad)

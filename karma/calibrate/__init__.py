@@ -2,7 +2,7 @@
 
     cal = calibrate(mf, graph, "cpu", load_hardware("cpu"), planning)   # planning: FromPlanning
     cal.hardware        # the profile to plan with: built-in sizes, this machine's rates (on
-                        # the CPU, the side streams' fractions fitted in context)
+                        # the CPU, the side streams' fractions and wait fitted in context)
     cal.measured_s      # (fwd s, bwd s) per block, or None for the roofline estimate
     cal.measured_step_s # (device s, host s) of each block's optimizer step, or None
     cal.process_bytes   # what the process holds outside its tensors while training (CPU), or 0
@@ -80,7 +80,7 @@ class FromPlanning:
 @dataclass(frozen=True)
 class Probe:
     """An out-of-core schedule to train a few steps of, and what fits the side streams'
-    contention fractions (Hardware fields) to its traced steps' ops."""
+    contention fractions and wait (Hardware fields) to its traced steps' ops."""
 
     schedule: Schedule
     fit: Callable[[Sequence[Sequence[Mapping]]], dict[str, float]]
@@ -140,10 +140,10 @@ def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Ha
         return Calibration(hw, None, "roofline estimate (timing the blocks failed)")
     how = (f"measured now in {time.perf_counter() - start:.0f} s" if fresh
            else "measured on this machine")
-    if timed.side_fractions:  # fitted in context: [Note: side streams timed in context]
-        hw = replace(hw, **timed.side_fractions)
+    if timed.side_streams:  # fitted in context: [Note: side streams timed in context]
+        hw = replace(hw, **timed.side_streams)
     where = timed.where + (", side streams in an out-of-core probe's steps"
-                           if timed.side_fractions else "")
+                           if timed.side_streams else "")
     return Calibration(hw, timed.fwd_bwd_s, f"{how}, {where} (cached in {path})",
                        timed.step_s, timed.process_bytes, timed.loss_s)
 

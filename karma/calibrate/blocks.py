@@ -45,9 +45,10 @@ class Timed:
     process_bytes: int  # Calibration.process_bytes
     where: str  # "in a keep_all step" or "block by block"
     loss_s: float | None = None  # the loss's forward and backward (in context), else None
-    # the side streams' contention fractions (Hardware fields) fitted to a probe's steps (in
-    # context: [Note: side streams timed in context] in planner/fit_contention.py), else None
-    side_fractions: dict[str, float] | None = None
+    # the side streams' contention fractions and wait (Hardware fields) fitted to a probe's
+    # steps (in context: [Note: side streams timed in context] in planner/fit_contention.py),
+    # else None
+    side_streams: dict[str, float] | None = None
 
 
 def blocks_key(mf: ModelFile, graph: BlockGraph, device: str, blocks_regex: str | None,
@@ -74,7 +75,7 @@ def read_times(path: Path, n_blocks: int) -> Timed | None:
         process_bytes = data["process_bytes"]
         where = str(data["where"])
         loss_s = None if data.get("loss_s") is None else float(data["loss_s"])
-        side = data.get("side_fractions")
+        side = data.get("side_streams")
         side = None if side is None else {str(k): float(v) for k, v in side.items()}
     except (KeyError, TypeError, ValueError, AttributeError):
         return None

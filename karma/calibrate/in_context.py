@@ -23,7 +23,7 @@ median of the steps after the first over the third's own time.
 Otherwise, or if that fails, the blocks are timed alone (blocks.py).
 
 Then, with the block times just measured, the runtime trains PROBE_STEPS steps of an
-out-of-core probe, and the side streams' contention fractions are fitted to its traced
+out-of-core probe, and the side streams' contention fractions and wait are fitted to its traced
 steps ([Note: side streams timed in context] in karma/planner/fit_contention.py).
 
 [Note: the process's own memory] On the CPU backend the measured peak is the process's
@@ -82,7 +82,7 @@ def timed_in_context(graph: BlockGraph, hw: Hardware, keep_all: Callable[[Hardwa
                      probe: Callable[[Hardware, Timed], Probe] | None = None) -> Timed | None:
     """Every block of `graph` timed in keep_all steps on this machine (`keep_all(hw)`: the
     keep_all schedule of `graph` on `hw`, this machine's profile), or None where a step does
-    not fit or fails; with `probe`, the side streams' fractions too, fitted to a probe's
+    not fit or fails; with `probe`, the side streams' fractions and wait too, fitted to a probe's
     steps ([Note: side streams timed in context])."""
     schedule = keep_all(hw)
     need, free = schedule.predicted.peak_device_bytes, mem_available_bytes()
@@ -107,12 +107,12 @@ def timed_in_context(graph: BlockGraph, hw: Hardware, keep_all: Callable[[Hardwa
     steps = tuple((took.get(("device_step", i), 0.0),) * 2 for i in range(n))
     timed = Timed(times, steps, int(run["outside_private_bytes"]), "in a keep_all step",
                   took.get(("loss", n - 1)))
-    return timed if probe is None else _with_side_fractions(timed, hw, probe, say)
+    return timed if probe is None else _with_side_streams(timed, hw, probe, say)
 
 
-def _with_side_fractions(timed: Timed, hw: Hardware, probe: Callable[[Hardware, Timed], Probe],
-                         say: Callable[[str], None]) -> Timed:
-    """`timed` with the side streams' fractions fitted to PROBE_STEPS - 1 traced steps of
+def _with_side_streams(timed: Timed, hw: Hardware, probe: Callable[[Hardware, Timed], Probe],
+                       say: Callable[[str], None]) -> Timed:
+    """`timed` with the side streams' fractions and wait fitted to PROBE_STEPS - 1 traced steps of
     the probe planned on `hw` with `timed` (from its second step on); as it was, with the
     profile's, where the probe fails."""
     try:
@@ -123,14 +123,15 @@ def _with_side_fractions(timed: Timed, hw: Hardware, probe: Callable[[Hardware, 
                 f"{statistics.mean(side_s or [0.0]) * 1e6:.0f} us on average, too short to "
                 "time; planning with the profile's contention fractions")
             return timed
-        fractions = planned.fit(_run_traced(planned.schedule, PROBE_STEPS))
+        fitted = planned.fit(_run_traced(planned.schedule, PROBE_STEPS))
     except (OSError, ValueError, KeyError, KarmaError, subprocess.SubprocessError) as e:
         say(f"timing the side streams in an out-of-core probe failed ({type(e).__name__}: "
             f"{str(e)[:200]}); planning with the profile's contention fractions")
         return timed
     say("side streams beside compute, fitted to the probe's steps: "
-        + ", ".join(f"{k} {v:.3f}" for k, v in fractions.items()))
-    return replace(timed, side_fractions=fractions)
+        + ", ".join(f"{k} {v:.4f}" if k.endswith("_s") else f"{k} {v:.3f}"
+                    for k, v in fitted.items()))
+    return replace(timed, side_streams=fitted)
 
 
 def _run(schedule: Schedule, n_steps: int) -> tuple[list[dict], dict]:

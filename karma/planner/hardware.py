@@ -45,9 +45,12 @@ _FRACTION_FIELDS = (
     "copy_slowdown_compute",
     "compute_slowdown_host",
     "host_slowdown_compute",
+    "d2h_slowdown_compute",
 )
 """Optional keys (older profiles lack them): 0, their default, means independent streams."""
-_OPTIONAL_FIELDS = ("devices_per_node",)  # profiles from before it lack it: 1
+_WAIT_FIELDS = ("side_wait_s",)  # optional too: 0, its default, means no wait
+_MAX_WAIT_S = 1.0  # a scheduler's time slice is milliseconds
+_OPTIONAL_FIELDS = ("devices_per_node", *_WAIT_FIELDS)  # profiles from before them lack them
 _MAX_SLOWDOWN = 0.95  # a stream that lost more would never finish in a useful time
 _HOW_TO_FIX = "fix it in the profile, or measure this machine with karma-profile -o FILE"
 
@@ -125,6 +128,10 @@ class Hardware:
     copy_slowdown_compute: float = 0.0  # a copy's speed lost while compute runs
     compute_slowdown_host: float = 0.0  # compute's speed lost while a host step runs
     host_slowdown_compute: float = 0.0  # a host step's speed lost while compute runs
+    # Fitted to an out-of-core probe's steps by the calibration (karma/planner/fit_contention.py,
+    # [Note: side streams timed in context]), not measured by karma-profile:
+    d2h_slowdown_compute: float = 0.0  # a copy to the host's, where it differs (0: as h2d's)
+    side_wait_s: float = 0.0  # a side op started beside compute waits this long for a core
     # the devices of one node, which share its host memory (1 in profiles from before it, and
     # in a measured machine's). A cpu profile's "devices" are ranks sharing the machine: any
     # number may run on it.
@@ -149,6 +156,9 @@ class Hardware:
         for field_name in _FRACTION_FIELDS:
             value = _fraction(self.name, field_name, getattr(self, field_name))
             object.__setattr__(self, field_name, value)
+        for field_name in _WAIT_FIELDS:
+            value = _wait(self.name, field_name, getattr(self, field_name))
+            object.__setattr__(self, field_name, value)
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
                 or self.devices_per_node < 1:
             raise KarmaError(f"hardware {self.name!r}: devices_per_node must be a whole number "
@@ -165,7 +175,7 @@ class Hardware:
         """This machine as if its streams did not share cores (every contention fraction 0),
         as on a GPU, whose copy engines leave its cores alone: to time a plan as the model did
         before contention, or to plan swaps that shared cores would price out."""
-        return replace(self, **dict.fromkeys(_FRACTION_FIELDS, 0.0))
+        return replace(self, **dict.fromkeys(_FRACTION_FIELDS + _WAIT_FIELDS, 0.0))
 
 
 def _check_bytes(hw_name: str, field_name: str, value: object) -> None:
@@ -192,6 +202,16 @@ def _fraction(hw_name: str, field_name: str, value: object) -> float:
         raise KarmaError(
             f"hardware {hw_name!r}: {field_name} must be a fraction from 0 to {_MAX_SLOWDOWN}, "
             f"got {value!r}; {_HOW_TO_FIX}"
+        )
+    return float(value)
+
+
+def _wait(hw_name: str, field_name: str, value: object) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not 0 <= value < _MAX_WAIT_S:
+        raise KarmaError(
+            f"hardware {hw_name!r}: {field_name} must be a number of seconds from 0 to under "
+            f"{_MAX_WAIT_S:g}, got {value!r}; {_HOW_TO_FIX}"
         )
     return float(value)
 
@@ -293,7 +313,7 @@ def _coerce(source: str, key: str, value: object) -> object:
     """Accept what people write by hand: "16G" for bytes, "12e12" (a string to YAML) for rates."""
     if key in _BYTE_FIELDS and isinstance(value, str):
         return parse_size(value, what=f"{source}: {key}")
-    if key in _FLOAT_FIELDS or key in _FRACTION_FIELDS:
+    if key in _FLOAT_FIELDS or key in _FRACTION_FIELDS or key in _WAIT_FIELDS:
         return _float_text(source, key, value)
     if key == "flops_per_s" and isinstance(value, dict):
         return {dtype: _float_text(source, f"flops_per_s.{dtype}", v) for dtype, v in value.items()}
@@ -322,7 +342,8 @@ def dump_hardware(hw: Hardware) -> str:
 
     `hardware_from_yaml(dump_hardware(hw)) == hw` holds exactly: floats are written with the
     shortest digits that read back to the same float. The contention fractions are left out
-    when 0 (their default), so a GPU's profile reads as it did before they existed.
+    when 0 (their default), as is the side streams' wait, so a GPU's profile reads as it did
+    before they existed.
     """
     lines = [_HEADER, f"version: {FORMAT_VERSION}"]
     for f in fields(Hardware):
@@ -331,6 +352,10 @@ def dump_hardware(hw: Hardware) -> str:
             if value != 0:
                 lines.append(_with_comment(f"{f.name}: {_yaml_float(value)}",
                                            f"{format_number(100 * value)}% of its speed lost"))
+        elif f.name in _WAIT_FIELDS:
+            if value != 0:
+                lines.append(_with_comment(f"{f.name}: {_yaml_float(value)}",
+                                           format_seconds(value)))
         elif f.name == "flops_per_s":
             lines.append("flops_per_s:")
             for dtype in DTYPES:

@@ -40,6 +40,9 @@ class Contention:
     copy_slowdown_compute: float = 0.0  # a copy (h2d or d2h), while compute runs
     compute_slowdown_host: float = 0.0  # compute, while a host step runs
     host_slowdown_compute: float = 0.0  # a host step, while compute runs
+    d2h_slowdown_compute: float = 0.0  # a copy to the host, while compute runs (0: as h2d's)
+    side_wait_s: float = 0.0  # a side op started while compute runs waits this long for a core
+    # (wait_s, [Note: waiting for a core])
 
     @classmethod
     def of(cls, hardware: Mapping[str, object]) -> Contention:
@@ -87,13 +90,35 @@ class Contention:
             return speed
         if "compute" not in busy:
             return 1.0
+        if stream == "d2h" and self.d2h_slowdown_compute:
+            return 1.0 - self.d2h_slowdown_compute
         if stream in ("h2d", "d2h"):
             return 1.0 - self.copy_slowdown_compute
         if stream == "host":
             return 1.0 - self.host_slowdown_compute
         return 1.0
 
+    def wait_s(self, stream: str, working) -> float:
+        """How long an op of `stream` started while the streams in `working` run waits for a
+        core before it works.
 
+        [Note: waiting for a core] On the CPU a side stream's op runs on a worker thread
+        (and that thread's OpenMP team) which, while compute's threads keep every core busy,
+        gets one only when the kernel's scheduler next gives it a time slice. The wait does
+        not depend on the op's bytes: in traced steps of an 8-layer GPT on two cores a 12.6 MB
+        fetch (0.48 ms alone) took from 1 to 12 ms, a 75.6 MB swap-in (2.9 ms alone) 11 to
+        19 ms, and over all copies beside compute the traced seconds against the planned
+        ones alone are a line through about 1.4 ms (planner/fit_contention.py). So an op
+        started while compute works first waits `side_wait_s`, holding its stream and taking
+        no core (compute keeps its speed), then works at its shared speed; one started
+        while compute is idle finds a core at once. 0, the default, on a GPU and in a
+        profile: the calibration fits it ([Note: side streams timed in context])."""
+        if stream in _SIDE_STREAMS and "compute" in working:
+            return self.side_wait_s
+        return 0.0
+
+
+_SIDE_STREAMS = ("h2d", "d2h", "host")  # the streams of worker threads beside compute's
 INDEPENDENT = Contention()
 
 
@@ -191,7 +216,9 @@ def _times(ops: Sequence[Op], contention: Contention = INDEPENDENT
     is work at full speed, and it ends when that work is done. A compute op that overlaps a
     copy for half its length thus takes longer by half its length times the slowdown, and
     the copy likewise. With no contention every speed stays 1, and every op ends at exactly
-    start + dur_s, the same floats as a plain list schedule.
+    start + dur_s, the same floats as a plain list schedule. A side op that must first wait
+    for a core ([Note: waiting for a core]) is its stream's from its start but among the
+    busy streams only from the end of its wait.
     """
     start = [0.0] * len(ops)
     end = [0.0] * len(ops)
@@ -206,26 +233,34 @@ def _times(ops: Sequence[Op], contention: Contention = INDEPENDENT
     now = 0.0
     while True:
         # start each idle stream's next op once its deps are done
+        working = {s for s, r in running.items() if r.ready_s <= now}
         for stream, queue in waiting.items():
             if stream not in running and queue and all(done[d] for d in queue[0].deps):
                 op = queue.popleft()
                 start[op.id] = now
-                running[stream] = _Running(op.id, now, op.dur_s, 0.0)
+                ready_s = now + contention.wait_s(stream, working)
+                running[stream] = _Running(op.id, ready_s, op.dur_s, 0.0, ready_s)
+                if ready_s <= now:
+                    working.add(stream)
         if not running:
             break
-        for stream, r in running.items():
-            speed = contention.speed(stream, running)
+        for stream in working:
+            r = running[stream]
+            speed = contention.speed(stream, working)
             if speed != r.speed:  # from now on: the work left, at the new speed
                 left_s = r.left_s - (now - r.since_s) * r.speed
-                running[stream] = _Running(r.op, now, left_s, speed)
-        finish = {stream: r.since_s + max(r.left_s, 0.0) / r.speed
+                running[stream] = _Running(r.op, now, left_s, speed, r.ready_s)
+        finish = {stream: r.ready_s if r.ready_s > now
+                  else r.since_s + max(r.left_s, 0.0) / r.speed
                   for stream, r in running.items()}
         now = min(finish.values())
         for stream, t in finish.items():
-            if t == now:
-                op_id = running.pop(stream).op
-                end[op_id] = now
-                done[op_id] = True
+            r = running[stream]
+            waited = r.speed == 0.0 and r.left_s > 0.0  # its wait ends now: it works from now
+            if t == now and not waited:
+                running.pop(stream)
+                end[r.op] = now
+                done[r.op] = True
     return start, end
 
 
@@ -238,6 +273,7 @@ class _Running:
     since_s: float
     left_s: float
     speed: float
+    ready_s: float = 0.0  # it waits for a core until then, doing no work
 
 
 def _without_step(ops: Sequence[Op]) -> list[Op]:
