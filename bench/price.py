@@ -2,7 +2,7 @@
 the CPU backend.
 
     .venv/bin/python bench/price.py [--budgets 400M,600M,800M] [--rounds 3] [--steps 9]
-                                    [--no-trace] [--json FILE]
+                                    [--no-trace] [--json FILE] [--keep DIR]
 
 The GPT of 8 layers, width 512, 8 heads, a vocabulary of 8192, sequence 256, batch 8
 (examples/gpt.py, KARMA_GPT=8x512x8x8192; keep_all peaks at 1.1 GiB; at GPT-2's vocabulary of
@@ -24,6 +24,7 @@ simulator's: printed, per stream, the median over the steps of measured over pla
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -71,6 +72,16 @@ def busy_ratios(env: dict, schedule: Path, traces: list[Path]) -> dict[str, list
             if v["planned_busy_s"] > 0:
                 ratios.setdefault(stream, []).append(v["busy_s"] / v["planned_busy_s"])
     return ratios
+
+
+def side_streams(schedule: Path) -> dict[str, float]:
+    """The side streams' contention fields the calibration fitted, as the schedule carries
+    them (the profile's where it kept them)."""
+    from karma.schedule_load import load_schedule
+
+    hw = dict(load_schedule(schedule).hardware)
+    return {k: float(hw.get(k, 0.0)) for k in ("copy_slowdown_compute", "d2h_slowdown_compute",
+                                              "host_slowdown_compute", "side_wait_s")}
 
 
 def attribution(schedule: Path, traces: list[Path]) -> dict[str, dict[str, float]]:
@@ -121,13 +132,20 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=9)
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--json", type=Path)
+    p.add_argument("--keep", type=Path, metavar="DIR",
+                   help="leave the schedules, reports and traces in DIR (default: a temporary "
+                        "directory, removed)")
     args = p.parse_args()
     env = {**os.environ, **ENV}
     names = ["keep_all", *args.budgets.split(",")]
-    with tempfile.TemporaryDirectory(prefix="karma-price-") as tmp:
+    where = contextlib.nullcontext(args.keep) if args.keep else \
+        tempfile.TemporaryDirectory(prefix="karma-price-")
+    with where as tmp:
         tmp = Path(tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
         files = {n: tmp / f"{k}.yaml" for k, n in enumerate(names)}
         plans = {"keep_all": plan(env, files["keep_all"], "64G", keep_all=True)}
+        fitted = side_streams(files["keep_all"])
         for n in names[1:]:
             plans[n] = plan(env, files[n], n)
         steps: dict[str, list[list[float]]] = {n: [] for n in names}
@@ -161,6 +179,7 @@ def main() -> int:
         })
     print(f"{' '.join(f'{k}={v}' for k, v in ENV.items())}, batch {BATCH}; {args.rounds} "
           f"rounds of {args.steps} steps a plan, each run's median of steps 2..{args.steps}")
+    print("side streams as calibrated: " + ", ".join(f"{k} {v:g}" for k, v in fitted.items()))
     print("| plan | predicted step | measured step | predicted price | measured price (median) "
           "| range over rounds | within 10% | step spread (max/min) | "
           + " | ".join(f"{s} busy / planned" for s in SIDE_STREAMS) + " |")
@@ -191,7 +210,8 @@ def main() -> int:
                     for w in ("alone", "partly", "beside"))
                 print(f"| {n} | {stream} | {cells} | {v['beside_planned']:.2f} |")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "causes": causes}, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "causes": causes, "side_streams": fitted},
+                                        indent=2))
     return 0
 
 
