@@ -33,11 +33,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from karma.planner.simulate import SIDE_STREAMS
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 ENV = {"KARMA_GPT": "8x512x8x8192", "KARMA_SEQ": "256"}
 BATCH = 8
-SIDE_STREAMS = ("h2d", "d2h", "host")
 
 
 def run(cmd: list[str], env: dict) -> str:

@@ -61,6 +61,7 @@ from karma.calibrate.measure_hw import mem_available_bytes
 from karma.errors import KarmaError
 from karma.ir.graph import BlockGraph
 from karma.planner.hardware import Hardware
+from karma.planner.simulate import SIDE_STREAMS
 from karma.runtime.loop import trace_file
 from karma.schedule import Schedule
 
@@ -68,7 +69,6 @@ if TYPE_CHECKING:
     from karma.calibrate import Probe
 
 PROBE_STEPS = 4  # steps of the probe: the first warms up, the other three are traced
-SIDE_STREAMS = ("h2d", "d2h", "host")
 # A probe is run only where its side ops are planned at this much or more on average: a side
 # op costs its stream's worker tens to hundreds of microseconds of Python however small it is,
 # which no fraction of compute's cores explains (the tests' tiny GPT's average 272 us)

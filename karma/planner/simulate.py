@@ -113,12 +113,12 @@ class Contention:
         no core (compute keeps its speed), then works at its shared speed; one started
         while compute is idle finds a core at once. 0, the default, on a GPU and in a
         profile: the calibration fits it ([Note: side streams timed in context])."""
-        if stream in _SIDE_STREAMS and "compute" in working:
+        if stream in SIDE_STREAMS and "compute" in working:
             return self.side_wait_s
         return 0.0
 
 
-_SIDE_STREAMS = ("h2d", "d2h", "host")  # the streams of worker threads beside compute's
+SIDE_STREAMS = ("h2d", "d2h", "host")  # the streams of worker threads beside compute's
 INDEPENDENT = Contention()
 
 
