@@ -8,12 +8,9 @@ the ILP, the evaluation and the infeasibility message hold against the node's me
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from karma.planner.fragment import Fragment
 from karma.planner.problem import BlockCost, Problem
-
-if TYPE_CHECKING:
-    from karma.planner.lowering import Fragment
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ and the ILP stays exact.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from karma.planner.fragment import Fragment, ProtoOp
 from karma.planner.host_state import add_host_state, shard_bytes
 from karma.planner.problem import Problem
 from karma.schedule import (
@@ -38,7 +39,6 @@ from karma.schedule import (
     Buffer,
     Op,
     is_barrier,
-    round_seconds,
 )
 
 # (activations, weights, optimizer)
@@ -152,50 +152,6 @@ class Stages:
     @property
     def count(self) -> int:
         return self.update + 1
-
-
-@dataclass
-class ProtoOp:
-    key: tuple  # unique: (kind, block, ...)
-    kind: str
-    block: int
-    stage: int
-    stream: str
-    dur_s: float  # rounded as the schedule file writes it, so the file simulates the same
-    bytes: int = 0
-    uses: tuple[str, ...] = ()
-    after: tuple[tuple, ...] = ()  # keys of ops it waits for besides the stage barrier
-
-    def __post_init__(self) -> None:
-        self.dur_s = round_seconds(self.dur_s)
-
-
-@dataclass
-class ProtoBuffer:
-    name: str
-    block: int
-    bytes: int
-    alloc: tuple | None  # key of the op whose start allocates it
-    free: tuple | None  # key of the op whose end frees it
-
-
-@dataclass
-class Fragment:
-    ops: list[ProtoOp] = field(default_factory=list)
-    buffers: list[ProtoBuffer] = field(default_factory=list)
-    host_bytes: int = 0  # host memory it needs on each rank
-    pinned_bytes: int = 0  # pinned host memory it needs on each rank
-    node_host_bytes: int = 0  # host memory it needs once per node (the node's ranks share it)
-    node_pinned_bytes: int = 0  # pinned host memory it needs once per node
-
-    def op(self, *args, **kwargs) -> tuple:
-        o = ProtoOp(*args, **kwargs)
-        self.ops.append(o)
-        return o.key
-
-    def buffer(self, name: str, block: int, nbytes: int, alloc, free) -> None:
-        if nbytes > 0:
-            self.buffers.append(ProtoBuffer(name, block, nbytes, alloc, free))
 
 
 def weight_buffer(block: int, choice: Choice, phase: str, user: int, n: int) -> str:
