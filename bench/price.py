@@ -33,6 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from karma.planner.fit_contention import FITTED
 from karma.planner.simulate import SIDE_STREAMS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,8 +82,7 @@ def side_streams(schedule: Path) -> dict[str, float]:
     from karma.schedule_load import load_schedule
 
     hw = dict(load_schedule(schedule).hardware)
-    return {k: float(hw.get(k, 0.0)) for k in ("copy_slowdown_compute", "d2h_slowdown_compute",
-                                              "host_slowdown_compute", "side_wait_s")}
+    return {k: float(hw.get(k, 0.0)) for k in FITTED}
 
 
 def attribution(schedule: Path, traces: list[Path]) -> dict[str, dict[str, float]]:

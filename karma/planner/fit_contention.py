@@ -49,6 +49,7 @@ from karma.schedule import Schedule
 # the side streams' fractions, and the stream whose busy time sets each
 FITS = {"copy_slowdown_compute": ("h2d",), "d2h_slowdown_compute": ("d2h",),
         "host_slowdown_compute": ("host",)}
+FITTED = (*FITS, "side_wait_s")  # every Hardware field the fit sets
 MAX_SLOWDOWN = 0.95  # as measure_hw keeps a measured fraction
 MAX_WAIT_S = 0.05  # a scheduler's time slice is milliseconds
 _ROUNDS = 30  # at most: the fit stops once a round moves nothing by more than _SETTLED
@@ -72,9 +73,9 @@ def fit_side_streams(schedule: Schedule, traces: Sequence[Sequence[Mapping]]
     of microseconds planned, each take the stream's own Python overhead of a millisecond or
     so)."""
     contention = Contention.of(dict(schedule.hardware))
-    copies = sorted(op.dur_s for op in schedule.ops if op.stream in ("h2d", "d2h"))
-    small = {op.id for op in schedule.ops if op.stream in ("h2d", "d2h")
-             and copies and op.dur_s < statistics.median(copies)}
+    copies = [op for op in schedule.ops if op.stream in ("h2d", "d2h")]
+    cut_s = statistics.median(op.dur_s for op in copies) if copies else 0.0
+    small = {op.id for op in copies if op.dur_s < cut_s}
     targets = {"side_wait_s": ((lambda op: op.id in small), MAX_WAIT_S)}
     targets |= {field: ((lambda op, s=streams: op.stream in s), MAX_SLOWDOWN)
                 for field, streams in FITS.items()}

@@ -134,10 +134,11 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
         if sharded(schedule):  # [Note: the node's copy of the weights]
             named = dict(model.named_parameters(remove_duplicate=False))
             shapes = [(named[n].shape, named[n].dtype) for n in sharded_params(schedule)]
-            # on CUDA in shared memory, where the driver can pin it (nodecopy.py)
-            node_dir = host_memory.tier_dir if backend.name == "cpu" else tier_directory()
-            node = NodeCopy(whole_bytes(shapes, ranks.world_size), ranks, node_dir,
-                            backend.pool_kind == "pinned", timeout_s, log)
+            pinned = backend.pool_kind == "pinned"
+            # pinned, in shared memory, where the driver can pin it (nodecopy.py)
+            node_dir = tier_directory() if pinned else host_memory.tier_dir
+            node = NodeCopy(whole_bytes(shapes, ranks.world_size), ranks, node_dir, pinned,
+                            timeout_s, log)
             stack.callback(node.close)
         exchange = GradientExchange(ranks, backend) if ranks.world_size > 1 else None
         precision = MixedPrecision.of(schedule, backend.device.type)

@@ -48,7 +48,7 @@ class NodeCopy:
     same on every rank)."""
 
     def __init__(self, nbytes: int, ranks: Ranks, directory: str, pinned: bool,
-                 timeout_s: float, log: Callable[[str], None] = print):
+                 timeout_s: float, log: Callable[[str], None]):
         local_rank = _env_int("LOCAL_RANK", 0)
         node = os.environ.get("GROUP_RANK", "0")
         key = [uuid.uuid4().hex if ranks.main else None]
