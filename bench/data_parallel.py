@@ -87,9 +87,9 @@ def main() -> None:
           f"to karma.reference --world-size {args.ranks} (max relative difference "
           f"{_max_rel(r_many['losses'], ref['losses']):.2g})")
     print(f"- step time, median of steps 2..{args.steps}: {args.ranks} ranks "
-          f"{format_seconds(t_many)} (predicted {format_seconds(predicted['iteration_s'])}), "
+          f"{format_seconds(t_many)} (predicted {format_seconds(predicted['step_s'])}), "
           f"1 rank {format_seconds(t_one)} (predicted "
-          f"{format_seconds(plans[1]['predicted']['iteration_s'])})")
+          f"{format_seconds(plans[1]['predicted']['step_s'])})")
     print(f"- scaling efficiency (1-rank step time / {args.ranks}-rank step time, same batch per "
           f"rank): measured {t_one / t_many:.3f}, predicted {predicted['scaling_efficiency']:.3f}")
     print(f"- all-reduce per step: {format_seconds(statistics.median(ar))} median, "

@@ -22,6 +22,7 @@ has and 10-16% under step times calibrated in a fresh process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -63,8 +64,9 @@ def main() -> None:
     from karma.ir.optimizer import optimizer_profile
     from karma.modelfile import load_model_file
     from karma.planner.baselines import BASELINES
-    from karma.planner.hardware import dump_hardware, load_hardware
-    from karma.planner.pipeline import PlanRequest, make_schedule
+    from karma.planner.hardware import dump_hardware
+    from karma.planner.options import PlanOptions
+    from karma.planner.pipeline import make_schedule
     from karma.planner.plan import evaluate
     from karma.planner.problem import build_problem
     from karma.schedule import ModelRef
@@ -75,12 +77,12 @@ def main() -> None:
     opt_profile = optimizer_profile(mf)
     # what karma-plan --hardware cpu does by default: this machine's rates and block times
     # (measured once, cached: karma/calibrate); --no-measure: the roofline
-    cal = calibration(mf, graph, "cpu", load_hardware("cpu"), opt_profile,
-                      False if args.no_measure else None, log=print)
-    hw, measured_s, steps_s = cal.hardware, cal.measured_s, cal.measured_step_s
+    options = PlanOptions(hardware="cpu", batch_size=args.batch_size,
+                          measure="estimate" if args.no_measure else "cached")
+    cal = calibration(mf, graph, options, opt_profile, log=print)
+    hw, measured = cal.hardware, cal.measured
     Path(tempfile.gettempdir(), "karma-fidelity-cpu.yaml").write_text(dump_hardware(hw))
-    problem = build_problem(graph, hw, optimizer=opt_profile, measured_s=measured_s,
-                            measured_step_s=steps_s, process_bytes=cal.process_bytes)
+    problem = build_problem(graph, hw, optimizer=opt_profile, measured=measured)
     keep_peak = evaluate(problem, BASELINES["keep_all"](problem, 1 << 60), 1 << 60).stage_peak_bytes
     model = ModelRef.now(example, mf.sha256, graph.to_json())
 
@@ -90,14 +92,14 @@ def main() -> None:
 
     cases = [(case.split(":")[0], float(case.split(":")[1])) for case in args.cases.split(",")]
     independent = build_problem(graph, hw.independent_streams(), optimizer=opt_profile,
-                                measured_s=measured_s, measured_step_s=steps_s,
-                                process_bytes=cal.process_bytes)
+                                measured=measured)
     print(f"contention: compute slowdown {hw.compute_slowdown_copy:g} beside copies, "
           f"{hw.compute_slowdown_host:g} beside host steps; copies {hw.copy_slowdown_compute:g}"
           f", host steps {hw.host_slowdown_compute:g} beside compute")
     sizes = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("KARMA_"))
     print(f"{example} ({sizes}), batch {args.batch_size}; block times "
-          f"{cal.summary}; the process outside its tensors {format_bytes(cal.process_bytes)} "
+          f"{cal.summary}; the process outside its tensors "
+          f"{format_bytes(measured.process_bytes)} "
           "(planned in every stage); medians over "
           f"steps 2..{args.steps} of {args.rounds} round(s); keep_all stage peak {format_bytes(keep_peak)}\n")
     print("| strategy | budget | step s measured | step s predicted | measured/predicted | "
@@ -108,10 +110,8 @@ def main() -> None:
     for strategy, fraction in cases:
         cap = int(keep_peak * fraction)
         try:
-            report = make_schedule(graph, model, PlanRequest(
-                cap, hw, args.batch_size, strategy=strategy, optimizer=opt_profile,
-                measured_s=measured_s, measured_step_s=steps_s,
-                process_bytes=cal.process_bytes))
+            report = make_schedule(graph, model, dataclasses.replace(
+                options, gpu_mem=cap, hardware=hw, strategy=strategy), measured, opt_profile)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"| {strategy} | {format_bytes(cap)} | {type(e).__name__}: {e} |")
             continue
@@ -136,8 +136,8 @@ def main() -> None:
         measured, ref = statistics.median(run_s[k]), statistics.median(plain_s[k])
         predicted = schedule.predicted
         alone_s = evaluate(independent, plan, cap).step_s
-        print(f"| {strategy} | {format_bytes(cap)} | {measured:.3f} | {predicted.iteration_s:.3f}"
-              f" | {measured / predicted.iteration_s:.2f} | {alone_s:.3f} | "
+        print(f"| {strategy} | {format_bytes(cap)} | {measured:.3f} | {predicted.step_s:.3f}"
+              f" | {measured / predicted.step_s:.2f} | {alone_s:.3f} | "
               f"{measured / alone_s:.2f} | {format_bytes(peaks[k])}"
               f" | {format_bytes(predicted.peak_device_bytes)} | "
               f"{'yes' if peaks[k] <= cap else 'NO'} | {ref:.3f} |", flush=True)

@@ -38,7 +38,7 @@ MODELS = (
 )
 HARDWARE = ("v100-16g", "h100-80g")
 BUDGET_FRACTIONS = (0.3, 0.5, 0.7)
-COLUMNS = ("model", "hardware", "budget", "ILP iteration s", "status", "solve s",
+COLUMNS = ("model", "hardware", "budget", "ILP step s", "status", "solve s",
            "lower bound s", "ILP/LB", "best baseline", "ILP/best", "keep/swap/recompute/"
            "streamed/host-opt", "feasible baselines")
 
@@ -49,10 +49,10 @@ def row(label: str, hw_name: str, problem: Problem, fraction: float) -> list[str
     budget = f"{fraction:.0%} ({cap / GIB:.1f} GiB)"
     baselines = {name: evaluate(problem, fn(problem, cap), cap) for name, fn in BASELINES.items()}
     feasible = {name: ev for name, ev in baselines.items() if ev.feasible}
-    best_name = min(feasible, key=lambda name: feasible[name].iteration_s, default=None)
+    best_name = min(feasible, key=lambda name: feasible[name].step_s, default=None)
     best = feasible[best_name] if best_name else None
     fits = ", ".join(feasible) or "none"
-    best_text = f"{best_name} {best.iteration_s:.3f}" if best else "none"
+    best_text = f"{best_name} {best.step_s:.3f}" if best else "none"
     try:
         plan = solve_ilp(problem, cap, start=best.plan if best else None)
     except InfeasiblePlan as e:
@@ -67,10 +67,10 @@ def row(label: str, hw_name: str, problem: Problem, fraction: float) -> list[str
                                            "host_optimizer"))
     lb = ev.sim.lower_bound_s
     return [
-        label, hw_name, budget, f"{ev.iteration_s:.3f}", plan.status + ("" if ev.feasible
+        label, hw_name, budget, f"{ev.step_s:.3f}", plan.status + ("" if ev.feasible
                                                                           else " (over budget)"),
-        f"{plan.solve_s:.2f}", f"{lb:.3f}", f"{ev.iteration_s / lb:.3f}", best_text,
-        f"{ev.iteration_s / best.iteration_s:.3f}" if best else "", counts, fits,
+        f"{plan.solve_s:.2f}", f"{lb:.3f}", f"{ev.step_s / lb:.3f}", best_text,
+        f"{ev.step_s / best.step_s:.3f}" if best else "", counts, fits,
     ]
 
 

@@ -14,7 +14,7 @@ Then `--rounds` rounds, each training every plan `--steps` steps in a fresh karm
 plans' order rotated by one each round. A run's step time is the median of its steps after
 the first; its spread the slowest of those over the fastest. A plan's measured price in a
 round is its step over keep_all's in the same round; printed are the median over rounds, their
-range, and the planned price (the plan's predicted iteration over keep_all's).
+range, and the planned price (the plan's predicted step over keep_all's).
 
 Then (unless --no-trace) one more run of each plan traces `--steps - 1` steps (karma-run
 --trace-steps), and karma-inspect sets each stream's busy time in every traced step beside the
@@ -169,9 +169,9 @@ def main() -> int:
     for n in names:
         runs = [statistics.median(s[1:]) for s in steps[n]]
         prices = [a / b for a, b in zip(runs, keep)]
-        predicted = plans[n]["iteration_s"] / plans["keep_all"]["iteration_s"]
+        predicted = plans[n]["step_s"] / plans["keep_all"]["step_s"]
         rows.append({
-            "plan": n, "predicted_s": plans[n]["iteration_s"],
+            "plan": n, "predicted_s": plans[n]["step_s"],
             "measured_s": statistics.median(runs), "runs_s": runs,
             "predicted_price": predicted, "measured_price": statistics.median(prices),
             "prices": prices,

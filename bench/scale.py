@@ -6,7 +6,7 @@
 Each plan runs in a process of its own (karma.api.plan_report, the roofline block times: the
 GPUs are not this machine), which reports its wall time and its peak RSS (VmHWM). Printed per
 plan: whether it fits, the plan time and RSS, the host memory a rank and a node needs against
-the node's, the predicted iteration and the scaling efficiency against one rank.
+the node's, the predicted step and the scaling efficiency against one rank.
 """
 
 from __future__ import annotations
@@ -37,21 +37,21 @@ def plan_one(model: int, state: str, host_mem: str | None) -> dict:
     label, gpt, seq, hardware, gpu_mem, ranks = MODELS[model]
     os.environ.update(KARMA_GPT=gpt, KARMA_SEQ=seq)
     from karma.api import plan_report
+    from karma.planner.options import PlanOptions
     from karma.planner.plan import InfeasiblePlan
 
     start = time.perf_counter()
     row = {"model": label, "hardware": hardware, "gpu_mem": gpu_mem, "world_size": ranks,
            "host_state": state, "host_mem": host_mem}
     try:
-        report = plan_report(ROOT / "examples" / "gpt.py", gpu_mem, hardware, 1,
-                             world_size=ranks, host_state=state, host_mem=host_mem,
-                             measure=False,
-                             log=lambda note: None)
+        report = plan_report(ROOT / "examples" / "gpt.py", PlanOptions(
+            gpu_mem=gpu_mem, hardware=hardware, batch_size=1, world_size=ranks,
+            host_state=state, host_mem=host_mem, measure="estimate"), log=lambda note: None)
     except InfeasiblePlan as e:
         row.update(feasible=False, reason=str(e))
     else:
         s, ev = report.schedule, report.chosen
-        row.update(feasible=True, iteration_s=s.predicted.iteration_s,
+        row.update(feasible=True, step_s=s.predicted.step_s,
                    scaling_efficiency=s.predicted.scaling_efficiency,
                    host_bytes=s.predicted.host_bytes, node_host_bytes=s.predicted.node_host_bytes,
                    node_pinned_bytes=s.predicted.node_pinned_bytes,
@@ -74,7 +74,7 @@ def _peak_rss() -> int:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | ranks | host state | fits | plan | RSS | host a rank | host a node "
-             "(of the node's) | pinned a node (of) | iteration | scaling efficiency |",
+             "(of the node's) | pinned a node (of) | step | scaling efficiency |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         state = r["host_state"] + (", host unlimited" if r["host_mem"] else "")
@@ -86,7 +86,7 @@ def table(rows: list[dict]) -> str:
                 common + f"| {r['host_bytes'] / GIB:.1f} GiB "
                 f"| {r['node_host_bytes'] / GIB:.0f} GiB ({r['host_mem_bytes'] / GIB:.0f}) "
                 f"| {r['node_pinned_bytes'] / GIB:.0f} GiB ({r['pinned_mem_bytes'] / GIB:.0f}) "
-                f"| {r['iteration_s']:.1f} s | {100 * r['scaling_efficiency']:.0f}% |")
+                f"| {r['step_s']:.1f} s | {100 * r['scaling_efficiency']:.0f}% |")
         else:
             lines.append(common + "| | | | | |")
     notes = [f"- {r['model']}, {r['host_state']}: {r['reason']}" for r in rows

@@ -16,7 +16,7 @@ rotated by one each round, so that a slow minute falls on different points. A ru
 the median of its steps 2..N; a point's planned and measured times are the medians over the
 rounds. A point planned twice (batch 2 at 85% is in both sweeps) is trained once.
 
-Printed: each point's planned and measured iteration with the spread of its runs (max over
+Printed: each point's planned and measured step with the spread of its runs (max over
 min), between adjacent points the planned and the measured ratio, and the batch `best` picks
 (with round 1's calibration) beside the best measured.
 """
@@ -103,7 +103,7 @@ def main() -> int:
             for k, (mem, batch) in enumerate(keys):
                 files[k] = tmp / f"r{r}-s{k}.yaml"
                 got = plan(env, files[k], mem, batch)
-                planned[(mem, batch)].append(got["iteration_s"] if got else float("nan"))
+                planned[(mem, batch)].append(got["step_s"] if got else float("nan"))
             for k in order:
                 if planned[keys[k]][-1] == planned[keys[k]][-1]:  # it fits (not nan)
                     times[keys[k]].append(train(env, files[k], args.steps,

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     schedule.save(args.out / "schedule.yaml")  # karma-run and karma-inspect read it too
     print(f"planned {len(schedule.blocks)} blocks for {args.gpu_mem}: predicted "
-          f"{schedule.predicted.iteration_s:.3g} s and "
+          f"{schedule.predicted.step_s:.3g} s and "
           f"{schedule.predicted.peak_device_bytes / 2**20:.1f} MiB per step")
 
     with karma.Runtime(schedule, seed=0) as rt:

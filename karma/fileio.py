@@ -7,6 +7,7 @@ import errno
 import os
 import resource
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from karma.errors import KarmaError
@@ -22,26 +23,39 @@ def cache_dir() -> Path:
     return Path(base) / "karma"
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it over `path`: a crash
-    leaves the old file or the new one, never a part."""
+@contextlib.contextmanager
+def replaced_atomically(path: str | Path) -> Iterator[Path]:
+    """A temporary file beside `path` to write, renamed over `path` (its bytes and its
+    directory entry synced) when the block ends, removed when it raises: a crash leaves the
+    old file or the new one, never a part.
+
+        with replaced_atomically("model.pt") as tmp:
+            torch.save(state, tmp)
+    """
     path = Path(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise KarmaError(f"cannot write {path}: {e.strerror}; choose another path") from e
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
+        yield tmp
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes the file private (0600)
         os.replace(tmp, path)
-    except OSError as e:
+    finally:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            tmp.unlink()
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` atomically (replaced_atomically); a failure is a KarmaError."""
+    path = Path(path)
+    try:
+        with replaced_atomically(path) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+    except OSError as e:
         raise KarmaError(f"cannot write {path}: {e.strerror}; choose another path") from e
 
 

@@ -1,4 +1,4 @@
-"""A schedule as a picture: device memory over one iteration above a per-stream Gantt chart.
+"""A schedule as a picture: device memory over one step above a per-stream Gantt chart.
 
     karma-inspect schedule.yaml --plot schedule.png
     karma-inspect schedule.yaml --trace trace.json --plot timeline.png   # measured under it
@@ -14,12 +14,12 @@ matplotlib is optional (`pip install 'karma[plot]'`); it is imported only when p
 from __future__ import annotations
 
 import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from karma.errors import KarmaError
+from karma.fileio import replaced_atomically
 from karma.schedule import OP_KINDS, STREAMS, Schedule
 from karma.units import format_bytes, format_seconds
 
@@ -79,7 +79,7 @@ def plot_schedule(schedule: Schedule, sim: SimResult, path: str | os.PathLike) -
     path = Path(path)
     _check_directory(path)
 
-    end_s = max(sim.replay_s or sim.iteration_s, 1e-30)
+    end_s = max(sim.replay_s or sim.serial_step_s, 1e-30)
     t_unit, t_scale = _time_unit(end_s)
     fig = Figure(figsize=(_FIG_WIDTH_IN, 7.5), dpi=_DPI, layout="constrained")
     ax_mem, ax_ops = fig.subplots(2, 1, sharex=True, height_ratios=(1.0, 1.15))
@@ -90,7 +90,7 @@ def plot_schedule(schedule: Schedule, sim: SimResult, path: str | os.PathLike) -
     _update_stage(ax_mem, ax_ops, schedule, sim, t_scale)
 
     c = schedule.config
-    ax_ops.set_xlabel(_iteration_label(c.accumulate, t_unit))
+    ax_ops.set_xlabel(_time_label(c.accumulate, t_unit))
     _kind_legend(ax_ops, kinds, Patch)
     fig.suptitle(_title(schedule), fontsize=11)
     _save_atomically(fig, path)
@@ -106,7 +106,7 @@ def plot_timeline(schedule: Schedule, sim: SimResult, trace: StepTrace,
     path = Path(path)
     _check_directory(path)
 
-    planned_s = max(sim.replay_s or sim.iteration_s, 1e-30)
+    planned_s = max(sim.replay_s or sim.serial_step_s, 1e-30)
     measured_s = max([trace.step_s, *(s.end_s for s in trace.ops)])
     if trace.memory:
         fig = Figure(figsize=(_FIG_WIDTH_IN, 13.0), dpi=_DPI, layout="constrained")
@@ -127,7 +127,7 @@ def plot_timeline(schedule: Schedule, sim: SimResult, trace: StepTrace,
     kinds = _lanes(ax_plan, planned, planned_s, t_scale, planned_busy,
                    f"(b) streams as planned: {format_seconds(planned_s)}")
     ax_plan.set_xlim(0, planned_s / t_scale * 1.01)
-    ax_plan.set_xlabel(_iteration_label(schedule.config.accumulate, t_unit), fontsize=9)
+    ax_plan.set_xlabel(_time_label(schedule.config.accumulate, t_unit), fontsize=9)
     _update_stage(ax_mem, ax_plan, schedule, sim, t_scale)
 
     m_unit, m_scale = _time_unit(measured_s)
@@ -141,7 +141,7 @@ def plot_timeline(schedule: Schedule, sim: SimResult, trace: StepTrace,
                             for w in trace.waits], (-0.35, 0.7), facecolors="none",
                            edgecolors="#d62728", hatch="////", linewidth=0.6)
     ax_run.set_xlim(0, measured_s / m_scale * 1.01)
-    ax_run.set_xlabel(f"time in the traced iteration ({m_unit})")
+    ax_run.set_xlabel(f"time in the traced step ({m_unit})")
     _kind_legend(ax_run, kinds, Patch, extra=[Patch(facecolor="none", edgecolor="#d62728",
                                                     hatch="////", label="compute waiting")])
     fig.suptitle(_title(schedule), fontsize=11)
@@ -179,8 +179,8 @@ def _measured_memory_panel(ax, schedule: Schedule, trace: StepTrace, t_scale: fl
     ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, fontsize=9, frameon=False)
 
 
-def _iteration_label(accumulate: int, t_unit: str) -> str:
-    return (f"time in one iteration ({t_unit})" if accumulate == 1 else
+def _time_label(accumulate: int, t_unit: str) -> str:
+    return (f"time in one step ({t_unit})" if accumulate == 1 else
             f"time in the last of {accumulate} micro-batches, the one that steps ({t_unit})")
 
 
@@ -200,14 +200,14 @@ def _title(schedule: Schedule) -> str:
                         f", clip {c.clip_grad_norm:g}" if c.clip_grad_norm is not None else ""])
     return (f"{schedule.model.path}: {schedule.strategy} ({schedule.status}), batch "
             f"{c.batch_size}, {c.dtype}, {ranks}{training} — "
-            f"{'step' if c.accumulate > 1 else 'iteration'} {format_seconds(p.iteration_s)} "
+            f"step {format_seconds(p.step_s)} "
             f"(lower bound {format_seconds(p.lower_bound_s)}), peak "
             f"{format_bytes(p.peak_device_bytes)} of {format_bytes(c.capacity_bytes)}")
 
 
 def _memory_panel(ax, schedule: Schedule, sim: SimResult, end_s: float, t_scale: float,
                   Line2D) -> None:
-    """(a) allocated device memory over the iteration, the predicted peak and the capacity."""
+    """(a) allocated device memory over the step, the predicted peak and the capacity."""
     capacity, peak = schedule.config.capacity_bytes, schedule.predicted.peak_device_bytes
     capacity_drawn = capacity <= _CAPACITY_OFF_SCALE * max(peak, 1)
     top = max(peak, capacity if capacity_drawn else 0, 1)
@@ -293,28 +293,23 @@ def _update_stage(ax_mem, ax_ops, schedule: Schedule, sim: SimResult, t_scale: f
                     "update stage" + (": every step, after the whole backward " if clipped
                                       else " "),
                     ha="right", va="top", fontsize=8, color="#8b3a70")
-    overlapped = sim.overlapped_iteration_s
+    overlapped = sim.overlapped_step_s
     if overlapped is not None and schedule.config.accumulate == 1:
         x = overlapped / t_scale
         ax_ops.axvline(x, color="#8b3a70", linestyle=":", linewidth=1.4)
         left = x > ax_ops.get_xlim()[1] / 2  # the label on the side with room
-        ax_ops.text(x, len(STREAMS) - 0.55, f" iteration with the host updates under the next "
+        ax_ops.text(x, len(STREAMS) - 0.55, f" step with the host updates under the next "
                     f"forward: {format_seconds(overlapped)} ", ha="right" if left else "left",
                     va="bottom", fontsize=8, color="#8b3a70")
 
 
 def _save_atomically(fig, path: Path) -> None:
     """Write to a temporary file beside `path`, then rename: readers never see half a PNG."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=_DPI)
-        os.replace(tmp, path)
+        with replaced_atomically(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=_DPI)
     except OSError as e:
         raise KarmaError(f"cannot write the plot to '{path}': {e}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def plot_sweep(points: list[dict], quantity: str, hardware_name: str,
@@ -331,7 +326,7 @@ def plot_sweep(points: list[dict], quantity: str, hardware_name: str,
     ax = fig.subplots()
     names = sorted({n for p in points for n in p["baselines"]})
     for name in names:
-        line = [(x, p["samples_per_s"] * p["iteration_s"] / p["baselines"][name])
+        line = [(x, p["samples_per_s"] * p["step_s"] / p["baselines"][name])
                 for x, p in zip(xs, points) if p["feasible"] and p["baselines"].get(name)]
         if line:
             ax.plot(*zip(*line), label=name, linewidth=1.2, alpha=0.8,

@@ -1,26 +1,30 @@
 """The schedule: the one contract between the planner and the runtime.
 
-A schedule is the ordered list of operations one training iteration replays, each on a
-stream, with its dependencies, plus the buffers those operations fill and free, each block's
+A schedule is the ordered list of operations of one *replay*, each on a stream, with its
+dependencies, plus the buffers those operations fill and free, each block's
 decisions, the predicted figures, the hardware profile, the training configuration and the
 fingerprints of the model file and of its IR. It is written as YAML (`dump_schedule`) and read
 back with validation (`load_schedule`, in schedule_load.py). Both the planner and the runtime
 import this module; it imports neither.
 
+Times: a *step* is one optimizer update; with gradient accumulation (config.accumulate N) it
+replays the op list once per micro-batch, N replays, and the update's ops run in the last one
+(see [Note: the training options' contract]). Its predicted time is `predicted.step_s`.
+
 Streams: `compute` (forward, backward, recompute, loss, device optimizer step), `h2d`
 (host-to-device copies: swap-in, weight fetch, weight upload), `d2h` (device-to-host copies:
-swap-out, gradients to the host), `net` (all-reduce, reduce-scatter), `host` (host optimizer
-step, and with sharded host state the all-gather of the stepped shards).
+swap-out, gradients to the host), `net` (all-reduce, reduce-scatter, and with sharded host
+state the all-gather of the stepped shards), `host` (host optimizer step): STREAM_OF_KIND.
 
 Host state (config.host_state): `replicated`, every rank keeps the fp32 master weights,
 gradients and optimizer state of every host-stepped block; `sharded`, on several ranks each
 keeps 1/N of them (dim 0 of each parameter cut in N equal parts, the last ones padded): a
 host-stepped block's gradients are reduce-scattered (all-reduced with clipping, whose norms
 need each gradient whole), each rank steps its shard, and an all-gather (on the net stream,
-after the host step, outside the stage barrier) writes the stepped shards into the whole weights the blocks upload or fetch from, one copy
-per node.
+after the host step, outside the stage barrier) writes the stepped shards into the whole
+weights the blocks upload or fetch from, one copy per node.
 
-Stages: the iteration is cut into stages (a prologue, one per block's forward, one per
+Stages: a replay is cut into stages (a prologue, one per block's forward, one per
 block's backward, an epilogue and an update stage). An operation on `compute`, `h2d`, `d2h` or
 `net` starts only when every operation of the earlier stages on those streams has finished;
 within a stage each stream runs its operations back to back. `host` operations and the
@@ -30,21 +34,27 @@ weight uploads of the update stage follow their own dependencies.
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
-from decimal import Decimal
-from functools import lru_cache
 from pathlib import Path
-
-import yaml
 
 from karma.errors import KarmaError
 from karma.units import format_bytes, format_number, format_seconds
+from karma.yamltext import (
+    flow_list,
+    flow_map,
+    round_digits,
+    with_comment,
+    wrapped_list,
+    yaml_float,
+    yaml_int,
+    yaml_str,
+    yaml_value,
+)
 
-SCHEDULE_VERSION = 1
+SCHEDULE_VERSION = 2
+# versions this karma reads; an older one is brought up to date as it loads (schedule_load.py)
+READABLE_VERSIONS = (1, 2)
 
 STREAMS = ("compute", "h2d", "d2h", "net", "host")
 BARRIER_STREAMS = ("compute", "h2d", "d2h", "net")
@@ -57,28 +67,33 @@ def is_barrier(stream: str, kind: str) -> bool:
     """Whether an op of `kind` on `stream` ends with its stage (the module docstring)."""
     return stream in BARRIER_STREAMS and kind not in UNBARRIERED_KINDS
 
-OP_KINDS = (
-    "forward",  # run a block's forward (saving, swapping or dropping its activations)
-    "loss",  # loss_fn(output, targets), then the start of backward
-    "recompute",  # run a block's forward again to rebuild its activations
-    "backward",  # a block's backward
-    "swap_out",  # copy a block's saved activations to the host; frees them on the device
-    "swap_in",  # copy them back before the block's backward
-    "fetch",  # copy a block's weights from the host into device buffers
-    "grads_to_host",  # copy a block's gradients to the host; frees them on the device
-    "allreduce",  # average a block's gradients over ranks
-    "reduce_scatter",  # average them, each rank keeping its shard (sharded host state)
-    "device_step",  # optimizer step of a block's parameters on the device
-    "host_step",  # optimizer step of a block's parameters on the host
-    "all_gather",  # gather the stepped shards into the block's whole weights (sharded)
-    "upload",  # copy a block's updated weights back to their device buffers
-)
+
+# Every op kind and the stream it runs on: the engine runs compute kinds on the compute
+# thread and sends the others to their stream's worker by op.stream; the checker holds
+# every op to its kind's stream.
+STREAM_OF_KIND = {
+    "forward": "compute",  # run a block's forward (saving, swapping or dropping its activations)
+    "loss": "compute",  # loss_fn(output, targets), then the start of backward
+    "recompute": "compute",  # run a block's forward again to rebuild its activations
+    "backward": "compute",  # a block's backward
+    "swap_out": "d2h",  # copy a block's saved activations to the host; frees them on the device
+    "swap_in": "h2d",  # copy them back before the block's backward
+    "fetch": "h2d",  # copy a block's weights from the host into device buffers
+    "grads_to_host": "d2h",  # copy a block's gradients to the host; frees them on the device
+    "allreduce": "net",  # average a block's gradients over ranks
+    "reduce_scatter": "net",  # average them, each rank keeping its shard (sharded host state)
+    "device_step": "compute",  # optimizer step of a block's parameters on the device
+    "host_step": "host",  # optimizer step of a block's parameters on the host
+    "all_gather": "net",  # gather the stepped shards into the block's whole weights (sharded)
+    "upload": "h2d",  # copy a block's updated weights back to their device buffers
+}
+OP_KINDS = tuple(STREAM_OF_KIND)
 
 # [Note: the training options' contract] With gradient accumulation (config.accumulate N)
 # the op list is replayed once per micro-batch and the ops of LAST_MICRO_BATCH_KINDS run only
 # in the last replay of an optimizer step (the others skip them). With clipping
 # (config.clip_grad_norm) every optimizer step comes after every op that makes a gradient
-# final, and the ops of DEFERRED_KINDS may run on into the next iteration, each block's
+# final, and the ops of DEFERRED_KINDS may run on into the next step, each block's
 # before that block's weights are next used.
 LAST_MICRO_BATCH_KINDS = ("allreduce", "reduce_scatter", "device_step", "host_step",
                           "all_gather", "upload")
@@ -88,18 +103,75 @@ GRAD_KINDS = ("backward", "allreduce", "reduce_scatter", "grads_to_host")
 EXCHANGE_KINDS = ("allreduce", "reduce_scatter")  # a block's gradients averaged over ranks
 OPTIMIZER_STEP_KINDS = ("device_step", "host_step")
 
+# a block's decisions (BlockEntry.act, .weights, .optim)
 ACT_CHOICES = ("keep", "swap", "recompute")
 WEIGHT_CHOICES = ("resident", "streamed")
 OPTIM_CHOICES = ("device", "host")
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16")  # config.dtype: fp32, or bf16 mixed precision
 STATUSES = ("optimal", "time-limit", "heuristic", "fallback")
 HOST_STATES = ("replicated", "sharded")
 CALIBRATIONS = ("measured",)  # predicted.calibration; left out: the roofline estimate
 
 
+def is_sharded(host_state: str, world_size: int) -> bool:
+    """Whether host-stepped blocks keep 1/N of their host state on each rank (the module
+    docstring): host state sharded, on more than one rank."""
+    return host_state == "sharded" and world_size > 1
+
+
+# --- buffer names ---------------------------------------------------------------------------
+# A buffer is named KIND.BLOCK[@WHERE]: act.3 (block 3's saved activations), act.3@in (swapped
+# in), act.3@re (recomputed), ckpt.3 (a recompute block's input), grad.3, opt.3 (device
+# optimizer state), steptmp.3 and hoststep.3 (an optimizer step's temporaries), artmp.3 (an
+# all-reduce's flat buffer), w.3 (resident weights) and the fetched weights below; `process`
+# (PROCESS_BUFFER). Only the weight buffers are read back: a fetch fills the one its `uses`
+# names, and the runtime finds the parameters behind it by its name.
+
+FETCH_PHASES = ("fwd", "bwd")  # which of the user's passes a fetch of weights is for
+_WEIGHTS = re.compile(r"w\.(\d+)@([fb])(\d*)$")
+_RESIDENT = re.compile(r"w\.(\d+)$")
+
+
+@dataclass(frozen=True)
+class WeightBuffer:
+    """Fetched weights: `owner`'s weights in device buffers for `user`'s forward (phase
+    "fwd", kept through the backward for the last block) or its backward ("bwd")."""
+
+    owner: int
+    phase: str  # one of FETCH_PHASES
+    user: int
+
+    @property
+    def name(self) -> str:
+        """w.OWNER@fUSER or w.OWNER@bUSER, USER left out when it is the owner: "w.3@f",
+        "w.0@b5" (block 5's backward reads block 0's weights: tied)."""
+        user = "" if self.user == self.owner else str(self.user)
+        return f"w.{self.owner}@{self.phase[0]}{user}"
+
+    @classmethod
+    def parse(cls, name: str) -> WeightBuffer | None:
+        """The fetched weights `name` holds; None for any other buffer."""
+        m = _WEIGHTS.match(name)
+        if m is None:
+            return None
+        owner = int(m[1])
+        return cls(owner, "fwd" if m[2] == "f" else "bwd", int(m[3]) if m[3] else owner)
+
+
+def resident_weights(block: int) -> str:
+    """The buffer of a block's resident weights on the device: "w.3"."""
+    return f"w.{block}"
+
+
+def resident_owner(name: str) -> int | None:
+    """The block whose resident weights buffer `name` is ("w.3": 3); None for any other."""
+    m = _RESIDENT.match(name)
+    return int(m[1]) if m else None
+
+
 @dataclass(frozen=True)
 class Op:
-    """One operation of the iteration."""
+    """One operation of the replay."""
 
     id: int  # index in the schedule's op list (the list is in issue order)
     kind: str  # one of OP_KINDS
@@ -113,7 +185,7 @@ class Op:
 
 
 # The CPU backend's process outside its tensors while it trains (thread pools, small tensors,
-# Python objects), measured when the blocks were timed and planned alive all iteration
+# Python objects), measured when the blocks were timed and planned alive all step
 # (karma/calibrate/in_context.py, [Note: the process's own memory])
 PROCESS_BUFFER = "process"
 
@@ -122,11 +194,11 @@ PROCESS_BUFFER = "process"
 class Buffer:
     """Device memory that an operation allocates and a later one frees."""
 
-    name: str  # e.g. "act.3", "w.3@fwd", "grad.3"; PROCESS_BUFFER
+    name: str  # e.g. "act.3", "w.3@f", "grad.3"; PROCESS_BUFFER (see buffer names above)
     block: int
     bytes: int
-    alloc: int | None  # op whose start allocates it; None: allocated before the iteration
-    free: int | None  # op whose end frees it; None: it outlives the iteration
+    alloc: int | None  # op whose start allocates it; None: allocated before the replay
+    free: int | None  # op whose end frees it; None: it outlives the replay
 
 
 @dataclass(frozen=True)
@@ -173,6 +245,11 @@ class TrainConfig:
     host_state: str = "replicated"  # replicated | sharded (the module docstring)
     nproc_per_node: int = 1  # ranks per node (--nproc-per-node): they share its host memory
 
+    @property
+    def sharded(self) -> bool:
+        """Whether host-stepped blocks keep sharded host state (is_sharded)."""
+        return is_sharded(self.host_state, self.world_size)
+
     def training_text(self) -> str:
         """'bf16 mixed precision, 4 micro-batches per step, clip at norm 1' and the like."""
         parts = ["bf16 mixed precision" if self.dtype == "bf16" else self.dtype]
@@ -185,18 +262,18 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class Predicted:
-    """What the planner's simulator predicts for one iteration."""
+    """What the planner's simulator predicts for one optimizer step (its micro-batches)."""
 
-    iteration_s: float
+    step_s: float  # one optimizer step as the runtime runs it
     lower_bound_s: float  # the stream bound: max over streams of their busy time
     peak_device_bytes: int  # simulated peak of allocated buffers
     stage_peak_bytes: int  # the planner's bound: the largest sum of buffers live in a stage
     host_bytes: int  # per rank: its own, and its share of what the node's ranks share
     pinned_bytes: int  # per rank, likewise
     busy_s: tuple[tuple[str, float], ...]  # (stream, seconds busy)
-    scaling_efficiency: float  # one rank's iteration time over this one's (1.0 on one rank)
+    scaling_efficiency: float  # one rank's step time over this one's (1.0 on one rank)
     # the ideal: the same training with unlimited device memory (keep_all: nothing moved,
-    # recomputed or offloaded); iteration_s / ideal_s is the price of the budget. None in
+    # recomputed or offloaded); step_s / ideal_s is the price of the budget. None in
     # schedules from before it.
     ideal_s: float | None = None
     # "measured": the block times were measured on the planning machine (karma/calibrate);
@@ -208,7 +285,7 @@ class Predicted:
 
     @property
     def price_of_budget(self) -> float | None:
-        return self.iteration_s / self.ideal_s if self.ideal_s else None
+        return self.step_s / self.ideal_s if self.ideal_s else None
 
 
 @dataclass(frozen=True)
@@ -262,7 +339,7 @@ class ScheduleFileError(KarmaError):
 # --- writing -------------------------------------------------------------------------------
 
 _HEADER = (
-    "# karma schedule: the operations of one training iteration, planned by karma-plan and",
+    "# karma schedule: the operations of one training step, planned by karma-plan and",
     "# replayed by karma-run. Check and summarize it with `karma-inspect FILE` (add --plot",
     "# FILE.png for its memory timeline and streams). Fields: karma/schedule.py. Bytes are",
     "# whole bytes, times seconds.",
@@ -280,9 +357,9 @@ def dump_schedule(s: Schedule) -> str:
     equals load(dump(s)).
     """
     m, c, p = s.model, s.config, s.predicted
-    lines = [*_HEADER, f"karma_schedule: {_int(s.version)}", "model:"]
+    lines = [*_HEADER, f"karma_schedule: {yaml_int(s.version)}", "model:"]
     lines += _scalar_lines([("path", m.path), ("sha256", m.sha256), ("ir_sha256", m.ir_sha256)])
-    lines.append(f"  env: {_flow_map(m.env, None)}")
+    lines.append(f"  env: {flow_map(m.env, None)}")
     lines.append("config:")
     lines += _scalar_lines([("batch_size", c.batch_size), ("dtype", c.dtype),
                             ("world_size", c.world_size), ("seed", c.seed),
@@ -296,11 +373,11 @@ def dump_schedule(s: Schedule) -> str:
     lines += _scalar_lines([("strategy", s.strategy), ("status", s.status),
                             ("solve_s", s.solve_s)], indent="")
     lines.append("predicted:")
-    lines += _scalar_lines([("iteration_s", p.iteration_s), ("lower_bound_s", p.lower_bound_s),
+    lines += _scalar_lines([("step_s", p.step_s), ("lower_bound_s", p.lower_bound_s),
                             ("peak_device_bytes", p.peak_device_bytes),
                             ("stage_peak_bytes", p.stage_peak_bytes),
                             ("host_bytes", p.host_bytes), ("pinned_bytes", p.pinned_bytes)])
-    lines.append(f"  busy_s: {_flow_map(p.busy_s, _SECONDS_DIGITS)}")
+    lines.append(f"  busy_s: {flow_map(p.busy_s, _SECONDS_DIGITS)}")
     lines += _scalar_lines([("scaling_efficiency", p.scaling_efficiency),
                             ("ideal_s", p.ideal_s)])
     if p.calibration is not None:
@@ -313,29 +390,30 @@ def dump_schedule(s: Schedule) -> str:
                  "resident | streamed; optim: device | host)")
     lines.append("blocks:" + ("" if s.blocks else " []"))
     for b in s.blocks:
-        lines.append(f"  - {{index: {_int(b.index)}, name: {_str(b.name)}, act: {_str(b.act)}, "
-                     f"weights: {_str(b.weights)}, optim: {_str(b.optim)}, "
-                     f"param_bytes: {_int(b.param_bytes)}, act_bytes: {_int(b.act_bytes)},")
-        lines += _wrapped_list("     modules: ", b.modules, ",")
-        lines += _wrapped_list("     params: ", b.params, ",")
-        lines += _wrapped_list("     shared_params: ", b.shared_params, "}")
+        lines.append(f"  - {{index: {yaml_int(b.index)}, name: {yaml_str(b.name)}, act: {yaml_str(b.act)}, "
+                     f"weights: {yaml_str(b.weights)}, optim: {yaml_str(b.optim)}, "
+                     f"param_bytes: {yaml_int(b.param_bytes)}, act_bytes: {yaml_int(b.act_bytes)},")
+        lines += wrapped_list("     modules: ", b.modules, ",")
+        lines += wrapped_list("     params: ", b.params, ",")
+        lines += wrapped_list("     shared_params: ", b.shared_params, "}")
 
     lines.append("# ops: in issue order; an op starts when its stream is free and its deps have "
                  "finished")
     lines.append("ops:" + ("" if s.ops else " []"))
     for o in s.ops:
-        lines.append(f"  - {{id: {_int(o.id)}, kind: {_str(o.kind)}, block: {_int(o.block)}, "
-                     f"stage: {_int(o.stage)}, stream: {_str(o.stream)}, "
-                     f"dur_s: {_float(o.dur_s, _SECONDS_DIGITS)}, bytes: {_int(o.bytes)}, "
-                     f"deps: {_flow_list(o.deps)}, uses: {_flow_list(o.uses)}}}")
+        lines.append(f"  - {{id: {yaml_int(o.id)}, kind: {yaml_str(o.kind)}, block: {yaml_int(o.block)}, "
+                     f"stage: {yaml_int(o.stage)}, stream: {yaml_str(o.stream)}, "
+                     f"dur_s: {yaml_float(o.dur_s, _SECONDS_DIGITS)}, "
+                     f"bytes: {yaml_int(o.bytes)}, deps: {flow_list(o.deps)}, "
+                     f"uses: {flow_list(o.uses)}}}")
 
     lines.append("# buffers: device memory allocated when op `alloc` starts (null: before the "
-                 "iteration) and freed when op `free` ends (null: never)")
+                 "replay) and freed when op `free` ends (null: never)")
     lines.append("buffers:" + ("" if s.buffers else " []"))
     for b in s.buffers:
-        lines.append(f"  - {{name: {_str(b.name)}, block: {_int(b.block)}, "
-                     f"bytes: {_int(b.bytes)}, alloc: {_value(b.alloc, None)}, "
-                     f"free: {_value(b.free, None)}}}")
+        lines.append(f"  - {{name: {yaml_str(b.name)}, block: {yaml_int(b.block)}, "
+                     f"bytes: {yaml_int(b.bytes)}, alloc: {yaml_value(b.alloc, None)}, "
+                     f"free: {yaml_value(b.free, None)}}}")
     return "\n".join(lines) + "\n"
 
 
@@ -346,11 +424,7 @@ def round_seconds(x: float) -> float:
     predicted figures match a re-simulation of its ops (karma-inspect checks that) up to the
     rounding of the figures alone.
     """
-    return _round(x, _SECONDS_DIGITS)
-
-
-def _round(x: float, digits: int) -> float:
-    return float(f"{x:.{digits}g}")
+    return round_digits(x, _SECONDS_DIGITS)
 
 
 def schedule_sha256(s: Schedule) -> str:
@@ -360,12 +434,9 @@ def schedule_sha256(s: Schedule) -> str:
 
 def _scalar_lines(pairs, digits: int | None = _SECONDS_DIGITS, indent: str = "  ") -> list[str]:
     """`key: value` lines, with the value in readable units as a comment where it helps."""
-    lines = []
-    for key, value in pairs:
-        line = f"{indent}{_str(key)}: {_value(value, digits)}"
-        comment = _unit_comment(key, value)
-        lines.append(f"{line.ljust(_COMMENT_COLUMN - 1)} # {comment}" if comment else line)
-    return lines
+    return [with_comment(f"{indent}{yaml_str(key)}: {yaml_value(value, digits)}",
+                         _unit_comment(key, value), _COMMENT_COLUMN)
+            for key, value in pairs]
 
 
 def _unit_comment(key: str, value: object) -> str | None:
@@ -378,88 +449,3 @@ def _unit_comment(key: str, value: object) -> str | None:
     if key.endswith("_s"):
         return format_seconds(value)
     return None
-
-
-def _value(v: object, digits: int | None) -> str:
-    """A plain value as YAML flow text; floats rounded to `digits` significant digits."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return _int(v)
-    if isinstance(v, float):
-        return _float(v, digits)
-    if isinstance(v, str):
-        return _str(v)
-    if isinstance(v, Mapping):
-        return _flow_map(v.items(), digits)
-    if isinstance(v, (tuple, list)):
-        return _flow_list(v, digits)
-    raise TypeError(f"{v!r} ({type(v).__name__}) is not a plain value a schedule can hold")
-
-
-def _flow_map(pairs, digits: int | None) -> str:
-    return "{" + ", ".join(f"{_str(k)}: {_value(v, digits)}" for k, v in pairs) + "}"
-
-
-def _flow_list(items, digits: int | None = _SECONDS_DIGITS) -> str:
-    return "[" + ", ".join(_value(v, digits) for v in items) + "]"
-
-
-def _wrapped_list(prefix: str, names: tuple[str, ...], end: str, width: int = 100) -> list[str]:
-    """`prefix[a, b, ...]end` as a flow list wrapped before `width` columns."""
-    lines, line = [], prefix + "["
-    for k, name in enumerate(names):
-        last = k == len(names) - 1
-        item = _str(name) + ("" if last else ", ")
-        room = width - (len("]" + end) if last else 1)  # what closes the line after the item
-        if len(line) + len(item.rstrip()) > room and not line.endswith("["):
-            lines.append(line.rstrip())
-            line = " " * (len(prefix) + 1)
-        line += item
-    return [*lines, line + "]" + end]
-
-
-def _int(n: int) -> str:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"{n!r} is not an int")
-    return str(n)
-
-
-def _float(x: float, digits: int | None) -> str:
-    """`x` (rounded to `digits` significant digits) as text YAML reads back as the same float.
-
-    Shortest digits; an exponent outside [0.001, 1e6), written with a dot and a signed
-    exponent ("1.2e+13", "4.5e-05"): PyYAML reads "1e-05" or "1.2e13" as strings.
-    """
-    x = float(x)
-    if not math.isfinite(x):
-        raise ValueError(f"{x} cannot be written in a schedule; times and sizes are finite")
-    if digits is not None:
-        x = _round(x, digits)
-    if x == 0 or 1e-3 <= abs(x) < 1e6:
-        text = repr(x)
-        return text if "." in text else text + ".0"
-    mantissa, exponent = f"{Decimal(repr(x)).normalize():E}".split("E")
-    if "." not in mantissa:
-        mantissa += ".0"
-    return f"{mantissa}e{int(exponent):+03d}"
-
-
-_PLAIN = re.compile(r"[A-Za-z0-9_/][A-Za-z0-9_./@+-]*")
-
-
-@lru_cache(maxsize=4096)
-def _str(text: str) -> str:
-    """`text` bare when YAML reads it back as the same string, else JSON-quoted (valid YAML)."""
-    if not isinstance(text, str):
-        raise TypeError(f"{text!r} is not a str")
-    if _PLAIN.fullmatch(text) and _resolves_to_str(text):
-        return text
-    return json.dumps(text)
-
-
-def _resolves_to_str(text: str) -> bool:
-    tag = yaml.resolver.Resolver().resolve(yaml.ScalarNode, text, (True, False))
-    return tag == "tag:yaml.org,2002:str"

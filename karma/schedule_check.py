@@ -36,33 +36,26 @@ This module imports neither the planner nor the IR: the runtime imports it.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from karma.schedule import (
     DEFERRED_KINDS,
+    FETCH_PHASES,
     GRAD_KINDS,
     LAST_MICRO_BATCH_KINDS,
     OP_KINDS,
     OPTIMIZER_STEP_KINDS,
+    STREAM_OF_KIND,
     BlockEntry,
     Op,
     Schedule,
     ScheduleFileError,
+    WeightBuffer,
 )
 from karma.units import format_bytes
 
-# the stream each kind runs on (the engine sends compute kinds to the compute thread and the
-# others to their stream worker by op.stream)
-STREAM_OF_KIND = {
-    "forward": "compute", "loss": "compute", "recompute": "compute", "backward": "compute",
-    "device_step": "compute", "swap_in": "h2d", "fetch": "h2d", "upload": "h2d",
-    "swap_out": "d2h", "grads_to_host": "d2h", "allreduce": "net", "reduce_scatter": "net",
-    "host_step": "host", "all_gather": "net",
-}
-_WEIGHT_BUFFER = re.compile(r"w\.(\d+)@([fb])(\d*)$")  # w.OWNER@fUSER: fetched weights
 _REPLAN = "re-plan with karma-plan"
 _FIX = f"or {_REPLAN}"
 
@@ -346,7 +339,7 @@ class _Checker:
                 "block's weights are uploaded once if they are resident; streamed ones are "
                 "fetched instead, device-stepped ones never leave")
         cfg = self.s.config
-        sharded = cfg.world_size > 1 and cfg.host_state == "sharded" and b.optim == "host"
+        sharded = cfg.sharded and b.optim == "host"
         if kind == "all_gather":
             return int(sharded), (
                 f"config.host_state is {cfg.host_state} and {key}.optim is {b.optim}, and on "
@@ -369,17 +362,12 @@ class _Checker:
         lasts through its backward)."""
         u = b.index
         owners = [u] + sorted({self.owner[n] for n in b.shared_params})
-        wanted = {}
-        for o in owners:
-            suffix = "" if o == u else str(u)
-            phases = ("f",) if u == self.n - 1 else ("f", "b")
-            for phase in phases:
-                wanted[f"w.{o}@{phase}{suffix}"] = o
+        phases = FETCH_PHASES[:1] if u == self.n - 1 else FETCH_PHASES
+        wanted = {WeightBuffer(o, phase, u).name: o for o in owners for phase in phases}
         seen: set[str] = set()
         for op in self.ops_of.get(("fetch", u), []):
-            m = _WEIGHT_BUFFER.match(op.uses[0]) if op.uses else None
             name = op.uses[0] if op.uses else None
-            if m is None or name not in wanted:
+            if name not in wanted:
                 raise _Broken(f"{self.op(op)} fills {name or 'nothing'} (rule: ops match "
                               f"decisions: a fetch names in uses[0] the weights it fills, "
                               f"w.OWNER@fUSER or w.OWNER@bUSER, of a block {self.block(u)} "
@@ -483,12 +471,12 @@ class _Checker:
     def _fetch_pairs(self, u: int) -> list[tuple[Op | None, Op | None, str]]:
         """(fetch, reader) for the weights block u reads: each fetch before its readers."""
         pairs = []
-        readers = {"f": [self.one("forward", u)],
-                   "b": [self.one("recompute", u), self.one("backward", u)]}
+        readers = {"fwd": [self.one("forward", u)],
+                   "bwd": [self.one("recompute", u), self.one("backward", u)]}
         if u == self.n - 1:
-            readers["f"] += readers["b"]
+            readers["fwd"] += readers["bwd"]
         for op in self.ops_of.get(("fetch", u), []):
-            phase = _WEIGHT_BUFFER.match(op.uses[0])[2]
+            phase = WeightBuffer.parse(op.uses[0]).phase
             pairs += [(op, r, "streamed weights arrive before an op that reads them")
                       for r in readers[phase]]
         return pairs
@@ -535,7 +523,7 @@ class _Checker:
         if self.s.config.clip_grad_norm is None:
             return
         for k, b in enumerate(self.s.buffers):
-            if b.free is None or not _WEIGHT_BUFFER.match(b.name) \
+            if b.free is None or WeightBuffer.parse(b.name) is None \
                     or self.s.ops[b.free].kind not in DEFERRED_KINDS:
                 continue
             readers = [op.id for op in self.s.ops
@@ -558,7 +546,7 @@ class _Checker:
                 name = fetch.uses[0]
                 b = self.buffer.get(name)
                 if b is None:
-                    owner = int(_WEIGHT_BUFFER.match(name)[1])
+                    owner = WeightBuffer.parse(name).owner
                     if self.s.blocks[owner].param_bytes > 0:
                         raise _Broken(f"{self.op(fetch)} fills buffer {name}, which is not "
                                       f"listed in buffers {rule}; " + _REPLAN)

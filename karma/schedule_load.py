@@ -23,6 +23,7 @@ from karma.schedule import (
     HOST_STATES,
     OP_KINDS,
     OPTIM_CHOICES,
+    READABLE_VERSIONS,
     SCHEDULE_VERSION,
     STATUSES,
     STREAMS,
@@ -116,10 +117,23 @@ def _parse(text: str, source: str) -> dict:
         raise ScheduleFileError(f"{source}: missing key karma_schedule (the version); is this "
                                 f"a karma schedule? {_FIX}")
     version = data["karma_schedule"]
-    if isinstance(version, bool) or version != SCHEDULE_VERSION:
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
         raise ScheduleFileError(
             f"{source}: karma_schedule: {_show(version)} is not supported by this karma (reads "
-            f"version {SCHEDULE_VERSION}); re-plan with this karma's karma-plan")
+            f"versions {', '.join(map(str, READABLE_VERSIONS))}); re-plan it with this karma's "
+            "karma-plan, with the flags it was planned with")
+    return _up_to_date(data)
+
+
+def _up_to_date(data: dict) -> dict:
+    """An older schedule's data in this version's keys: version 1 called the predicted time
+    of a step `iteration_s`."""
+    if data["karma_schedule"] == 1:
+        data = {**data, "karma_schedule": SCHEDULE_VERSION}
+        predicted = data.get("predicted")
+        if isinstance(predicted, dict):
+            data["predicted"] = {("step_s" if k == "iteration_s" else k): v
+                                 for k, v in predicted.items()}
     return data
 
 
@@ -277,7 +291,7 @@ _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_sche
     "status": _text(STATUSES, "a solver status"),
     "solve_s": _number,
     "predicted": _record(Predicted, {
-        "iteration_s": _number, "lower_bound_s": _number, "peak_device_bytes": _COUNT,
+        "step_s": _number, "lower_bound_s": _number, "peak_device_bytes": _COUNT,
         "stage_peak_bytes": _COUNT, "host_bytes": _COUNT, "pinned_bytes": _COUNT,
         "busy_s": _pairs(_text(STREAMS, "a stream"), _number),
         "scaling_efficiency": _number, "ideal_s": _optional_number,
@@ -329,4 +343,4 @@ def _check_references(s: Schedule) -> None:
         for key, ref in (("alloc", b.alloc), ("free", b.free)):
             if ref is not None and ref >= n_ops:
                 raise _Invalid(f"buffers[{i}].{key}: {ref} is not an op; use an op id "
-                               f"0..{n_ops - 1}, or null (the whole iteration)")
+                               f"0..{n_ops - 1}, or null (the whole replay)")

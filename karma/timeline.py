@@ -1,4 +1,4 @@
-"""A measured timeline: one training iteration's operations as they ran, beside the plan.
+"""A measured timeline: one replay's operations as they ran, beside the plan.
 
     karma-run schedule.yaml --steps 3 --trace trace.json      # records step 2's ops
     karma-inspect schedule.yaml --trace trace.json            # busy times and waits, both
@@ -6,8 +6,8 @@
 
 A trace file is JSON: a header (the schedule's fingerprint, the model, the backend, the
 step) and one row per op: its stream and its start and end in seconds since the
-iteration's start (runtime/tracing.py records them). With --accumulate N it is the step's
-last micro-batch, the one that steps, as karma-inspect --plot shows. `waits` are the
+replay's start (runtime/tracing.py records them): the step's replay, or with --accumulate N
+its last micro-batch's, the one that steps, as karma-inspect --plot shows. `waits` are the
 intervals in which the compute thread waited for another stream, each blamed on one
 (runtime/streams.py, [Note: which stream a wait is blamed on]).
 
@@ -38,7 +38,7 @@ _GAP_S = 1e-12  # a planned compute gap shorter than this is rounding, not a wai
 
 @dataclass(frozen=True)
 class OpSpan:
-    """One op as it ran (or as planned), in seconds since the iteration's start."""
+    """One op as it ran (or as planned), in seconds since the replay's start."""
 
     op: int  # its id in the schedule
     kind: str
@@ -59,13 +59,13 @@ class ComputeWait:
 
 @dataclass(frozen=True)
 class StepTrace:
-    """What `karma-run --trace` writes: one iteration of one step, measured."""
+    """What `karma-run --trace` writes: the replay of one step that steps, measured."""
 
     schedule_sha256: str  # the schedule it ran (karma.schedule.schedule_sha256)
     model: str  # the schedule's model file, as planned
     backend: str  # cpu | cuda
     step: int
-    step_s: float  # the traced iteration's wall time on the compute thread
+    step_s: float  # the traced replay's wall time on the compute thread
     ops: tuple[OpSpan, ...]
     waits: tuple[ComputeWait, ...]
     # (seconds, bytes): the memory the peak is measured on, sampled every millisecond
@@ -191,7 +191,7 @@ def compare(schedule: Schedule, sim: SimResult, trace: StepTrace) -> dict:
                                "planned_wait_s": planned_wait.get(stream, 0.0)}
     info = {"step": trace.step, "backend": trace.backend, "ops_traced": len(trace.ops),
             "ops": len(schedule.ops), "step_s": trace.step_s,
-            "planned_s": sim.replay_s or sim.iteration_s, "streams": streams}
+            "planned_s": sim.replay_s or sim.serial_step_s, "streams": streams}
     if trace.memory:
         rows = memory_by_op(sim, trace)
         info["memory"] = {

@@ -63,7 +63,7 @@ class CheckingBackend(CpuBackend):
     def _flag(self, text: str) -> None:
         self.violations.append(text)
 
-    def begin_iteration(self, op_ids) -> None:
+    def begin_replay(self, op_ids) -> None:
         self._ops = set(op_ids)
 
     def issued(self, op_id: int, stream: str) -> None:
@@ -157,7 +157,7 @@ class CheckingBackend(CpuBackend):
         return any(isinstance(d, int) and d >= target and self.op(d).stream == stream
                    for d in waited)
 
-    def end_iteration(self) -> None:
+    def end_replay(self) -> None:
         with self._lock:
             missing = sorted(self._owed - self._issued)
             if missing:

@@ -26,7 +26,8 @@ from karma.modelfile import ModelFile, load_model_file
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import load_hardware
 from karma.planner.lowering import PLAIN, Training
-from karma.planner.pipeline import PlanRequest, make_schedule
+from karma.planner.options import PlanOptions
+from karma.planner.pipeline import make_schedule
 from karma.planner.plan import evaluate
 from karma.planner.problem import build_problem
 from karma.reference import train_reference
@@ -178,12 +179,12 @@ def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
     hw = load_hardware(hardware)
     if strategy == "ilp" and hardware == HARDWARE:
         hw = mixing(hw)
-    request = PlanRequest(capacity, hw, graph.batch_size, seed=seed,
-                          strategy=strategy, time_limit_s=30.0, world_size=world_size,
-                          optimizer=optimizer_profile(mf), dtype=dtype, accumulate=accumulate,
+    options = PlanOptions(gpu_mem=capacity, hardware=hw, batch_size=graph.batch_size,
+                          seed=seed, strategy=strategy, time_limit_s=30.0,
+                          world_size=world_size, dtype=dtype, accumulate=accumulate,
                           clip_grad_norm=clip, host_state=host_state,
                           nproc_per_node=nproc_per_node or world_size)
-    return make_schedule(graph, model, request).schedule
+    return make_schedule(graph, model, options, optimizer=optimizer_profile(mf)).schedule
 
 
 def run(schedule: Schedule, mf: ModelFile, steps: int, **options) -> RunReport:

@@ -64,16 +64,17 @@ def tiny_schedule(strategy: str = "ilp", capacity_bytes: int = TINY_CAPACITY_BYT
                   world_size: int = 1, host_state: str = "replicated") -> Schedule:
     """A complete Schedule, built as karma-plan builds it (pipeline.schedule_from)."""
     from karma.planner.hardware import load_hardware
-    from karma.planner.pipeline import PlanRequest, schedule_from
+    from karma.planner.options import PlanOptions
+    from karma.planner.pipeline import schedule_from
 
     mf, graph = tiny_graph()
     ev = tiny_evaluation(strategy, capacity_bytes, world_size, host_state)
     model = ModelRef(path=graph.model, sha256=mf.sha256,
                      ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
                      env=TINY_ENV)
-    request = PlanRequest(capacity_bytes, load_hardware(HARDWARE), graph.batch_size,
-                          world_size=world_size)
-    return schedule_from(graph, model, request, ev, single_rank_s=ev.iteration_s)
+    options = PlanOptions(gpu_mem=capacity_bytes, hardware=load_hardware(HARDWARE),
+                          batch_size=graph.batch_size, world_size=world_size)
+    return schedule_from(graph, model, options, ev, single_rank_s=ev.serial_step_s)
 
 
 def rounded(s: Schedule) -> Schedule:

@@ -39,7 +39,8 @@ from karma.errors import KarmaError
 from karma.ir.optimizer import optimizer_profile
 from karma.modelfile import ModelFile
 from karma.planner.hardware import load_hardware
-from karma.planner.pipeline import PlanRequest, schedule_from
+from karma.planner.options import PlanOptions
+from karma.planner.pipeline import schedule_from
 from karma.planner.plan import Plan, evaluate
 from karma.planner.problem import build_problem
 from karma.runtime.export import model_state_dict
@@ -171,14 +172,14 @@ def mixed_gpt() -> Schedule:
     one, one kept on the device, and the tail, kept and streamed with the tied head)."""
     mf = load_small("gpt")
     graph = block_graph(mf)
-    request = PlanRequest(keep_all_peak_bytes(mf, graph), load_hardware(HARDWARE),
-                          graph.batch_size, optimizer=optimizer_profile(mf))
-    problem = build_problem(graph, request.hardware, optimizer=request.optimizer)
-    ev = evaluate(problem, Plan("ilp", MIXED, status="optimal"), request.capacity_bytes)
+    options = PlanOptions(gpu_mem=keep_all_peak_bytes(mf, graph),
+                          hardware=load_hardware(HARDWARE), batch_size=graph.batch_size)
+    problem = build_problem(graph, options.profile, optimizer=optimizer_profile(mf))
+    ev = evaluate(problem, Plan("ilp", MIXED, status="optimal"), options.capacity_bytes)
     model = ModelRef(path=str(mf.path), sha256=mf.sha256,
                      ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
                      env=model_env(mf))
-    return schedule_from(graph, model, request, ev, single_rank_s=ev.iteration_s)
+    return schedule_from(graph, model, options, ev, single_rank_s=ev.serial_step_s)
 
 
 def training_options(s: Schedule) -> tuple:

@@ -146,9 +146,9 @@ def test_cuda_releases_wait_for_their_copy():
     events[1].finished = True
     backend.release_after(2, lambda: released.append(2))  # polls
     assert released == [1]
-    backend.end_iteration()  # synchronizes: the rest go
+    backend.end_replay()  # synchronizes: the rest go
     assert sorted(released) == [0, 1, 2]
-    backend.end_iteration()
+    backend.end_replay()
     assert sorted(released) == [0, 1, 2]  # each once
 
 

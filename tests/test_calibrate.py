@@ -23,6 +23,7 @@ from karma.ir.build import build_block_graph
 from karma.ir.timing import time_blocks
 from karma.modelfile import load_model_file
 from karma.planner.hardware import hardware_from_yaml, load_hardware
+from karma.planner.options import PlanOptions
 from karma.planner.problem import build_problem
 from tests.conftest import EXAMPLES, environment
 
@@ -31,6 +32,12 @@ TINY = {"KARMA_GPT": "tiny"}
 # room for the tiny GPT (keep_all: under 1 MiB) and what its process holds outside its tensors
 # (measured 1.2-5.1 MiB, more under load: [Note: the process's own memory])
 BUDGET = "8M"
+
+
+def planned(budget: str, hardware: str, log=None, **options):
+    """The tiny GPT planned at batch 2, as karma-plan does (karma.api.plan_report)."""
+    return plan_report(GPT, PlanOptions(gpu_mem=budget, hardware=hardware, batch_size=2,
+                                        **options), log)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +139,7 @@ def test_blocks_are_timed_in_a_keep_all_step_where_one_fits(own_cache, monkeypat
     monkeypatch.setattr("karma.calibrate.in_context.MIN_SIDE_OP_S", 0.0)  # the probe runs
     notes = []
     with environment(TINY):
-        report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
+        report = planned(BUDGET, "cpu", log=notes.append)
     (blocks,) = own_cache.glob("blocks-*.json")
     data = json.loads(blocks.read_text())
     assert data["where"] == "in a keep_all step" and "in a keep_all step" in report.block_times
@@ -165,7 +172,7 @@ def test_a_probe_whose_side_ops_are_too_short_to_time_is_not_run(own_cache, monk
     monkeypatch.setattr("karma.calibrate.in_context.MIN_SIDE_OP_S", 1.0)
     notes = []
     with environment(TINY):
-        report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
+        report = planned(BUDGET, "cpu", log=notes.append)
     (blocks,) = own_cache.glob("blocks-*.json")
     assert json.loads(blocks.read_text())["side_streams"] is None
     assert any(n.startswith("not timing the side streams in context: the probe's side ops are "
@@ -177,7 +184,7 @@ def test_a_keep_all_step_too_big_for_memory_times_the_blocks_alone(own_cache, mo
     monkeypatch.setattr("karma.calibrate.in_context.mem_available_bytes", lambda: 1 << 20)
     notes = []
     with environment(TINY):
-        report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
+        report = planned(BUDGET, "cpu", log=notes.append)
     assert "block by block" in report.block_times
     assert any("timing its blocks one by one instead" in n for n in notes)
     # timed alone, the loss keeps the roofline's estimate
@@ -189,7 +196,7 @@ def test_a_keep_all_step_too_big_for_memory_times_the_blocks_alone(own_cache, mo
 @pytest.mark.slow
 def test_measured_steps_replace_the_estimate_in_the_plan(own_cache):
     with environment(TINY):
-        report = plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
+        report = planned(BUDGET, "cpu", log=lambda note: None)
         (blocks,) = own_cache.glob("blocks-*.json")
     steps = json.loads(blocks.read_text())["step_s"]
     assert [(b.device_step_s, b.host_step_s) for b in report.problem.blocks] == \
@@ -202,9 +209,9 @@ def test_the_process_outside_its_tensors_is_measured_and_planned_in_every_stage(
     # [Note: the process's own memory]: the keep_all steps measure it, the cache keeps it,
     # and the plan counts it all iteration; the roofline (nothing measured) does not
     with environment(TINY):
-        measured = plan_report(GPT, BUDGET, "cpu", 2, strategy="keep_all",
+        measured = planned(BUDGET, "cpu", strategy="keep_all",
                                log=lambda note: None)
-        roofline = plan_report(GPT, BUDGET, "cpu", 2, strategy="keep_all", measure=False)
+        roofline = planned(BUDGET, "cpu", strategy="keep_all", measure="estimate")
     (blocks,) = own_cache.glob("blocks-*.json")
     process = json.loads(blocks.read_text())["process_bytes"]
     assert 0 < process < 64 << 20
@@ -220,7 +227,7 @@ def test_the_process_outside_its_tensors_is_measured_and_planned_in_every_stage(
 def test_a_budget_below_the_process_says_how_much_of_the_need_it_is(own_cache):
     with environment(TINY), pytest.raises(karma.InfeasiblePlan,
                                           match="of it the process outside its tensors"):
-        plan_report(GPT, "400K", "cpu", 2, log=lambda note: None)
+        planned("400K", "cpu", log=lambda note: None)
 
 
 def test_bf16_blocks_are_timed_under_autocast(example):
@@ -236,8 +243,8 @@ def test_plan_for_cpu_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     notes = []
     with environment(TINY):
-        first = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
-        again = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
+        first = planned(BUDGET, "cpu", log=notes.append)
+        again = planned(BUDGET, "cpu", log=notes.append)
     assert first.block_times.startswith("measured now in ")
     # (and the side streams in a probe's steps where its side ops are planned long enough to
     # time: the tiny GPT's are not, unless the machine was slow when its rates were measured)
@@ -272,8 +279,8 @@ def test_plan_for_cpu_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
 
 def test_no_measure_and_other_hardware_use_the_roofline(own_cache, tmp_path):
     with environment(TINY):
-        off = plan_report(GPT, BUDGET, "cpu", 2, measure=False)
-        v100 = plan_report(GPT, BUDGET, "v100-16g", 2)
+        off = planned(BUDGET, "cpu", measure="estimate")
+        v100 = planned(BUDGET, "v100-16g")
     assert off.block_times == "roofline estimate (--no-measure)"
     assert v100.block_times == "roofline estimate from the v100-16g profile (not this machine)"
     assert off.schedule.predicted.calibration is None
@@ -287,10 +294,10 @@ def test_a_corrupt_cache_file_is_measured_again(own_cache):
     from karma.calibrate.machine import read_machine
 
     with environment(TINY):
-        plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
+        planned(BUDGET, "cpu", log=lambda note: None)
         (blocks,) = own_cache.glob("blocks-*.json")
         blocks.write_text("{not json")
-        again = plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
+        again = planned(BUDGET, "cpu", log=lambda note: None)
     assert again.block_times.startswith("measured now in ")
     assert json.loads(blocks.read_text())["version"] == CACHE_VERSION
     for text in ("", "[]", json.dumps({"hardware": "version: 99"}), json.dumps({"x": 1})):
@@ -309,19 +316,19 @@ def test_a_block_that_fails_to_run_falls_back_to_the_roofline_unless_asked(own_c
     monkeypatch.setattr("karma.calibrate.timed_in_context", lambda *args: None)
     notes = []
     with environment(TINY):
-        report = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
+        report = planned(BUDGET, "cpu", log=notes.append)
         assert report.block_times == "roofline estimate (timing the blocks failed)"
         assert any("boom" in n and "--no-measure" in n for n in notes)
-        with pytest.raises(IRError, match="boom"):
-            plan_report(GPT, BUDGET, "cpu", 2, measure=True, log=notes.append)
+        with pytest.raises(IRError, match="boom"):  # asked to measure afresh: it fails
+            planned(BUDGET, "cpu", measure="fresh", log=notes.append)
 
 
 @pytest.mark.slow
 def test_the_cache_is_keyed_by_the_model_environment(own_cache):
     with environment(TINY):
-        plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
+        planned(BUDGET, "cpu", log=lambda note: None)
     with environment({**TINY, "KARMA_SEQ": "16"}):
-        other = plan_report(GPT, BUDGET, "cpu", 2, log=lambda note: None)
+        other = planned(BUDGET, "cpu", log=lambda note: None)
     assert other.block_times.startswith("measured now in ")
     assert sum(p.name.startswith("blocks") for p in own_cache.iterdir()) == 2
 
@@ -338,9 +345,10 @@ def test_only_cpu_and_the_local_gpu_are_this_machine():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_measuring_gpu_hardware_without_a_gpu_says_what_to_do(own_cache):
-    with environment(TINY), pytest.raises(KarmaError, match="no GPU.*--hardware cpu"):
-        plan_report(GPT, BUDGET, "v100-16g", 2, measure=True)
+def test_measuring_another_machine_afresh_says_what_to_do(own_cache):
+    with environment(TINY), pytest.raises(KarmaError, match="--remeasure.*measures this "
+                                                            "machine.*v100-16g.*--hardware cpu"):
+        planned(BUDGET, "v100-16g", measure="fresh")
 
 
 def test_a_slow_estimate_times_blocks_at_a_smaller_batch(example):
@@ -363,10 +371,12 @@ def test_karma_plan_says_where_block_times_came_from(own_cache, capsys):
         assert json.loads(capsys.readouterr().out)["block_times"] == "measured"
         assert plan_main([*args, "--no-measure", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["block_times"] == "roofline"
-        assert plan_main([*args, "--profile-blocks"]) == 0  # the old flag: measure
+        assert plan_main(args) == 0
         assert "block times: measured on this machine, " in capsys.readouterr().out
-        assert plan_main([*args, "--no-measure", "--profile-blocks"]) == 2
-    assert "contradict" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as exit_:  # argparse: one way to measure
+            plan_main([*args, "--no-measure", "--remeasure"])
+        assert exit_.value.code == 2
+    assert "not allowed with argument --no-measure" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -374,11 +384,12 @@ def test_remeasure_measures_the_machine_and_the_blocks_again(own_cache):
     # [Note: a machine whose speed drifts]: the cache keeps the first measurement
     notes = []
     with environment(TINY):
-        plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
-        cached = plan_report(GPT, BUDGET, "cpu", 2, log=notes.append)
-        again = plan_report(GPT, BUDGET, "cpu", 2, remeasure=True, log=notes.append)
-        with pytest.raises(KarmaError, match="contradict"):
-            plan_report(GPT, BUDGET, "cpu", 2, remeasure=True, measure=False)
+        planned(BUDGET, "cpu", log=notes.append)
+        cached = planned(BUDGET, "cpu", log=notes.append)
+        again = planned(BUDGET, "cpu", measure="fresh", log=notes.append)
+        with pytest.raises(KarmaError, match="measure 'again' is not a way to measure; use "
+                                             "one of cached, fresh, estimate"):
+            planned(BUDGET, "cpu", measure="again")
     assert cached.block_times.startswith("measured on this machine")
     assert again.block_times.startswith("measured now in ")
     assert sum(n.startswith("measuring this machine") for n in notes) == 1  # own_cache had it

@@ -43,28 +43,28 @@ def plan_json(capsys, *argv: str) -> dict:
 
 def test_json_summary_has_every_key(capsys):
     doc = plan_json(capsys, GPT, "--gpu-mem", "16G")
-    assert {"feasible", "strategy", "iteration_s", "peak_device_bytes", "capacity_bytes",
+    assert {"feasible", "strategy", "step_s", "peak_device_bytes", "capacity_bytes",
             "lower_bound_s", "solve_s", "decisions", "baselines",
             "scaling_efficiency"} <= set(doc)
     assert doc["feasible"] is True
     assert doc["strategy"] == "ilp"
     assert doc["capacity_bytes"] == 16 * GIB
     assert 0 < doc["peak_device_bytes"] <= doc["capacity_bytes"]
-    assert 0 < doc["lower_bound_s"] <= doc["iteration_s"]
+    assert 0 < doc["lower_bound_s"] <= doc["step_s"]
     assert doc["solve_s"] >= 0
     assert doc["scaling_efficiency"] == 1.0
     # the ideal: keep_all's time (its memory unlimited); the price of the budget is >= 1
-    assert doc["ideal_s"] == doc["baselines"]["keep_all"]["iteration_s"]
-    assert doc["price_of_budget"] == pytest.approx(doc["iteration_s"] / doc["ideal_s"])
+    assert doc["ideal_s"] == doc["baselines"]["keep_all"]["step_s"]
+    assert doc["price_of_budget"] == pytest.approx(doc["step_s"] / doc["ideal_s"])
     assert doc["price_of_budget"] >= 1.0
     assert set(doc["decisions"]) >= {"keep", "swap", "recompute", "streamed_weights"}
     # tiny GPT: head, h.0, h.1, tail; with 16 GiB everything stays
     assert doc["decisions"]["keep"] + doc["decisions"]["swap"] + doc["decisions"]["recompute"] == 4
     assert set(doc["baselines"]) == set(BASELINES)
     for name, b in doc["baselines"].items():
-        assert set(b) >= {"feasible", "iteration_s", "peak_device_bytes"}, name
+        assert set(b) >= {"feasible", "step_s", "peak_device_bytes"}, name
         assert b["feasible"] is True, name
-        assert doc["iteration_s"] <= b["iteration_s"] * (1 + 1e-9), name
+        assert doc["step_s"] <= b["step_s"] * (1 + 1e-9), name
 
 
 def test_a_tight_budget_changes_the_plan(capsys):
@@ -76,17 +76,17 @@ def test_a_tight_budget_changes_the_plan(capsys):
     assert tight["peak_device_bytes"] <= budget
     assert tight["baselines"]["keep_all"]["feasible"] is False
     assert tight["decisions"]["keep"] < 4
-    assert tight["iteration_s"] > roomy["iteration_s"]
+    assert tight["step_s"] > roomy["step_s"]
     for name, b in tight["baselines"].items():
         if b["feasible"]:
-            assert tight["iteration_s"] <= b["iteration_s"] * (1 + 1e-9), name
+            assert tight["step_s"] <= b["step_s"] * (1 + 1e-9), name
 
 
 @pytest.mark.parametrize("name", list(BASELINES))
 def test_strategy_flag_plans_with_that_baseline(capsys, name):
     doc = plan_json(capsys, MLP, "--gpu-mem", "16G", "--strategy", name)
     assert doc["strategy"] == name
-    assert doc["iteration_s"] == doc["baselines"][name]["iteration_s"]
+    assert doc["step_s"] == doc["baselines"][name]["step_s"]
     assert doc["peak_device_bytes"] == doc["baselines"][name]["peak_device_bytes"]
 
 
@@ -115,7 +115,7 @@ def test_world_size_4_scaling_efficiency(capsys):
     four = plan_json(capsys, GPT, "--gpu-mem", "16G", "--world-size", "4")
     assert 0 < four["scaling_efficiency"] <= 1
     assert four["scaling_efficiency"] < 1  # the all-reduce of the gradients is not free
-    assert four["iteration_s"] >= one["iteration_s"]
+    assert four["step_s"] >= one["step_s"]
 
 
 def _bad_yaml(tmp_path) -> str:

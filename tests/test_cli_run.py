@@ -175,14 +175,14 @@ def test_malformed_yaml(tmp_path, capsys):
 def test_unknown_schedule_version(schedule_for, capsys):
     s = schedule_for()
     text = s.read_text()
-    assert "\nkarma_schedule: 1\n" in text
-    s.write_text(text.replace("\nkarma_schedule: 1\n", "\nkarma_schedule: 99\n"))
+    assert "\nkarma_schedule: 2\n" in text
+    s.write_text(text.replace("\nkarma_schedule: 2\n", "\nkarma_schedule: 99\n"))
     assert_one_line_error(*run_main(capsys, s, "--steps", 1), "karma_schedule: 99 is not supported")
 
 
 def test_unknown_schedule_version_from_the_console_script(schedule_for):
     s = schedule_for()
-    s.write_text(s.read_text().replace("\nkarma_schedule: 1\n", "\nkarma_schedule: 99\n"))
+    s.write_text(s.read_text().replace("\nkarma_schedule: 2\n", "\nkarma_schedule: 99\n"))
     done = karma("karma-run", s, "--steps", 1)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
@@ -359,7 +359,7 @@ def test_a_measured_plan_far_off_its_time_suggests_remeasuring(tmp_path, capsys,
     s = replace(s, predicted=replace(s.predicted, calibration=calibration))
     path = tmp_path / "S.yaml"
     path.write_text(dump_schedule(s))
-    predicted = s.predicted.iteration_s
+    predicted = s.predicted.step_s
 
     def trained(schedule, mf, options):
         return RunReport(steps=[1, 2, 3], losses=[1.0] * 3, step_s=[predicted * ratio] * 3,

@@ -113,8 +113,8 @@ def test_a_swap_hidden_on_a_gpu_costs_its_copies_on_shared_cores():
     cpu = dataclasses.replace(gpu, contention=HALF)
     plan = Plan("by_hand", (SWAP, KEEP, KEEP))
     on_gpu, on_cpu = evaluate(gpu, plan, 2 * GB + SLACK), evaluate(cpu, plan, 2 * GB + SLACK)
-    assert on_gpu.iteration_s == pytest.approx(KEEP_ALL_S, rel=1e-9)
-    assert on_cpu.iteration_s == pytest.approx(KEEP_ALL_S + 1.6, rel=1e-9)
+    assert on_gpu.serial_step_s == pytest.approx(KEEP_ALL_S, rel=1e-9)
+    assert on_cpu.serial_step_s == pytest.approx(KEEP_ALL_S + 1.6, rel=1e-9)
     assert on_cpu.sim.busy_s == on_gpu.sim.busy_s  # the work is the same; it takes longer
     # a plan without copies runs as on a GPU
     keep = Plan("by_hand", (KEEP,) * 3)
@@ -130,7 +130,7 @@ def test_the_ilp_recomputes_where_contention_makes_a_swap_dearer():
     assert solve_ilp(gpu, 2 * GB + SLACK, gap=0.0).choices == (SWAP, KEEP, KEEP)
     plan = solve_ilp(cpu, 2 * GB + SLACK, gap=0.0)
     assert plan.choices == (RECOMPUTE, KEEP, KEEP)
-    assert evaluate(cpu, plan, 2 * GB + SLACK).iteration_s == pytest.approx(KEEP_ALL_S + 1.0)
+    assert evaluate(cpu, plan, 2 * GB + SLACK).serial_step_s == pytest.approx(KEEP_ALL_S + 1.0)
 
 
 def test_the_ilps_stage_sums_match_the_simulator_under_contention():
@@ -139,7 +139,7 @@ def test_the_ilps_stage_sums_match_the_simulator_under_contention():
     cpu = dataclasses.replace(_three_blocks(), contention=Contention(0.3, 0.6))
     plan = solve_ilp(cpu, 2 * GB + SLACK, gap=0.0)
     objective = float(plan.note.split("objective ")[1].split(" s")[0])
-    assert evaluate(cpu, plan, 2 * GB + SLACK).iteration_s == pytest.approx(objective, abs=1e-5)
+    assert evaluate(cpu, plan, 2 * GB + SLACK).serial_step_s == pytest.approx(objective, abs=1e-5)
 
 
 def test_contention_slows_a_host_step_beside_compute():
@@ -150,7 +150,7 @@ def test_contention_slows_a_host_step_beside_compute():
     alone = evaluate(problem, plan, 1 << 60)
     shared = evaluate(dataclasses.replace(problem, contention=Contention(
         compute_slowdown_host=0.5, host_slowdown_compute=0.5)), plan, 1 << 60)
-    assert shared.iteration_s > alone.iteration_s
+    assert shared.serial_step_s > alone.serial_step_s
 
 
 def test_independent_streams_zero_only_the_contention():
@@ -192,7 +192,8 @@ def test_simulate_without_contention_is_the_default():
 
 def _cpu_schedule():
     """The tiny GPT's offload_all schedule on the cpu profile, as karma-plan writes it."""
-    from karma.planner.pipeline import PlanRequest, schedule_from
+    from karma.planner.options import PlanOptions
+    from karma.planner.pipeline import schedule_from
     from karma.planner.problem import build_problem
     from karma.schedule import ModelRef, dump_schedule
     from karma.schedule_load import load_schedule
@@ -203,9 +204,9 @@ def _cpu_schedule():
     problem = build_problem(graph, hw)
     ev = evaluate(problem, BASELINES["offload_all"](problem, TINY_CAPACITY_BYTES),
                   TINY_CAPACITY_BYTES)
-    request = PlanRequest(TINY_CAPACITY_BYTES, hw, graph.batch_size)
+    options = PlanOptions(gpu_mem=TINY_CAPACITY_BYTES, hardware=hw, batch_size=graph.batch_size)
     s = load_schedule(dump_schedule(schedule_from(
-        graph, ModelRef(graph.model, "0" * 64, "0" * 64, ()), request, ev, ev.step_s)))
+        graph, ModelRef(graph.model, "0" * 64, "0" * 64, ()), options, ev, ev.step_s)))
     return s
 
 
@@ -214,7 +215,7 @@ def test_a_cpu_schedule_re_simulates_with_the_contention_it_carries():
     # fractions the schedule's hardware carries (without them it times independent streams)
     s = _cpu_schedule()
     sim = simulate(s.ops, s.buffers, contention=Contention.of(dict(s.hardware)))
-    assert sim.step_s == pytest.approx(s.predicted.iteration_s, rel=1e-5)
+    assert sim.step_s == pytest.approx(s.predicted.step_s, rel=1e-5)
     assert simulate(s.ops, s.buffers).step_s < sim.step_s  # independent streams: faster
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from karma.planner.fit_contention import fit_side_streams
 from karma.planner.hardware import load_hardware
-from karma.planner.pipeline import PlanRequest, probe_schedule
+from karma.planner.options import PlanOptions
+from karma.planner.pipeline import probe_schedule
 from karma.planner.simulate import Contention, simulate
 from karma.schedule import ModelRef
 from tests.runtime_helpers import block_graph, load_small
@@ -27,8 +28,7 @@ def probe():
     graph = block_graph(mf)
     hw = replace(load_hardware("cpu"), **PROFILE)
     model = ModelRef.now(mf.path, mf.sha256, graph.to_json())
-    tiny = probe_schedule(graph, model, PlanRequest(capacity_bytes=1 << 40, hardware=hw,
-                                                    batch_size=2))
+    tiny = probe_schedule(graph, model, PlanOptions(gpu_mem=1 << 40, hardware=hw, batch_size=2))
     return replace(tiny, ops=tuple(replace(op, dur_s=op.dur_s * 1000) for op in tiny.ops))
 
 

@@ -108,7 +108,7 @@ def _edited(text: str, old: str, new: str) -> str:
 @pytest.mark.parametrize("edit, says", [
     # a longer backward: the iteration ends later than predicted
     (lambda t: re.sub(r"(kind: backward, block: 1, .*?dur_s: )[^,]+", r"\g<1>0.001", t),
-     "predicted.iteration_s is"),
+     "predicted.step_s is"),
     # a duration off the critical path: only the stream's busy time gives it away
     (lambda t: re.sub(r"(kind: fetch, block: 3, .*?dur_s: )[^,]+", r"\g<1>3.0e-08", t),
      "predicted.busy_s.h2d is"),

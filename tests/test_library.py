@@ -19,9 +19,9 @@ TINY = {"KARMA_GPT": "tiny"}
 
 def test_plan_is_what_karma_plan_writes(tmp_path, capsys):
     with environment(TINY):
-        # the roofline (measure=False): 400 KiB is out of core, below what a measured plan
+        # the roofline (measure="estimate"): 400 KiB is out of core, below what a measured plan
         # also counts for the process outside its tensors (tests/test_calibrate.py)
-        schedule = karma.plan(GPT, gpu_mem="400K", hardware="cpu", batch_size=2, measure=False)
+        schedule = karma.plan(GPT, gpu_mem="400K", hardware="cpu", batch_size=2, measure="estimate")
         assert plan_main([GPT, "--gpu-mem", "400K", "--hardware", "cpu", "--batch-size", "2",
                           "--no-measure",
                           "-o", str(tmp_path / "cli.yaml")]) == 0
@@ -65,7 +65,7 @@ def test_own_loop_trains_bitwise_as_karma_run(tmp_path, capsys):
 def test_state_dict_round_trip_continues_exactly(tmp_path):
     with environment(TINY):
         schedule = karma.plan(GPT, gpu_mem="400K", hardware="cpu", batch_size=2,
-                              measure=False)
+                              measure="estimate")
         quiet = {"log": lambda line: None}
         with karma.Runtime(schedule, seed=3, **quiet) as rt:
             data = rt.model_file.batches(2)

@@ -18,15 +18,8 @@ from karma.ir.build import build_block_graph
 from karma.modelfile import load_model_file
 from karma.planner.hardware import load_hardware
 from karma.planner.ilp import min_capacity_bytes, solve_ilp
-from karma.planner.lowering import (
-    Choice,
-    Stages,
-    Training,
-    fragment,
-    host_temp_by_stage,
-    stage_memory,
-    valid_choices,
-)
+from karma.planner.lowering import Choice, Stages, Training, fragment, valid_choices
+from karma.planner.memory import host_temp_by_stage, stage_memory
 from karma.planner.plan import Plan, evaluate
 from karma.planner.problem import Problem, build_problem
 from tests.conftest import MODELS

@@ -19,7 +19,8 @@ import pytest
 
 from karma.planner.baselines import BASELINES
 from karma.planner.ilp import min_capacity_bytes, solve_ilp
-from karma.planner.lowering import Choice, Stages, Training, stage_memory
+from karma.planner.lowering import Choice, Stages, Training
+from karma.planner.memory import stage_memory
 from karma.planner.plan import Plan, evaluate
 from karma.planner.simulate import simulate
 from karma.schedule import LAST_MICRO_BATCH_KINDS
@@ -118,23 +119,23 @@ def test_overlapped_updates_are_hidden_under_the_next_forward_by_hand():
     # waits 1 s; block 1's are done (at 2 s) before its forward (at 2 s): 6.5 + 1 = 7.5 s.
     problem = chain(2, param_bytes=GB, act_bytes=0, host_step_s=0.5)
     ev = evaluate(problem, Plan("x", (Choice("keep", "resident", "host"),) * 2), HUGE, CLIP)
-    assert ev.iteration_s == pytest.approx(8.0)
-    assert ev.overlapped_iteration_s == pytest.approx(7.5)
+    assert ev.serial_step_s == pytest.approx(8.0)
+    assert ev.overlapped_step_s == pytest.approx(7.5)
     # Unclipped, the host steps overlap the backward instead
     plain = evaluate(problem, Plan("x", (Choice("keep", "resident", "host"),) * 2), HUGE)
-    assert plain.iteration_s == pytest.approx(7.5)
-    assert plain.overlapped_iteration_s is None
+    assert plain.serial_step_s == pytest.approx(7.5)
+    assert plain.overlapped_step_s is None
 
 
 def test_overlapped_updates_that_take_longer_than_the_forward_show_in_the_step():
     # host steps of 10 s: nothing hides them; a step takes at least both of them
     problem = chain(3, param_bytes=GB, act_bytes=0, host_step_s=10.0)
     ev = evaluate(problem, Plan("x", (Choice("keep", "streamed", "host"),) * 3), HUGE, CLIP)
-    assert 30.0 <= ev.overlapped_iteration_s < ev.iteration_s
+    assert 30.0 <= ev.overlapped_step_s < ev.serial_step_s
     # hidden completely when they are instant: the step is the iteration without them
     quick = chain(3, param_bytes=GB, act_bytes=0, host_step_s=0.0)
     ev = evaluate(quick, Plan("x", (Choice("keep", "streamed", "host"),) * 3), HUGE, CLIP)
-    assert ev.overlapped_iteration_s == pytest.approx(ev.iteration_s)
+    assert ev.overlapped_step_s == pytest.approx(ev.serial_step_s)
 
 
 # --- accumulation -------------------------------------------------------------------------
@@ -150,13 +151,13 @@ def test_a_step_is_the_replays_without_the_update_and_one_with_it(world_size, cl
     full = simulate(ev.ops, ev.buffers)
     micro = simulate([dataclasses.replace(o, dur_s=0.0) if o.kind in LAST_MICRO_BATCH_KINDS else o
                       for o in ev.ops], ev.buffers)
-    assert micro.iteration_s < full.iteration_s
-    assert ev.iteration_s == pytest.approx((n - 1) * micro.iteration_s + full.iteration_s,
+    assert micro.serial_step_s < full.serial_step_s
+    assert ev.serial_step_s == pytest.approx((n - 1) * micro.serial_step_s + full.serial_step_s,
                                            rel=1e-12)
     for stream, busy in ev.sim.busy_s.items():
         assert busy == pytest.approx((n - 1) * micro.busy_s[stream] + full.busy_s[stream])
     one = evaluate(problem, Plan("x", mixed(6)), HUGE, Training(1, clip))
-    assert ev.iteration_s < n * one.iteration_s  # the update is paid once, not n times
+    assert ev.serial_step_s < n * one.serial_step_s  # the update is paid once, not n times
 
 
 def test_with_accumulation_device_gradients_live_in_every_stage():
@@ -215,11 +216,11 @@ def test_ilp_objective_and_memory_match_the_simulator(training, world_size):
         ev = evaluate(problem, plan, cap, training)
         assert ev.feasible and ev.peak_device_bytes <= ev.stage_peak_bytes <= cap
         # refine_prefetch may improve on the solver's plan, never worsen it
-        assert ev.iteration_s <= objective_s(plan) * (1 + 1e-7) + 1e-6
+        assert ev.serial_step_s <= objective_s(plan) * (1 + 1e-7) + 1e-6
         baselines = [evaluate(problem, fn(problem, cap, training), cap, training)
                      for fn in BASELINES.values()]
-        feasible = [b.iteration_s for b in baselines if b.feasible]
-        assert ev.iteration_s <= min(feasible, default=ev.iteration_s) * (1 + 1e-7) + 1e-6
+        feasible = [b.serial_step_s for b in baselines if b.feasible]
+        assert ev.serial_step_s <= min(feasible, default=ev.serial_step_s) * (1 + 1e-7) + 1e-6
 
 
 @pytest.mark.parametrize("training", [CLIP, Training(4), Training(2, clip=True)])
@@ -232,7 +233,7 @@ def test_ilp_objective_is_the_simulated_step_exactly(training, world_size):
     for cap in (low, (2 * low + high) // 3, high):
         plan = solve_ilp(problem, cap, gap=0.0, training=training)
         solved = Plan("x", tuple(dataclasses.replace(c, ahead=1) for c in plan.choices))
-        assert evaluate(problem, solved, cap, training).iteration_s == pytest.approx(
+        assert evaluate(problem, solved, cap, training).serial_step_s == pytest.approx(
             objective_s(plan), rel=1e-7, abs=1e-6)
 
 
@@ -243,7 +244,8 @@ def test_ilp_objective_is_the_simulated_step_exactly(training, world_size):
 def test_inspect_re_simulates_training_schedules(tmp_path, capsys, accumulate, clip):
     from karma.cli.inspect import main
     from karma.planner.hardware import load_hardware
-    from karma.planner.pipeline import PlanRequest, schedule_from
+    from karma.planner.options import PlanOptions
+    from karma.planner.pipeline import schedule_from
     from karma.planner.problem import build_problem
     from karma.schedule import ModelRef, dump_schedule
     from tests.schedule_fixtures import HARDWARE, MIXED, TINY_ENV, tiny_graph
@@ -256,10 +258,11 @@ def test_inspect_re_simulates_training_schedules(tmp_path, capsys, accumulate, c
     assert ev.feasible  # else karma-inspect refuses it on load (rule: peak within capacity)
     model = ModelRef(path=graph.model, sha256=mf.sha256,
                      ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(), env=TINY_ENV)
-    request = PlanRequest(capacity, load_hardware(HARDWARE), graph.batch_size,
-                          accumulate=accumulate, clip_grad_norm=clip)
+    options = PlanOptions(gpu_mem=capacity, hardware=load_hardware(HARDWARE),
+                          batch_size=graph.batch_size, accumulate=accumulate,
+                          clip_grad_norm=clip)
     path = tmp_path / "s.yaml"
-    path.write_text(dump_schedule(schedule_from(graph, model, request, ev, ev.iteration_s)))
+    path.write_text(dump_schedule(schedule_from(graph, model, options, ev, ev.serial_step_s)))
     code = main([str(path), "--plot", str(tmp_path / "s.png")])
     out = capsys.readouterr().out
     assert code == 0, out

@@ -76,14 +76,14 @@ def test_round_trip_is_exact(kw):
 
 def test_safe_load_gives_plain_data_in_the_fixed_key_order(sched, data):
     assert list(data) == TOP_KEYS
-    assert data["karma_schedule"] == 1
+    assert data["karma_schedule"] == 2
     assert _plain(data)
     assert list(data["blocks"][0]) == ["index", "name", "act", "weights", "optim",
                                        "param_bytes", "act_bytes", "modules", "params",
                                        "shared_params"]
     assert list(data["ops"][0]) == ["id", "kind", "block", "stage", "stream", "dur_s", "bytes",
                                     "deps", "uses"]
-    assert data["buffers"][0]["alloc"] is None  # null: allocated before the iteration
+    assert data["buffers"][0]["alloc"] is None  # null: allocated before the replay
     assert isinstance(data["predicted"]["peak_device_bytes"], int)
     assert data["model"]["env"] == {"KARMA_GPT": "tiny"}
     assert data["hardware"]["flops_per_s"] == {"fp32": 1.2e13, "bf16": 6.0e12}
@@ -96,7 +96,7 @@ def test_text_is_stable_and_readable(sched):
     lines = text.splitlines()
     assert lines[0].startswith("# karma schedule")
     assert any("karma-inspect FILE" in line for line in lines if line.startswith("#"))
-    assert next(line for line in lines if not line.startswith("#")) == "karma_schedule: 1"
+    assert next(line for line in lines if not line.startswith("#")) == "karma_schedule: 2"
     for op in sched.ops:  # one line per op and per buffer
         assert sum(line.startswith(f"  - {{id: {op.id}, ") for line in lines) == 1
     for b in sched.buffers:
@@ -170,7 +170,7 @@ def test_errors_name_the_file(data, tmp_path):
 
 def test_errors_are_karma_errors_with_exit_code_2(data):
     with pytest.raises(KarmaError) as info:
-        _load_data({**data, "karma_schedule": 2})
+        _load_data({**data, "karma_schedule": 99})
     assert info.value.exit_code == 2
 
 
@@ -246,7 +246,7 @@ def test_invalid_values_name_the_key_and_the_fix(data, path, value, message):
 
 
 @pytest.mark.parametrize("path, message", [
-    ("predicted.iteration_s", "schedule.yaml: missing key predicted.iteration_s"),
+    ("predicted.step_s", "schedule.yaml: missing key predicted.step_s"),
     ("ops.12.stream", "schedule.yaml: missing key ops[12].stream"),
     ("buffers.0.free", "missing key buffers[0].free"),
     ("hardware", "missing key hardware"),
@@ -295,10 +295,10 @@ def test_hardware_values_must_be_plain(data):
 
 def test_version_mismatch(data):
     with pytest.raises(ScheduleFileError) as info:
-        _load_data({**data, "karma_schedule": 2})
+        _load_data({**data, "karma_schedule": 3})
     assert str(info.value) == (
-        "schedule.yaml: karma_schedule: 2 is not supported by this karma (reads version 1); "
-        "re-plan with this karma's karma-plan")
+        "schedule.yaml: karma_schedule: 3 is not supported by this karma (reads versions 1, 2); "
+        "re-plan it with this karma's karma-plan, with the flags it was planned with")
     with pytest.raises(ScheduleFileError, match="karma_schedule: '1' is not supported"):
         _load_data({**data, "karma_schedule": "1"})
     with pytest.raises(ScheduleFileError, match="karma_schedule: true is not supported"):
@@ -308,6 +308,17 @@ def test_version_mismatch(data):
     with pytest.raises(ScheduleFileError, match="missing key karma_schedule .*is this a karma "
                                                 "schedule"):
         _load_data(d)
+
+
+def test_a_version_1_schedule_loads_as_this_version(sched):
+    """Version 1 named the predicted step time iteration_s: such a file loads as the same
+    schedule, written back in this version's words."""
+    text = dump_schedule(sched)
+    old = text.replace("karma_schedule: 2\n", "karma_schedule: 1\n").replace(
+        "\n  step_s: ", "\n  iteration_s: ")
+    assert old != text and "iteration_s" in old
+    assert load_schedule(old) == load_schedule(text)
+    assert dump_schedule(load_schedule(old)) == text
 
 
 @pytest.mark.parametrize("text, shown", [
@@ -320,7 +331,7 @@ def test_not_a_mapping(text, shown):
     with pytest.raises(ScheduleFileError) as info:
         load_schedule(text, "s.yaml")
     assert str(info.value).startswith("s.yaml: a schedule is a YAML mapping that starts with "
-                                      "'karma_schedule: 1', " + shown)
+                                      "'karma_schedule: 2', " + shown)
 
 
 def test_malformed_yaml_gives_the_line(sched):

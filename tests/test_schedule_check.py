@@ -107,15 +107,17 @@ PLANNED = [
                          ids=["-".join(map(str, case)) for case in PLANNED])
 def test_planned_schedules_pass(hardware, strategy, world_size, accumulate, clip):
     from karma.planner.hardware import load_hardware
-    from karma.planner.pipeline import PlanRequest, make_schedule
+    from karma.planner.options import PlanOptions
+    from karma.planner.pipeline import make_schedule
     from tests.schedule_fixtures import tiny_graph
 
     _, graph = tiny_graph()
     capacity = 400 * 1024 if strategy == "ilp" else 1 << 30  # the ILP mixes its choices
-    request = PlanRequest(capacity, load_hardware(hardware), graph.batch_size,
-                          world_size=world_size, strategy=strategy, accumulate=accumulate,
-                          clip_grad_norm=clip, time_limit_s=10)
-    s = make_schedule(graph, tiny_schedule().model, request).schedule  # every case fits
+    options = PlanOptions(gpu_mem=capacity, hardware=load_hardware(hardware),
+                          batch_size=graph.batch_size, world_size=world_size,
+                          strategy=strategy, accumulate=accumulate, clip_grad_norm=clip,
+                          time_limit_s=10)
+    s = make_schedule(graph, tiny_schedule().model, options).schedule  # every case fits
     validate(s)
     assert load_schedule(dump_schedule(s)).blocks == s.blocks
 
@@ -294,13 +296,15 @@ def test_with_clipping_fetched_weights_are_not_freed_by_a_deferred_op():
     that iteration fetched them and were not filled again: two runs in three trained other
     weights than plain PyTorch."""
     from karma.planner.hardware import load_hardware
-    from karma.planner.pipeline import PlanRequest, make_schedule
+    from karma.planner.options import PlanOptions
+    from karma.planner.pipeline import make_schedule
     from tests.schedule_fixtures import tiny_graph
 
     _, graph = tiny_graph()
-    request = PlanRequest(1 << 30, load_hardware("cpu"), graph.batch_size,
-                          strategy="offload_all", clip_grad_norm=1.0)
-    s = rounded(make_schedule(graph, tiny_schedule().model, request).schedule)
+    options = PlanOptions(gpu_mem=1 << 30, hardware=load_hardware("cpu"),
+                          batch_size=graph.batch_size, strategy="offload_all",
+                          clip_grad_norm=1.0)
+    s = rounded(make_schedule(graph, tiny_schedule().model, options).schedule)
     validate(s)
     reader = next(b.free for b in s.buffers if b.name == "w.0@b")
     step = op_of(s, "host_step", 0)

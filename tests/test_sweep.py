@@ -15,7 +15,7 @@ from karma.schedule_load import load_schedule
 from tests.conftest import EXAMPLES
 
 GPT = str(EXAMPLES / "gpt.py")
-KEYS = {"gpu_mem_bytes", "batch_size", "feasible", "iteration_s", "samples_per_s", "baselines"}
+KEYS = {"gpu_mem_bytes", "batch_size", "feasible", "step_s", "samples_per_s", "baselines"}
 
 
 def sweep_cli(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
@@ -33,19 +33,19 @@ def test_a_budget_sweep_plans_every_point_and_says_what_ran_out(capsys, monkeypa
     assert [p["gpu_mem_bytes"] for p in points] == [k * 200 * 1024 for k in range(1, 6)]
     assert all(KEYS <= p.keys() and p["batch_size"] == 4 for p in points)
     short = [p for p in points if not p["feasible"]]
-    assert short and all(p["resource"] == "device" and p["iteration_s"] is None
+    assert short and all(p["resource"] == "device" and p["step_s"] is None
                          for p in short)
     fits = [p for p in points if p["feasible"]]
     assert len(fits) >= 2 and fits[-1]["gpu_mem_bytes"] == 1000 * 1024
     # more memory never makes the chosen plan slower, and samples/s is batch / iteration
-    times = [p["iteration_s"] for p in fits]
+    times = [p["step_s"] for p in fits]
     assert times == sorted(times, reverse=True)
     for p in fits:
-        assert p["samples_per_s"] == pytest.approx(p["batch_size"] / p["iteration_s"])
+        assert p["samples_per_s"] == pytest.approx(p["batch_size"] / p["step_s"])
         assert p["peak_device_bytes"] <= p["gpu_mem_bytes"]
         assert set(p["baselines"]) == {"keep_all", "recompute_all", "swap_all",
                                        "offload_all", "greedy"}
-        assert all(t is None or t >= p["iteration_s"] * (1 - 1e-9)
+        assert all(t is None or t >= p["step_s"] * (1 - 1e-9)
                    for t in p["baselines"].values())
 
 
@@ -138,7 +138,7 @@ def test_batch_size_best_has_the_most_samples_per_second_of_those_searched(searc
     fits = [p for p in doc["batch_search"] if p["feasible"]]
     assert doc["batch_size"] == max(fits, key=lambda p: p["samples_per_s"])["batch_size"]
     best = next(p for p in fits if p["batch_size"] == doc["batch_size"])
-    assert doc["iteration_s"] == pytest.approx(best["iteration_s"])
+    assert doc["step_s"] == pytest.approx(best["step_s"])
     # refined around the doubling's best: its neighbours were tried
     tried = {p["batch_size"] for p in doc["batch_search"]}
     assert {doc["batch_size"] - 1, doc["batch_size"] + 1} & tried
@@ -166,7 +166,7 @@ def test_the_same_model_on_several_profiles_is_one_table(capsys, monkeypatch):
     assert rows[0]["gpu_mem_bytes"] < rows[1]["gpu_mem_bytes"]
     assert all(r["feasible"] and r["world_size"] == 4 and r["nproc_per_node"] == 4
                and 0 < r["scaling_efficiency"] for r in rows)
-    assert rows[1]["iteration_s"] < rows[0]["iteration_s"]  # the H100 is faster
+    assert rows[1]["step_s"] < rows[0]["step_s"]  # the H100 is faster
     code = main([GPT, "--no-measure", "--hardware", "v100-16g,h100-80g", "--gpu-mem", "200K"])
     out, err = capsys.readouterr()
     assert code == 0 and out.count("does not fit: no plan fits 200 KiB") == 2, out

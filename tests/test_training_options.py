@@ -93,21 +93,25 @@ def test_each_option_changes_the_numbers(name):
 
 
 def test_micro_batches_through_the_library(tmp_path):
-    """Runtime.step is one micro-batch; every N-th call ends the optimizer step, and a state
-    taken halfway through an accumulation is refused."""
+    """Runtime.micro_step is one micro-batch; every N-th call ends the optimizer step, a
+    state taken halfway through an accumulation is refused, and Runtime.step (one whole
+    optimizer step on one batch) says to take the micro-batches one by one."""
     mf = load_small("mlp")
     schedule = plan(mf, "offload_all", accumulate=4)
     data = mf.checked_batches(mf.default_batch_size, 0, 1)
     with Runtime(schedule, model_file=mf, log=lambda line: None) as rt:
         assert rt.accumulate == 4
+        with pytest.raises(KarmaError, match="accumulates 4 micro-batches.*micro_step"):
+            rt.step(*next(data))
+        assert rt.steps == 0 and not rt.stepped
         stepped = []
         for _ in range(4):
-            rt.step(*next(data))
+            rt.micro_step(*next(data))
             stepped.append(rt.stepped)
             if not rt.stepped:
                 with pytest.raises(KarmaError, match="1 of the 4|2 of the 4|3 of the 4"):
                     rt.state_dict()
-        assert stepped == [False, False, False, True] and rt.iterations == 1
+        assert stepped == [False, False, False, True] and rt.steps == 1
         rt.state_dict()
 
 

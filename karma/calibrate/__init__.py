@@ -1,12 +1,11 @@
 """Calibrated planning: when karma plans for this machine, it measures it.
 
-    cal = calibrate(mf, graph, "cpu", load_hardware("cpu"), planning)   # planning: FromPlanning
+    cal = calibrate(mf, graph, options, planning)   # options: PlanOptions; planning: FromPlanning
     cal.hardware        # the profile to plan with: built-in sizes, this machine's rates (on
                         # the CPU, the side streams' fractions and wait fitted in context)
-    cal.measured_s      # (fwd s, bwd s) per block, or None for the roofline estimate
-    cal.measured_step_s # (device s, host s) of each block's optimizer step, or None
-    cal.process_bytes   # what the process holds outside its tensors while training (CPU), or 0
-    cal.measured_loss_s # the loss's forward and backward, where timed in context, or None
+    cal.measured        # planner.problem.Measured: per block (fwd s, bwd s) and (device s,
+                        # host s) of its optimizer step, the process outside its tensors
+                        # (CPU), the loss; None or 0 where estimated
     cal.summary         # one line for karma-plan: where the block times came from
 
 One way through: `calibrate` is the entry, and what it needs from planning (the roofline
@@ -20,12 +19,12 @@ calibration never calls back into the planner. Its rooms:
   the side streams in steps of an out-of-core probe;
 - cache.py: the JSON files under $XDG_CACHE_HOME/karma, named by a hash of their key.
 
-Planning for another built-in profile, or for a karma-profile file (which may describe
-another machine), uses that profile's numbers and the roofline estimate; `measure=True`
-(karma-plan --profile-blocks) still times the blocks on the local device of the profile's
-kind, keeping the profile's other numbers. If timing the blocks fails when measuring was not
-asked for (measure=None), the plan uses the roofline estimate and says so: a plan that worked
-before calibration keeps working.
+How to measure is PlanOptions.measure: "cached" (the default) measures this machine once and
+then reads the cache, "fresh" measures it again (karma-plan --remeasure), "estimate" never
+measures (--no-measure). Planning for another built-in profile, or for a karma-profile file
+(which may describe another machine), uses that profile's numbers and the roofline estimate.
+If timing the blocks fails by default, the plan uses the roofline estimate and says so: a
+plan that worked before calibration keeps working; asked to measure afresh, it fails.
 
 [Note: a machine whose speed drifts] A shared machine's speed changes under its other
 tenants: on the 2-core CI machine the same in-context calibration of the fidelity MLP (2048
@@ -49,7 +48,6 @@ from karma.calibrate.cache import cache_path, write
 from karma.calibrate.in_context import timed_in_context
 from karma.calibrate.machine import (
     allocating_as_the_runtime_does,
-    device_for,
     local_device,
     measured_machine,
 )
@@ -57,6 +55,8 @@ from karma.errors import KarmaError
 from karma.ir.graph import BlockGraph
 from karma.modelfile import ModelFile
 from karma.planner.hardware import Hardware
+from karma.planner.options import PlanOptions
+from karma.planner.problem import ESTIMATED, Measured
 from karma.schedule import Schedule
 
 __all__ = ["Calibration", "FromPlanning", "Probe", "calibrate"]
@@ -91,61 +91,48 @@ class Calibration:
     """What to plan with, and where its numbers came from."""
 
     hardware: Hardware  # the profile given, with this machine's rates when it was measured
-    measured_s: tuple[tuple[float, float], ...] | None  # per block; None: roofline estimate
+    measured: Measured  # what was measured (Measured(): nothing, the roofline estimate)
     summary: str  # e.g. "measured on this machine (cached in ~/.cache/karma/blocks-....json)"
-    # (device s, host s) of each block's optimizer step; None: from the profile's rates
-    measured_step_s: tuple[tuple[float, float], ...] | None = None
-    # what the process held outside its tensors while it trained (CPU backend, measured in
-    # a keep_all step: [Note: the process's own memory], in_context.py); 0 when not measured
-    process_bytes: int = 0
-    # the loss's forward and backward, timed in a keep_all step; None: the roofline estimate
-    measured_loss_s: float | None = None
 
 
-def calibrate(mf: ModelFile, graph: BlockGraph, hardware: str | Hardware, hw: Hardware,
-              planning: FromPlanning, measure: bool | None = None,
-              blocks_regex: str | None = None, log: Callable[[str], None] | None = None,
-              remeasure: bool = False) -> Calibration:
-    """The profile and block times to plan `graph` with on `hw` (loaded from `hardware`).
-
-    measure: None (default) measures when `hardware` is this machine (see `local_device`);
-    False never does; True times the blocks on the local device of hw's kind in any case.
-    remeasure: measure again what the cache holds (the machine and the blocks), and cache
-    that ([Note: a machine whose speed drifts]).
-    """
+def calibrate(mf: ModelFile, graph: BlockGraph, options: PlanOptions, planning: FromPlanning,
+              log: Callable[[str], None] | None = None) -> Calibration:
+    """The profile and block times to plan `graph` with for `options` (its hardware, the
+    blocks' regex and how to measure: the module docstring)."""
     say = log or (lambda line: None)
-    if measure is False:
-        return Calibration(hw, None, "roofline estimate (--no-measure)")
-    device = local_device(hardware)
-    if device is None and not measure:
-        return Calibration(hw, None, f"roofline estimate from the {hw.name} profile "
-                                     "(not this machine)")
-    local = device is not None
-    if not local:
-        device = device_for(hw)
-    if local:
-        with allocating_as_the_runtime_does(device):
-            hw = measured_machine(device, hw, say, remeasure)
+    hw = options.profile
+    if options.measure == "estimate":
+        return Calibration(hw, ESTIMATED, "roofline estimate (--no-measure)")
+    fresh = options.measure == "fresh"
+    device = local_device(options.hardware)
+    if device is None:
+        if fresh:
+            raise KarmaError(f"--remeasure (measure='fresh') measures this machine, and the "
+                             f"{hw.name} profile is not it; plan for this machine's profile "
+                             "(--hardware cpu, or the local GPU's), or leave --remeasure out")
+        return Calibration(hw, ESTIMATED, f"roofline estimate from the {hw.name} profile "
+                                          "(not this machine)")
+    with allocating_as_the_runtime_does(device):
+        hw = measured_machine(device, hw, say, fresh)
     start = time.perf_counter()
     try:
-        timed, path, fresh = _block_times(
-            mf, graph, planning, device, blocks_regex, say,
-            in_context_hw=hw if local and device == "cpu" and blocks_regex is None else None,
-            remeasure=remeasure)
+        timed, path, now = _block_times(
+            mf, graph, planning, device, options.blocks, say,
+            in_context_hw=hw if device == "cpu" and options.blocks is None else None,
+            remeasure=fresh)
     except KarmaError as e:
-        if measure:  # asked for: the error is the answer
+        if fresh:  # asked for: the error is the answer
             raise
         say(f"could not time the blocks ({e}); planning with the roofline estimate "
             "(--no-measure skips trying)")
-        return Calibration(hw, None, "roofline estimate (timing the blocks failed)")
-    how = (f"measured now in {time.perf_counter() - start:.0f} s" if fresh
+        return Calibration(hw, ESTIMATED, "roofline estimate (timing the blocks failed)")
+    how = (f"measured now in {time.perf_counter() - start:.0f} s" if now
            else "measured on this machine")
     if timed.side_streams:  # fitted in context: [Note: side streams timed in context]
         hw = replace(hw, **timed.side_streams)
     where = timed.where + (", side streams in an out-of-core probe's steps"
                            if timed.side_streams else "")
-    return Calibration(hw, timed.fwd_bwd_s, f"{how}, {where} (cached in {path})",
-                       timed.step_s, timed.process_bytes, timed.loss_s)
+    return Calibration(hw, timed.measured, f"{how}, {where} (cached in {path})")
 
 
 def _block_times(mf: ModelFile, graph: BlockGraph, planning: FromPlanning, device: str,

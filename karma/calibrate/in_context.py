@@ -86,10 +86,10 @@ def timed_in_context(graph: BlockGraph, hw: Hardware, keep_all: Callable[[Hardwa
     steps ([Note: side streams timed in context])."""
     schedule = keep_all(hw)
     need, free = schedule.predicted.peak_device_bytes, mem_available_bytes()
-    n_steps = min(6, int(_BUDGET_S // max(schedule.predicted.iteration_s, 1e-9)))
+    n_steps = min(6, int(_BUDGET_S // max(schedule.predicted.step_s, 1e-9)))
     if need > free // 2 or n_steps < 3:
         say(f"a keep_all step of {graph.model} needs {need / 2**30:.1f} GiB of the "
-            f"{free / 2**30:.1f} GiB free and about {schedule.predicted.iteration_s:.0f} s: "
+            f"{free / 2**30:.1f} GiB free and about {schedule.predicted.step_s:.0f} s: "
             "timing its blocks one by one instead")
         return None
     say(f"timing the blocks of {graph.model} in {n_steps} keep_all steps on this machine (cpu, "

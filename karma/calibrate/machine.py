@@ -67,15 +67,6 @@ def local_device(hardware: str | Hardware) -> str | None:
     return "cuda" if same else None
 
 
-def device_for(hw: Hardware) -> str:
-    """The local device that stands for `hw` when its blocks are timed here (measure=True)."""
-    if hw.device_kind == "cuda" and not torch.cuda.is_available():
-        raise KarmaError(f"measuring times blocks on this machine, which has no GPU, so it "
-                         f"cannot stand for --hardware {hw.name}; plan without "
-                         "--profile-blocks (measure=True) or for --hardware cpu")
-    return hw.device_kind
-
-
 @contextlib.contextmanager
 def allocating_as_the_runtime_does(device: str):
     """[Note: timing under the runtime's allocator] On the CPU backend the runtime returns

@@ -4,38 +4,43 @@
     karma-plan MODEL --gpu-mem 16G --batch-size max|best            # the batch to train at
     karma-plan MODEL --hardware v100-16g,a100-80g,h100-80g          # the same model on each
 
-Each takes karma-plan's other flags as karma.api's keyword arguments (`options`, from
-karma/cli/plan.py's plan_options) and prints a table, or with --json the records.
+Each takes karma-plan's other flags as one PlanOptions (cli/plan.py's plan_options), varies
+what it asks about, and prints a table, or with --json the records.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from dataclasses import replace
 
 from karma.cli.common import positive_int
 from karma.errors import KarmaError
+from karma.planner.hardware import load_hardware
+from karma.planner.options import BATCH_CHOICES, PlanOptions
 from karma.units import format_bytes, format_seconds, parse_size
 
+Log = Callable[[str], None]
 
-def compare_hardware(args: argparse.Namespace, options: dict) -> int:
+
+def compare_hardware(args: argparse.Namespace, options: PlanOptions, log: Log) -> int:
     """--hardware A,B,C: the same model planned on each profile, at its own device memory
     unless --gpu-mem is given; one row each (--json: a list)."""
     from karma.api import sweep as plan_sweep
-    from karma.planner.hardware import load_hardware
 
-    if args.output or args.print_ir or args.batch_size in ("max", "best"):
+    if args.output or args.print_ir or args.batch_size in BATCH_CHOICES:
         raise KarmaError("--hardware A,B,... compares plans and writes no schedule: leave out "
                          "-o, --print-ir and --batch-size max|best, and plan on the profile "
                          "you choose")
     profiles = [load_hardware(name) for name in args.hardware.split(",")]
     rows = []
     for hw in profiles:
-        budget = parse_size(str(args.gpu_mem or hw.device_mem_bytes), "--gpu-mem")
-        row = {"hardware": hw.name, "gpu_mem_bytes": budget, "world_size": args.world_size}
+        budget = options.gpu_mem or hw.device_mem_bytes
+        row = {"hardware": hw.name, "gpu_mem_bytes": budget, "world_size": options.world_size}
         try:  # one point of a budget sweep: the same record
-            point = plan_sweep(args.model, "gpu-mem", [budget], None, hw, args.batch_size,
-                               **options)[0]
+            point = plan_sweep(args.model, "gpu-mem", [budget], replace(options, hardware=hw),
+                               log)[0]
         except KarmaError as e:  # the profile cannot hold the ranks (--nproc-per-node), say
             point = {"feasible": False, "reason": str(e)}
         rows.append({**row, **point})
@@ -45,7 +50,7 @@ def compare_hardware(args: argparse.Namespace, options: dict) -> int:
 
 def hardware_table(rows: list[dict]) -> str:
     ranks = rows[0]["world_size"] > 1
-    lines = [f"{'hardware':<12} {'budget':>9} {'iteration':>10} {'samples/s':>10} "
+    lines = [f"{'hardware':<12} {'budget':>9} {'step':>10} {'samples/s':>10} "
              f"{'peak':>9} {'host a node':>11} {'strategy':<13}"
              + (f" {'ranks':>6} {'scaling':>7}" if ranks else "")]
     for r in rows:
@@ -53,7 +58,7 @@ def hardware_table(rows: list[dict]) -> str:
         if not r["feasible"]:
             lines.append(cells + f"does not fit: {r['reason']}")
             continue
-        lines.append(cells + f"{format_seconds(r['iteration_s']):>10} "
+        lines.append(cells + f"{format_seconds(r['step_s']):>10} "
                      f"{r['samples_per_s']:>10.2f} {format_bytes(r['peak_device_bytes']):>9} "
                      f"{format_bytes(r['node_host_bytes']):>11} {r['strategy']:<13}"
                      + (f" {r['world_size']:>6} {100 * r['scaling_efficiency']:>6.1f}%"
@@ -61,23 +66,18 @@ def hardware_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def search_batch(args: argparse.Namespace, options: dict) -> tuple[int, list[dict]]:
+def search_batch(args: argparse.Namespace, options: PlanOptions,
+                 log: Log) -> tuple[int, list[dict]]:
     """--batch-size max|best: the batch, and the points searched (by batch)."""
     from karma.api import choose_batch
 
-    if args.gpu_mem is None:
-        raise KarmaError(f"--batch-size {args.batch_size} searches the batches that fit a "
-                         "budget: give --gpu-mem")
-    batch, points = choose_batch(args.model, args.batch_size, args.gpu_mem, args.hardware,
-                                 **options)
+    batch, points = choose_batch(args.model, args.batch_size, options, log)
     return batch, sorted(points, key=lambda p: p["batch_size"])
 
 
-def sweep(args: argparse.Namespace, options: dict) -> int:
+def sweep(args: argparse.Namespace, options: PlanOptions, log: Log) -> int:
     """--sweep: every point planned, a table (or --json: a list) of them."""
-    from karma.api import node_layout
     from karma.api import sweep as plan_sweep
-    from karma.planner.hardware import load_hardware
 
     if len(args.sweep) > 1:
         raise KarmaError(f"--sweep is given {len(args.sweep)} times; sweep one quantity at a "
@@ -87,17 +87,17 @@ def sweep(args: argparse.Namespace, options: dict) -> int:
                          f"{'-o' if args.output else '--print-ir'}, and plan the point you "
                          "choose with --gpu-mem and --batch-size")
     quantity, values = parse_sweep(args.sweep[0])
-    if quantity == "gpu-mem" and args.gpu_mem is not None:
+    if quantity == "gpu-mem" and options.gpu_mem is not None:
         raise KarmaError("--sweep gpu-mem=... and --gpu-mem contradict each other; give one")
-    hardware = load_hardware(args.hardware)
-    node_layout(hardware, args.world_size, args.nproc_per_node, args.host_mem, args.host_state)
-    points = plan_sweep(args.model, quantity, values, args.gpu_mem, args.hardware,
-                        args.batch_size, **options)
+    if quantity == "batch-size" and options.gpu_mem is None:
+        raise KarmaError("a batch-size sweep plans at one budget: give --gpu-mem")
+    name = options.profile.name
+    points = plan_sweep(args.model, quantity, values, options, log)
     if args.plot:
         from karma.plot import plot_sweep
 
-        plot_sweep(points, quantity, hardware.name, args.plot)
-    print(json.dumps(points, indent=2) if args.json else sweep_table(points, hardware.name)
+        plot_sweep(points, quantity, name, args.plot)
+    print(json.dumps(points, indent=2) if args.json else sweep_table(points, name)
           + (f"\nwrote {args.plot}" if args.plot else ""))
     return 0
 
@@ -137,14 +137,14 @@ def parse_sweep(spec: str) -> tuple[str, list[int]]:
 def sweep_table(points: list[dict], hardware_name: str, what: str = "sweep") -> str:
     names = sorted({n for p in points for n in p["baselines"]})
     head = f"{'gpu-mem':>9} {'batch':>5} {'ilp':>9} {'samples/s':>9} {'peak':>9} {'host':>9}"
-    lines = [f"{what} on {hardware_name}: iteration of the chosen plan, and of each baseline "
+    lines = [f"{what} on {hardware_name}: step time of the chosen plan, and of each baseline "
              "(- does not fit)", head + "".join(f" {n:>13}" for n in names)]
     for p in points:
         cells = f"{format_bytes(p['gpu_mem_bytes']):>9} {p['batch_size']:>5} "
         if not p["feasible"]:
             lines.append(cells + f"no plan fits: {p['resource']} memory runs out")
             continue
-        cells += (f"{format_seconds(p['iteration_s']):>9} {p['samples_per_s']:>9.2f} "
+        cells += (f"{format_seconds(p['step_s']):>9} {p['samples_per_s']:>9.2f} "
                   f"{format_bytes(p['peak_device_bytes']):>9} {format_bytes(p['host_bytes']):>9}")
         lines.append(cells + "".join(
             f" {format_seconds(p['baselines'][n]) if p['baselines'].get(n) else '-':>13}"

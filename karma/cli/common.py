@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 from karma.errors import KarmaError
 
@@ -31,6 +32,31 @@ def huge_pages_for_large_tensors() -> None:
     /sys/kernel/mm/transparent_hugepage/enabled); where it does not, nothing changes."""
     if "torch" not in sys.modules:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+def check_writable(path: Path, flag: str, example: str | None = None) -> None:
+    """A file `flag` names can be written: not a directory, in a directory that exists and
+    is writable. Checked before the work that writes it (example: a file name to suggest)."""
+    if path.is_dir():
+        raise KarmaError(f"{flag} {path} is a directory; give a file name, e.g. "
+                         f"{path / (example or 'FILE')}")
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        raise KarmaError(f"{flag} {path}: directory {parent} does not exist; create it or "
+                         "choose another path")
+    if not os.access(parent, os.W_OK):
+        raise KarmaError(f"{flag} {path}: directory {parent} is not writable; choose another "
+                         "path")
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A directory `flag` names can be made and written: its nearest existing ancestor is a
+    writable directory."""
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK):
+        raise KarmaError(f"{flag} {path} is not writable; choose a directory you can write to")
 
 
 def positive_int(text: str) -> int:

@@ -8,7 +8,7 @@
     karma-inspect --check schedules/*.yaml       # for CI: validation only, "ok: PATH" each
 
 The schedule is validated (load_schedule: every invariant the runtime relies on,
-karma/schedule_check.py) and its ops re-simulated; a file whose predicted iteration time,
+karma/schedule_check.py) and its ops re-simulated; a file whose predicted step time,
 peak or stream busy times do not match its ops was edited or is corrupt, and is rejected
 (exit 2).
 """
@@ -35,7 +35,7 @@ from karma.timeline import (
 from karma.units import format_bytes, format_number, format_seconds
 
 # [Note: how closely a re-simulation matches] The file holds times to 6 significant digits,
-# good to 5e-6 relative each; a sum of rounded durations (a busy time, the iteration's
+# good to 5e-6 relative each; a sum of rounded durations (a busy time, the step's
 # critical path) is good to another 5e-6. Re-simulated times must match the file's within
 # REL_TOL, which covers both; byte counts are integers and must match exactly.
 REL_TOL = 2e-5
@@ -76,7 +76,7 @@ def check_predicted(schedule: Schedule, source: str) -> SimResult:
         raise ScheduleFileError(f"{source}: {e}; {_CORRUPT}") from None
     p = schedule.predicted
     busy = dict(p.busy_s)
-    pairs = [("predicted.iteration_s", p.iteration_s, sim.step_s, _show_s, REL_TOL),
+    pairs = [("predicted.step_s", p.step_s, sim.step_s, _show_s, REL_TOL),
              ("predicted.peak_device_bytes", p.peak_device_bytes, sim.peak_device_bytes,
               _show_bytes, 0.0)]
     pairs += [(f"predicted.busy_s.{s}", busy.get(s, 0.0), sim.busy_s[s], _show_s, REL_TOL)
@@ -123,7 +123,7 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
             "host_optimizer": sum(b.optim == "host" for b in s.blocks),
         },
         "predicted": {
-            "iteration_s": p.iteration_s,
+            "step_s": p.step_s,
             "lower_bound_s": p.lower_bound_s,
             "peak_device_bytes": p.peak_device_bytes,
             "peak_fraction_of_capacity": p.peak_device_bytes / c.capacity_bytes,
@@ -139,12 +139,12 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
             # re-simulated from the ops, not stored in the file:
             "replay_s": sim.replay_s,  # the micro-batch that steps
             "micro_batch_s": sim.micro_batch_s,  # one that does not (accumulate > 1)
-            "overlapped_iteration_s": sim.overlapped_iteration_s,  # with clipping
-            "serial_iteration_s": sim.iteration_s,  # the updates after the whole backward
+            "overlapped_step_s": sim.overlapped_step_s,  # with clipping
+            "serial_step_s": sim.serial_step_s,  # the updates after the whole backward
         },
         "busy_s": dict(p.busy_s),
         "check": {"ops": len(s.ops), "buffers": len(s.buffers),
-                  "simulated_iteration_s": sim.step_s,
+                  "simulated_step_s": sim.step_s,
                   "simulated_peak_device_bytes": sim.peak_device_bytes, "matches": True},
         "blocks": [{"index": b.index, "name": b.name, "act": b.act, "weights": b.weights,
                     "optim": b.optim, "param_bytes": b.param_bytes, "act_bytes": b.act_bytes}
@@ -170,7 +170,7 @@ def render(info: dict) -> str:
         f"decisions   {d['blocks']} blocks: {d['keep']} keep, {d['swap']} swap, "
         f"{d['recompute']} recompute; {d['streamed_weights']} streamed weights, "
         f"{d['host_optimizer']} host optimizer",
-        f"iteration   {format_seconds(p['iteration_s'])} predicted ("
+        f"step        {format_seconds(p['step_s'])} predicted ("
         + (f"{p['price_of_budget']:.2f}x the ideal {format_seconds(p['ideal_s'])} of "
            "unlimited memory; " if p["ideal_s"] else "")
         + f"stream bound {format_seconds(p['lower_bound_s'])})" + _step_parts(c, p),
@@ -188,11 +188,11 @@ def render(info: dict) -> str:
         f"busy        {busy}",
     ]
     if c["clip_grad_norm"] is not None:
-        lines.append(f"overlapped  the iteration above has the host updates under the next "
-                     f"iteration's forward, as the runtime runs them; after the backward it "
-                     f"would take {format_seconds(p['serial_iteration_s'])}")
+        lines.append(f"overlapped  the step above has the host updates under the next "
+                     f"step's forward, as the runtime runs them; after the backward it "
+                     f"would take {format_seconds(p['serial_step_s'])}")
     if c["world_size"] > 1:
-        lines.append(f"scaling     {p['scaling_efficiency']:.3f} (one rank's iteration time "
+        lines.append(f"scaling     {p['scaling_efficiency']:.3f} (one rank's step time "
                      "over this one's)")
     lines += ["", *_block_table(info["blocks"])]
     return "\n".join(lines)

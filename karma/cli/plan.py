@@ -13,14 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from karma.cli import capacity
-from karma.cli.common import huge_pages_for_large_tensors, positive_int, run_cli
+from karma.cli.common import check_writable, huge_pages_for_large_tensors, positive_int, run_cli
 from karma.errors import KarmaError
-from karma.units import format_bytes, format_seconds, parse_size
+from karma.planner.options import BATCH_CHOICES, PlanOptions
+from karma.units import format_bytes, format_seconds
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,14 +31,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("model", help="a model file: a Python file defining build_model() and "
                                  "example_batch(batch_size)")
+    _hardware_flags(p)
+    _training_flags(p)
+    _solver_flags(p)
+    _output_flags(p)
+    return p
+
+
+def _hardware_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-mem", metavar="SIZE",
                    help="device memory budget, e.g. 16G (with --hardware cpu: the budget of "
                         "the process's private memory)")
     p.add_argument("--hardware", default="v100-16g", metavar="NAME|FILE",
                    help="a built-in profile (v100-16g, a100-40g, a100-80g, h100-80g, "
                         "h200-141g, cpu) or a file from karma-profile (default: v100-16g)")
-    p.add_argument("--batch-size", type=_batch_size, default=None,
-                   help="samples per step and rank (default: the model file's BATCH_SIZE, or 8)")
     p.add_argument("--world-size", type=positive_int, default=1, help="ranks (default 1)")
     p.add_argument("--nproc-per-node", type=positive_int, default=None, metavar="N",
                    help="ranks per node, sharing its host memory (default: the profile's "
@@ -50,33 +57,44 @@ def _parser() -> argparse.ArgumentParser:
                    help="host master weights, gradients and optimizer state: sharded across "
                         "the ranks, or a whole copy on each (default auto: sharded on several "
                         "ranks unless replicated fits and is faster)")
+    measure = p.add_mutually_exclusive_group()
+    measure.add_argument("--no-measure", dest="measure", action="store_const",
+                         const="estimate", default="cached",
+                         help="estimate block times from FLOPs and bytes (roofline) even when "
+                              "--hardware is this machine, where they are measured by default "
+                              "(once; cached in ~/.cache/karma)")
+    measure.add_argument("--remeasure", dest="measure", action="store_const", const="fresh",
+                         help="measure this machine and the blocks again instead of reading "
+                              "them from the cache: a shared machine's speed drifts")
+
+
+def _training_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch-size", type=_batch_size, default=None,
+                   help="samples per step and rank (default: the model file's BATCH_SIZE, or "
+                        "8); max or best: the largest batch that fits, or the fastest")
     p.add_argument("--dtype", default="fp32", metavar="fp32|bf16",
                    help="bf16: mixed precision (autocast compute, fp32 weights and optimizer)")
     p.add_argument("--accumulate", type=int, default=1, metavar="N",
                    help="micro-batches per optimizer step (gradient accumulation; default 1)")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X",
                    help="clip gradients to global norm X, as torch.nn.utils.clip_grad_norm_")
+    p.add_argument("--seed", type=int, default=0, help="training seed recorded in the schedule")
+    p.add_argument("--blocks", metavar="REGEX", default=None,
+                   help="module paths whose calls are blocks, e.g. 'h\\.\\d+' "
+                        "(default: every call of a repeated layer)")
+
+
+def _solver_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="ilp",
                    help="ilp (default) or a baseline: keep_all, recompute_all, swap_all, "
                         "offload_all, greedy")
-    p.add_argument("--seed", type=int, default=0, help="training seed recorded in the schedule")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
                    help="ILP time limit in seconds (default 60)")
     p.add_argument("--gap", type=float, default=0.01,
                    help="relative optimality gap at which the ILP stops (default 0.01)")
-    p.add_argument("--blocks", metavar="REGEX", default=None,
-                   help="module paths whose calls are blocks, e.g. 'h\\.\\d+' "
-                        "(default: every call of a repeated layer)")
-    p.add_argument("--no-measure", action="store_true",
-                   help="estimate block times from FLOPs and bytes (roofline) even when "
-                        "--hardware is this machine, where they are measured by default "
-                        "(once; cached in ~/.cache/karma)")
-    p.add_argument("--remeasure", action="store_true",
-                   help="measure this machine and the blocks again instead of reading them "
-                        "from the cache: a shared machine's speed drifts (the 2-core CI "
-                        "machine's by 45%% within an hour)")
-    p.add_argument("--profile-blocks", action="store_true",
-                   help=argparse.SUPPRESS)  # the old flag: measure, even for other hardware
+
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", action="append", metavar="QUANTITY=RANGE",
                    help="plan at every point of gpu-mem=4G:24G:2G (from:to:step), or "
                         "batch-size=1:64 (doubling; from:to:step adds step), or a list "
@@ -88,55 +106,70 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--print-ir", action="store_true",
                    help="print the block graph (blocks, sizes, FLOPs, edges) and exit")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    return p
 
 
 def _batch_size(text: str) -> int | str:
     """A batch size: a positive whole number, or max or best (searched: karma.api)."""
-    return text if text in ("max", "best") else positive_int(text)
+    return text if text in BATCH_CHOICES else positive_int(text)
+
+
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    """karma-plan's flags as the one PlanOptions every command path plans with (checked
+    here, once: a bad value is one line before anything is traced). With --hardware A,B,C
+    the first profile; with --batch-size max|best the batch is searched (None here)."""
+    return PlanOptions(
+        gpu_mem=args.gpu_mem, hardware=args.hardware.split(",")[0],
+        batch_size=None if args.batch_size in BATCH_CHOICES else args.batch_size,
+        world_size=args.world_size, nproc_per_node=args.nproc_per_node,
+        host_mem=args.host_mem, host_state=args.host_state, dtype=args.dtype,
+        accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
+        strategy=args.strategy, seed=args.seed, time_limit_s=args.time_limit, gap=args.gap,
+        blocks=args.blocks, measure=args.measure)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from karma.api import node_layout, plan_report
-    from karma.ir.build import build_block_graph
-    from karma.modelfile import load_model_file
-    from karma.planner.hardware import load_hardware
-    from karma.planner.plan import InfeasiblePlan
-
+    options = plan_options(args)
     if args.sweep:
-        return capacity.sweep(args, plan_options(args))
+        return capacity.sweep(args, options, _notes)
     if args.plot:
         raise KarmaError("--plot draws a sweep: give --sweep too (karma-inspect --plot draws "
                          "one schedule)")
     if "," in args.hardware:
-        return capacity.compare_hardware(args, plan_options(args))
-    search = None
-    if args.batch_size in ("max", "best"):
-        args.batch_size, search = capacity.search_batch(args, plan_options(args))
-    if not args.print_ir:  # check the cheap things before tracing
-        if args.gpu_mem is None:
-            raise KarmaError("--gpu-mem is required to plan, e.g. --gpu-mem 16G "
-                             "(or use --print-ir to see the block graph)")
-        capacity_bytes = parse_size(args.gpu_mem, "--gpu-mem")
-        hardware = load_hardware(args.hardware)  # the other options: karma.api checks them
-        node_layout(hardware, args.world_size, args.nproc_per_node, args.host_mem,
-                    args.host_state)
-        if args.output:
-            _check_writable(Path(args.output))
-
+        return capacity.compare_hardware(args, options, _notes)
     if args.print_ir:
-        mf = load_model_file(args.model)
-        graph = build_block_graph(mf, args.batch_size, args.blocks, model_name=args.model,
-                                  dtype=args.dtype)
-        _notes(graph.notes)
-        print(graph.to_json() if args.json else graph.table())
-        return 0
+        return _print_ir(args, options)
+    return _plan_one(args, options)
+
+
+def _print_ir(args: argparse.Namespace, options: PlanOptions) -> int:
+    from karma.ir.build import build_block_graph
+    from karma.modelfile import load_model_file
+
+    mf = load_model_file(args.model)
+    graph = build_block_graph(mf, options.batch_size, options.blocks, model_name=args.model,
+                              dtype=options.dtype)
+    _notes(*graph.notes)
+    print(graph.to_json() if args.json else graph.table())
+    return 0
+
+
+def _plan_one(args: argparse.Namespace, options: PlanOptions) -> int:
+    """One schedule: planned, written (-o) and summarized; --batch-size max|best searched
+    first. (Without --gpu-mem, plan_report says so before tracing.)"""
+    from karma.api import plan_report
+    from karma.planner.plan import InfeasiblePlan
+
+    if args.output:  # before anything is traced
+        check_writable(Path(args.output), "-o", "schedule.yaml")
+    search = None
+    if args.batch_size in BATCH_CHOICES:
+        batch, search = capacity.search_batch(args, options, _notes)
+        options = replace(options, batch_size=batch)
     try:
-        report = plan_report(args.model, args.gpu_mem, args.hardware, args.batch_size,
-                             **plan_options(args))
+        report = plan_report(args.model, options, _notes)
     except InfeasiblePlan as e:
         if args.json:
-            print(json.dumps({"feasible": False, "capacity_bytes": capacity_bytes,
+            print(json.dumps({"feasible": False, "capacity_bytes": options.capacity_bytes,
                               "min_capacity_bytes": e.min_capacity_bytes,
                               "resource": e.resource}, indent=2))
         if e.resource != "device":
@@ -148,37 +181,21 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.output:
         report.schedule.save(args.output)
+    name = options.profile.name
     if args.json:
-        doc = _summary_json(report)
-        if search is not None:
-            doc["batch_search"] = search
-        print(json.dumps(doc, indent=2))
-    else:
-        if search is not None:
-            print(capacity.sweep_table(search, hardware.name, "batches searched") + "\n")
-        print(_summary_text(report, hardware.name, args.output))
+        print(json.dumps({**_summary_json(report),
+                          **({"batch_search": search} if search is not None else {})},
+                         indent=2))
+        return 0
+    if search is not None:
+        print(capacity.sweep_table(search, name, "batches searched") + "\n")
+    print(_summary_text(report, name, args.output))
     return 0
 
 
-def plan_options(args: argparse.Namespace) -> dict:
-    """karma-plan's flags as the keyword arguments of karma.api's planning functions."""
-    return {"world_size": args.world_size, "dtype": args.dtype, "strategy": args.strategy,
-            "seed": args.seed, "accumulate": args.accumulate,
-            "clip_grad_norm": args.clip_grad_norm, "nproc_per_node": args.nproc_per_node,
-            "host_mem": args.host_mem, "host_state": args.host_state,
-            "time_limit_s": args.time_limit, "gap": args.gap, "blocks": args.blocks,
-            "measure": _measure(args), "remeasure": args.remeasure,
-            "log": lambda note: _notes([note])}
-
-
-def _measure(args: argparse.Namespace) -> bool | None:
-    if args.no_measure and args.profile_blocks:
-        raise KarmaError("--no-measure and --profile-blocks contradict each other; give one")
-    return False if args.no_measure else True if args.profile_blocks else None
-
-
-def _notes(notes) -> None:
-    """Notes about the model (a KV cache turned off) go to stderr: stdout may be JSON."""
+def _notes(*notes: str) -> None:
+    """Notes about the model (a KV cache turned off) and about measuring go to stderr:
+    stdout may be JSON."""
     for note in notes:
         print(f"karma-plan: note: {note}", file=sys.stderr)
 
@@ -189,7 +206,7 @@ def _summary_json(report) -> dict:
         "feasible": True,
         "strategy": ev.plan.strategy,
         "status": ev.plan.status,
-        "iteration_s": ev.step_s,
+        "step_s": ev.step_s,
         "peak_device_bytes": ev.peak_device_bytes,
         "stage_peak_bytes": ev.stage_peak_bytes,
         "capacity_bytes": ev.capacity_bytes,
@@ -211,7 +228,7 @@ def _summary_json(report) -> dict:
         "host_mem_bytes": ev.host_mem_bytes,
         "decisions": ev.plan.counts(),
         "baselines": {
-            name: {"feasible": b.feasible, "iteration_s": b.step_s,
+            name: {"feasible": b.feasible, "step_s": b.step_s,
                    "peak_device_bytes": b.peak_device_bytes}
             for name, b in report.baselines.items()
         },
@@ -232,7 +249,7 @@ def _summary_text(report, hardware_name: str, output: str | None) -> str:
         f"decisions: {c['keep']} keep, {c['swap']} swap, {c['recompute']} recompute; "
         f"{c['streamed_weights']} streamed weights; {c['host_optimizer']} on the host optimizer",
         f"block times: {report.block_times}",
-        f"predicted iteration {format_seconds(ev.step_s)}: "
+        f"predicted step {format_seconds(ev.step_s)}: "
         f"{s.predicted.price_of_budget:.2f}x the ideal {format_seconds(s.predicted.ideal_s)} "
         f"(keep_all with unlimited memory: the price of the budget); stream bound "
         f"{format_seconds(ev.sim.lower_bound_s)}"
@@ -252,7 +269,7 @@ def _summary_text(report, hardware_name: str, output: str | None) -> str:
     if s.config.world_size > 1:
         lines.append(f"scaling efficiency against one rank: "
                      f"{100 * s.predicted.scaling_efficiency:.1f}%")
-    lines += ["", f"{'strategy':<15} {'fits':<5} {'iteration':>10} {'peak':>11}"]
+    lines += ["", f"{'strategy':<15} {'fits':<5} {'step':>10} {'peak':>11}"]
     rows = [("ilp", ev)] if ev.plan.strategy == "ilp" or ev.plan.status == "fallback" else []
     rows += list(report.baselines.items())
     for name, e in rows:
@@ -269,14 +286,6 @@ def _ceil_gib(nbytes: int) -> str:
     """A --gpu-mem value at least nbytes: 5.6G, 22G."""
     gib = nbytes / 2**30
     return f"{math.ceil(gib * 10) / 10:g}G" if gib < 10 else f"{math.ceil(gib)}G"
-
-
-def _check_writable(path: Path) -> None:
-    parent = path.resolve().parent
-    if not parent.is_dir():
-        raise KarmaError(f"-o {path}: directory {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK):
-        raise KarmaError(f"-o {path}: directory {parent} is not writable; choose another path")
 
 
 def main(argv: list[str] | None = None) -> int:

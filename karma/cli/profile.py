@@ -19,8 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from karma.cli.common import run_cli
-from karma.errors import KarmaError
+from karma.cli.common import check_writable, run_cli
 from karma.fileio import write_text_atomic
 from karma.planner.hardware import Hardware, dump_hardware
 from karma.units import format_bytes, format_number, format_seconds
@@ -40,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 def _profile(args: argparse.Namespace) -> int:
     output = None if args.output is None else Path(args.output)
     if output is not None:
-        _check_writable(output)  # before spending seconds measuring
+        check_writable(output, "-o", "hw.yaml")  # before spending seconds measuring
     import torch  # imported here, not at the top, to keep --help fast
 
     from karma.calibrate.measure_hw import measure_local
@@ -109,16 +108,6 @@ def format_table(hw: Hardware, subtitle: str = "") -> str:
     for label, value, note in rows:
         lines.append(f"  {label:<18}{value:<22}{note}".rstrip())
     return "\n".join(lines)
-
-
-def _check_writable(path: Path) -> None:
-    if path.is_dir():
-        raise KarmaError(f"-o {path} is a directory; give a file name, e.g. -o {path / 'hw.yaml'}")
-    parent = path.parent
-    if not parent.is_dir():
-        raise KarmaError(
-            f"-o {path}: directory {parent} does not exist; create it or choose another path"
-        )
 
 
 if __name__ == "__main__":

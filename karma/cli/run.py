@@ -22,8 +22,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from karma.cli.common import huge_pages_for_large_tensors, positive_int, run_cli
+from karma.cli.common import (
+    check_writable,
+    check_writable_dir,
+    huge_pages_for_large_tensors,
+    positive_int,
+    run_cli,
+)
 from karma.errors import KarmaError
+from karma.fileio import write_text_atomic
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,9 +111,7 @@ def _run(args: argparse.Namespace) -> int:
     if report.rank == 0:
         _summary(report, schedule.predicted.calibration == "measured")
     if args.report and report.rank == 0:
-        tmp = args.report.with_name(f".{args.report.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(report.to_json(), indent=2))
-        os.replace(tmp, args.report)
+        write_text_atomic(args.report, json.dumps(report.to_json(), indent=2))
     return 0
 
 
@@ -132,10 +137,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise KarmaError(f"--trace-steps {args.trace_steps} from step {first} goes past the "
                          f"last step (--steps {args.steps}); train "
                          f"--steps {first + args.trace_steps - 1} or trace fewer")
-    for path in filter(None, (args.checkpoint_dir, args.report and args.report.parent)):
-        _check_writable(Path(path))
-    if args.trace is not None:
-        _check_trace_path(args.trace)
+    if args.checkpoint_dir is not None:
+        check_writable_dir(Path(args.checkpoint_dir), "--checkpoint-dir")
+    if args.report is not None:
+        check_writable(Path(args.report), "--report", "report.json")
+    if args.trace is not None:  # written after its step: refused first
+        check_writable(Path(args.trace), "--trace", "trace.json")
 
 
 def _summary(report, measured: bool) -> None:
@@ -202,25 +209,6 @@ def _out_of_memory(e: BaseException) -> bool:
     text = str(e)
     return isinstance(e, MemoryError) or "can't allocate memory" in text \
         or "out of memory" in text.lower() or "std::bad_alloc" in text
-
-
-def _check_writable(path: Path) -> None:
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK):
-        raise KarmaError(f"{path} is not writable; choose a directory you can write to")
-
-
-def _check_trace_path(path: Path) -> None:
-    """--trace is written after its step: a path that cannot be written is refused first."""
-    if path.is_dir():
-        raise KarmaError(f"--trace {path} is a directory; give a file name, e.g. "
-                         f"{path / 'trace.json'}")
-    if not path.parent.is_dir():
-        raise KarmaError(f"--trace {path}: directory {path.parent} does not exist; create it "
-                         "or give another path")
-    _check_writable(path.parent)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from karma.planner.lowering import PLAIN, Choice, StageMemory, Training
+from karma.planner.lowering import PLAIN, Choice, Training
+from karma.planner.memory import StageMemory
 from karma.planner.plan import Plan
 from karma.planner.problem import Problem
 

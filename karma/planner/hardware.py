@@ -10,22 +10,18 @@ sizes are whole bytes.
 from __future__ import annotations
 
 import difflib
-import json
 import math
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields, replace
-from decimal import Decimal
 from importlib import resources
 from pathlib import Path
 
 import yaml
 
 from karma.errors import KarmaError
+from karma.schedule import DTYPES  # a profile gives a matmul rate for each, in this order
 from karma.units import format_bytes, format_number, format_seconds, parse_size
-
-DTYPES = ("fp32", "bf16")
-"""The dtypes a profile gives a matmul rate for, in the order a profile file lists them."""
+from karma.yamltext import with_comment, yaml_float, yaml_str
 
 DEVICE_KINDS = ("cuda", "cpu")
 FORMAT_VERSION = 1
@@ -150,14 +146,8 @@ class Hardware:
         for field_name in _BYTE_FIELDS:
             _check_bytes(self.name, field_name, getattr(self, field_name))
         object.__setattr__(self, "flops_per_s", _checked_flops(self.name, self.flops_per_s))
-        for field_name in _FLOAT_FIELDS:
-            value = _positive_float(self.name, field_name, getattr(self, field_name))
-            object.__setattr__(self, field_name, value)
-        for field_name in _FRACTION_FIELDS:
-            value = _fraction(self.name, field_name, getattr(self, field_name))
-            object.__setattr__(self, field_name, value)
-        for field_name in _WAIT_FIELDS:
-            value = _wait(self.name, field_name, getattr(self, field_name))
+        for field_name, (ok, what) in _CHECKS.items():
+            value = _number(self.name, field_name, getattr(self, field_name), ok, what)
             object.__setattr__(self, field_name, value)
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
                 or self.devices_per_node < 1:
@@ -186,34 +176,28 @@ def _check_bytes(hw_name: str, field_name: str, value: object) -> None:
         )
 
 
+def _number(hw_name: str, field_name: str, value: object, ok: Callable[[float], bool],
+            what: str) -> float:
+    """`value` as a float, if it is a number that `ok` accepts; else an error that says it
+    must be `what`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not ok(value):
+        raise KarmaError(f"hardware {hw_name!r}: {field_name} must be {what}, got {value!r}; "
+                         f"{_HOW_TO_FIX}")
+    return float(value)
+
+
 def _positive_float(hw_name: str, field_name: str, value: object) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value <= 0:
-        raise KarmaError(
-            f"hardware {hw_name!r}: {field_name} must be a positive number, got {value!r}; "
-            f"{_HOW_TO_FIX}"
-        )
-    return float(value)
+    return _number(hw_name, field_name, value, lambda v: v > 0, "a positive number")
 
 
-def _fraction(hw_name: str, field_name: str, value: object) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not 0 <= value <= _MAX_SLOWDOWN:
-        raise KarmaError(
-            f"hardware {hw_name!r}: {field_name} must be a fraction from 0 to {_MAX_SLOWDOWN}, "
-            f"got {value!r}; {_HOW_TO_FIX}"
-        )
-    return float(value)
-
-
-def _wait(hw_name: str, field_name: str, value: object) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not 0 <= value < _MAX_WAIT_S:
-        raise KarmaError(
-            f"hardware {hw_name!r}: {field_name} must be a number of seconds from 0 to under "
-            f"{_MAX_WAIT_S:g}, got {value!r}; {_HOW_TO_FIX}"
-        )
-    return float(value)
+_CHECKS = {  # field -> (accepts, what it must be)
+    **dict.fromkeys(_FLOAT_FIELDS, (lambda v: v > 0, "a positive number")),
+    **dict.fromkeys(_FRACTION_FIELDS, (lambda v: 0 <= v <= _MAX_SLOWDOWN,
+                                       f"a fraction from 0 to {_MAX_SLOWDOWN}")),
+    **dict.fromkeys(_WAIT_FIELDS, (lambda v: 0 <= v < _MAX_WAIT_S,
+                                   f"a number of seconds from 0 to under {_MAX_WAIT_S:g}")),
+}
 
 
 def _checked_flops(hw_name: str, rates: object) -> FlopRates:
@@ -334,7 +318,6 @@ def _float_text(source: str, key: str, value: object) -> object:
 
 _HEADER = "# karma hardware profile; each field is described in karma/planner/hardware.py"
 _COMMENT_COLUMN = 36
-_PLAIN_STRING = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
 def dump_hardware(hw: Hardware) -> str:
@@ -350,52 +333,31 @@ def dump_hardware(hw: Hardware) -> str:
         value = getattr(hw, f.name)
         if f.name in _FRACTION_FIELDS:
             if value != 0:
-                lines.append(_with_comment(f"{f.name}: {_yaml_float(value)}",
+                lines.append(_with_comment(f"{f.name}: {yaml_float(value)}",
                                            f"{format_number(100 * value)}% of its speed lost"))
         elif f.name in _WAIT_FIELDS:
             if value != 0:
-                lines.append(_with_comment(f"{f.name}: {_yaml_float(value)}",
+                lines.append(_with_comment(f"{f.name}: {yaml_float(value)}",
                                            format_seconds(value)))
         elif f.name == "flops_per_s":
             lines.append("flops_per_s:")
             for dtype in DTYPES:
                 tflops = f"{format_number(value[dtype] / 1e12)} TFLOP/s"
-                lines.append(_with_comment(f"  {dtype}: {_yaml_float(value[dtype])}", tflops))
+                lines.append(_with_comment(f"  {dtype}: {yaml_float(value[dtype])}", tflops))
         elif f.name in _BYTE_FIELDS:
             lines.append(_with_comment(f"{f.name}: {value}", format_bytes(value)))
         elif f.name == "devices_per_node":
             if value != 1:
                 lines.append(_with_comment(f"{f.name}: {value}", "sharing the host memory"))
         elif f.name == "net_latency_s":
-            lines.append(_with_comment(f"{f.name}: {_yaml_float(value)}", format_seconds(value)))
+            lines.append(_with_comment(f"{f.name}: {yaml_float(value)}", format_seconds(value)))
         elif f.name in _FLOAT_FIELDS:
             rate = f"{format_number(value / 1e9)} GB/s"
-            lines.append(_with_comment(f"{f.name}: {_yaml_float(value)}", rate))
+            lines.append(_with_comment(f"{f.name}: {yaml_float(value)}", rate))
         else:
-            lines.append(f"{f.name}: {_yaml_string(value)}")
+            lines.append(f"{f.name}: {yaml_str(value)}")
     return "\n".join(lines) + "\n"
 
 
 def _with_comment(line: str, comment: str) -> str:
-    return f"{line.ljust(_COMMENT_COLUMN - 1)} # {comment}"
-
-
-def _yaml_string(text: str) -> str:
-    if _PLAIN_STRING.fullmatch(text) and yaml.safe_load(text) == text:
-        return text
-    return json.dumps(text)  # a JSON string is a valid YAML double-quoted scalar
-
-
-def _yaml_float(x: float) -> str:
-    """Shortest round-tripping text for `x` that YAML 1.1 reads as a float (2.5e+14, 0.5).
-
-    PyYAML only reads exponent forms with a dot and a signed exponent as floats ("1e9" is a
-    string to it), so large and small values are written as mantissa-dot-digits e+NN.
-    """
-    if x != 0 and not 1e-3 <= abs(x) < 1e6:
-        mantissa, exponent = f"{Decimal(repr(x)).normalize():E}".split("E")
-        if "." not in mantissa:
-            mantissa += ".0"
-        return f"{mantissa}e{int(exponent):+d}"
-    text = repr(x)
-    return text if "." in text else text + ".0"
+    return with_comment(line, comment, _COMMENT_COLUMN)

@@ -34,15 +34,18 @@ from karma.planner.fragment import Fragment, ProtoOp
 from karma.planner.host_state import add_host_state, shard_bytes
 from karma.planner.problem import Problem
 from karma.schedule import (
+    ACT_CHOICES,
+    OPTIM_CHOICES,
     PROCESS_BUFFER,
     STREAMS,
+    WEIGHT_CHOICES,
     Buffer,
     Op,
+    WeightBuffer,
     is_barrier,
+    resident_weights,
 )
 
-# (activations, weights, optimizer)
-ACT = ("keep", "swap", "recompute")
 HOST_TEMP = "hoststep."  # buffers of host optimizer temporaries (see host_temp_bytes)
 
 
@@ -56,8 +59,8 @@ class Choice:
     ahead: int = 1  # stages before its use that a swap-in or weight fetch is issued (1 or 2)
 
     def __post_init__(self) -> None:
-        if self.act not in ACT or self.weights not in ("resident", "streamed") \
-                or self.optim not in ("device", "host") or self.ahead not in (1, 2):
+        if self.act not in ACT_CHOICES or self.weights not in WEIGHT_CHOICES \
+                or self.optim not in OPTIM_CHOICES or self.ahead not in (1, 2):
             raise ValueError(f"not a choice: {self}")
         if self.weights == "streamed" and self.optim != "host":
             raise ValueError("streamed weights are stepped on the host")
@@ -67,7 +70,7 @@ def valid_choices(problem: Problem, i: int) -> list[Choice]:
     """Choices block i may take: the last block cannot swap (its backward comes next); a
     block that copies nothing in has no prefetch distance to choose."""
     n = len(problem.blocks)
-    acts = ACT if i < n - 1 else ("keep", "recompute")
+    acts = ACT_CHOICES if i < n - 1 else ("keep", "recompute")
     wo = [("resident", "device"), ("resident", "host"), ("streamed", "host")]
     out = []
     for a in acts:
@@ -157,11 +160,9 @@ class Stages:
 def weight_buffer(block: int, choice: Choice, phase: str, user: int, n: int) -> str:
     """Name of the device buffer holding `block`'s weights when `user` runs `phase`."""
     if choice.weights == "resident":
-        return f"w.{block}"
-    suffix = "" if user == block else str(user)
-    if phase == "bwd" and user != n - 1:
-        return f"w.{block}@b{suffix}"
-    return f"w.{block}@f{suffix}"
+        return resident_weights(block)
+    # the last block's backward follows its forward at once: it reads the forward's copy
+    return WeightBuffer(block, "fwd" if user == n - 1 else phase, user).name
 
 
 def users_of(problem: Problem, owner: int) -> list[tuple[int, int]]:
@@ -213,7 +214,7 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
 
     # weights: this block's, then its copies for later blocks that share them
     if c.weights == "resident":
-        f.buffer(f"w.{i}", i, b.param_bytes, None, None)
+        f.buffer(resident_weights(i), i, b.param_bytes, None, None)
     else:
         for user, nbytes in [(i, b.param_bytes)] + users_of(problem, i):
             _stream_weights(f, problem, st, i, user, nbytes, c.ahead)
@@ -246,7 +247,7 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
         step_stage = st.to_host(i) if problem.world_size > 1 else st.bwd(i)
         step = f.op(("device_step", i), "device_step", i,
                     st.update if training.clip else step_stage, "compute",
-                    b.device_step_s, uses=(grad, f"w.{i}", f"opt.{i}"))
+                    b.device_step_s, uses=(grad, resident_weights(i), f"opt.{i}"))
         f.buffer(f"steptmp.{i}", i, b.step_temp_bytes, step, step)
         f.buffer(f"opt.{i}", i, b.optim_bytes, None, None)
         if training.accumulate > 1:  # summed over the micro-batches of a step
@@ -288,7 +289,7 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
                            b.all_gather_s, b.param_bytes, after=(step,))
         if c.weights == "resident":
             f.op(("upload", i), "upload", i, st.update, "h2d", problem.h2d_s(b.param_bytes),
-                 b.param_bytes, uses=(f"w.{i}",), after=(updated,))
+                 b.param_bytes, uses=(resident_weights(i),), after=(updated,))
         add_host_state(f, problem, b, sharded, reduce_on_host)
     return f
 
@@ -299,9 +300,8 @@ def _stream_weights(f: Fragment, problem: Problem, st: Stages, owner: int, user:
     stages before each (the prologue at the earliest, the last block's backward at the
     latest)."""
     n = len(problem.blocks)
-    suffix = "" if user == owner else str(user)
     # a fetch lists the buffer it fills in `uses`: the runtime reads the owner from its name
-    fwd_buf, bwd_buf = f"w.{owner}@f{suffix}", f"w.{owner}@b{suffix}"
+    fwd_buf, bwd_buf = (WeightBuffer(owner, phase, user).name for phase in ("fwd", "bwd"))
     fetch_f = f.op(("fetch", owner, user, "fwd"), "fetch", user, max(0, st.fwd(user) - ahead),
                    "h2d", problem.h2d_s(nbytes), nbytes, uses=(fwd_buf,))
     if user == n - 1:  # the last block's backward follows at once: keep the forward copy
@@ -329,109 +329,6 @@ def common_fragment(problem: Problem) -> Fragment:
         last_use = ("forward", i + 1) if i + 1 < n else ("backward", i)
         f.buffer(f"out.{i}", i, b.out_bytes, ("forward", i), last_use)
     return f
-
-
-def buffer_spans(problem: Problem, f: Fragment) -> list[tuple[int, int, int]]:
-    """(first stage, last stage, bytes) of each buffer of a fragment: the stages it is live in.
-
-    A buffer counts in every stage from the one of the op that allocates it to the one of the
-    op that frees it, both included: the ILP's memory bound, never below the simulated peak.
-    """
-    st = Stages(len(problem.blocks), problem.world_size)
-    own = {o.key: o.stage for o in f.ops}
-
-    def stage_of(key: tuple) -> int:
-        if key in own:
-            return own[key]
-        kind, block = key[0], key[1]
-        return st.fwd(block) if kind == "forward" else st.bwd(block)  # always present
-
-    return [(stage_of(b.alloc) if b.alloc is not None else 0,
-             stage_of(b.free) if b.free is not None else st.count - 1, b.bytes)
-            for b in f.buffers if not b.name.startswith(HOST_TEMP)]
-
-
-def host_temp_bytes(f: Fragment) -> int:
-    """[Note: host step temporaries] On the CPU backend a host optimizer step makes a
-    temporary the size of its largest weight in private memory. Host steps run one at a time
-    but not in a fixed stage: block i's starts after the stage that brings its gradients to
-    the host (to_host(i)) and may run on through any later stage. So the stage model counts,
-    in each stage from to_host(i) on, the largest temporary among the blocks whose host step
-    may have started (host_temp_by_stage), rather than each in its own stage. With
-    clipping the host steps run on into the next iteration's forward (the runtime overlaps
-    them: runtime/update.py, [Note: updates overlapped with the next forward]), so the largest of
-    them counts in every stage."""
-    return max((b.bytes for b in f.buffers if b.name.startswith(HOST_TEMP)), default=0)
-
-
-def host_temp_first_stage(problem: Problem, i: int, training: Training = PLAIN) -> int:
-    """The first stage in which block i's host step temporaries count (see host_temp_bytes):
-    the stage of its gradients' copy to the host, or every stage with clipping."""
-    return 0 if training.clip else Stages(len(problem.blocks), problem.world_size).to_host(i)
-
-
-def host_temp_by_stage(problem: Problem, frags: list[Fragment],
-                       training: Training = PLAIN) -> list[int]:
-    """Host step temporaries counted in each stage; frags[i] is block i's fragment."""
-    return _host_temp_by_stage(problem, [host_temp_bytes(f) for f in frags], training)
-
-
-def _host_temp_by_stage(problem: Problem, temp_bytes: list[int],
-                        training: Training = PLAIN) -> list[int]:
-    """host_temp_by_stage from each block's largest host step temporary: in each stage the
-    largest among the blocks whose temporaries count from it or an earlier stage."""
-    count = Stages(len(problem.blocks), problem.world_size).count
-    starting = [0] * count
-    for i, nbytes in enumerate(temp_bytes):
-        if nbytes > 0:
-            k = host_temp_first_stage(problem, i, training)
-            starting[k] = max(starting[k], nbytes)
-    out, largest = [], 0
-    for nbytes in starting:
-        largest = max(largest, nbytes)
-        out.append(largest)
-    return out
-
-
-def stage_memory(problem: Problem, choices: list[Choice],
-                 training: Training = PLAIN) -> list[int]:
-    """Device bytes live in each stage (the ILP's memory model) for these choices."""
-    return StageMemory(problem, training)(choices)
-
-
-class StageMemory:
-    """stage_memory for many plans of one problem: each block is lowered once per choice, so
-    a heuristic that changes one block at a time (baselines.greedy) pays for that block, not
-    for all of them (on 500 blocks greedy took 40 s)."""
-
-    def __init__(self, problem: Problem, training: Training = PLAIN) -> None:
-        self.problem, self.training = problem, training
-        self.count = Stages(len(problem.blocks), problem.world_size).count
-        self.common = buffer_spans(problem, common_fragment(problem))
-        self.lowered: dict[tuple[int, Choice], tuple[list[tuple[int, int, int]], int]] = {}
-
-    def block(self, i: int, c: Choice) -> tuple[list[tuple[int, int, int]], int]:
-        """Block i's buffer spans and largest host step temporary under choice c."""
-        if (i, c) not in self.lowered:
-            f = fragment(self.problem, i, c, self.training)
-            self.lowered[i, c] = (buffer_spans(self.problem, f), host_temp_bytes(f))
-        return self.lowered[i, c]
-
-    def __call__(self, choices: list[Choice]) -> list[int]:
-        delta = [0] * (self.count + 1)
-        temps = []
-        for spans, temp in [(self.common, 0)] + [self.block(i, c) for i, c in
-                                                  enumerate(choices)]:
-            for first, last, nbytes in spans:
-                delta[first] += nbytes
-                delta[last + 1] -= nbytes
-            temps.append(temp)
-        host_temp = _host_temp_by_stage(self.problem, temps[1:], self.training)
-        live, out = 0, []
-        for k in range(self.count):
-            live += delta[k]
-            out.append(live + host_temp[k])
-        return out
 
 
 # --- assembly -------------------------------------------------------------------------

@@ -11,14 +11,8 @@ from dataclasses import dataclass
 
 from karma.errors import KarmaError
 from karma.planner.host_state import HostUse
-from karma.planner.lowering import (
-    PLAIN,
-    Choice,
-    Training,
-    assemble,
-    fragment,
-    stage_memory,
-)
+from karma.planner.lowering import PLAIN, Choice, Training, assemble, fragment
+from karma.planner.memory import stage_memory
 from karma.planner.problem import Problem
 from karma.planner.simulate import SimResult, simulate
 from karma.schedule import Buffer, Op
@@ -90,14 +84,14 @@ class Evaluation:
                 and self.host.node_pinned_bytes <= self.pinned_mem_bytes)
 
     @property
-    def iteration_s(self) -> float:
+    def serial_step_s(self) -> float:
         """One optimizer step (all its micro-batches), updates after the backward."""
-        return self.sim.iteration_s
+        return self.sim.serial_step_s
 
     @property
-    def overlapped_iteration_s(self) -> float | None:
+    def overlapped_step_s(self) -> float | None:
         """With clipping: one step if the updates overlapped the next forward."""
-        return self.sim.overlapped_iteration_s
+        return self.sim.overlapped_step_s
 
     @property
     def step_s(self) -> float:

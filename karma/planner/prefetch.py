@@ -12,16 +12,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from karma.planner.lowering import (
-    PLAIN,
-    Stages,
-    Training,
-    buffer_spans,
-    fragment,
-    host_temp_by_stage,
-    stage_memory,
-    valid_choices,
-)
+from karma.planner.lowering import PLAIN, Stages, Training, fragment, valid_choices
+from karma.planner.memory import buffer_spans, host_temp_by_stage, stage_memory
 from karma.planner.plan import Plan, evaluate
 from karma.planner.problem import Problem
 from karma.schedule import BARRIER_STREAMS, is_barrier
@@ -64,8 +56,8 @@ def refine_prefetch(problem: Problem, plan: Plan, capacity_bytes: int,
     if not changed:
         return plan
     refined = replace(plan, choices=tuple(choices))
-    if evaluate(problem, refined, capacity_bytes, training).iteration_s \
-            < evaluate(problem, plan, capacity_bytes, training).iteration_s:
+    if evaluate(problem, refined, capacity_bytes, training).serial_step_s \
+            < evaluate(problem, plan, capacity_bytes, training).serial_step_s:
         return refined
     return plan
 

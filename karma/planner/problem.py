@@ -16,15 +16,14 @@ measured times are given (karma/calibrate: by default when planning for this mac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
-from karma.ir.graph import ADAMW, BlockGraph, OptimizerProfile
+from karma.ir.graph import ADAMW, Block, BlockGraph, OptimizerProfile
 from karma.planner.hardware import Hardware
 from karma.planner.simulate import INDEPENDENT, Contention
+from karma.schedule import DTYPES, HOST_STATES, is_sharded
 
-DTYPES = ("fp32", "bf16")
 # bytes an AdamW step reads and writes per fp32 parameter byte on the device: p, g, m, v
 # read; p, m, v written
 DEVICE_STEP_TRAFFIC = 7
@@ -136,13 +135,8 @@ class Problem:
                 or self.world_size % self.nproc_per_node:
             raise ValueError(f"nproc_per_node = {self.nproc_per_node} does not divide "
                              f"world_size = {self.world_size}")
-        if self.host_state not in ("replicated", "sharded"):
+        if self.host_state not in HOST_STATES:
             raise ValueError(f"host_state {self.host_state!r}")
-
-    @property
-    def sharded(self) -> bool:
-        """Host-stepped blocks keep 1/world_size of their host state on each rank."""
-        return self.host_state == "sharded" and self.world_size > 1
         if self.process_bytes < 0:
             raise ValueError(f"process_bytes = {self.process_bytes} < 0")
         spans = [(h.made_by, h.first_reader, h.next_reader) for h in self.held_saved]
@@ -151,6 +145,11 @@ class Problem:
             raise ValueError(f"held_saved {spans}: each (made_by, first_reader, next_reader) "
                              f"once, 0 <= made_by <= first_reader < next_reader < "
                              f"{len(self.blocks)}")
+
+    @property
+    def sharded(self) -> bool:
+        """Host-stepped blocks keep 1/world_size of their host state on each rank."""
+        return is_sharded(self.host_state, self.world_size)
 
     @cached_property  # asked by every block's lowering: a scan each made planning O(n^2)
     def weight_users(self) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -191,23 +190,37 @@ def ring_half_s(nbytes: int, world_size: int, net_bytes_per_s: float,
     return ring_allreduce_s(nbytes, world_size, net_bytes_per_s, net_latency_s) / 2
 
 
+@dataclass(frozen=True)
+class Measured:
+    """What was measured on the planning machine (karma/calibrate), in place of the roofline
+    estimate from the profile's rates; None or 0: estimated."""
+
+    block_s: tuple[tuple[float, float], ...] | None = None  # (forward s, backward s) per block
+    step_s: tuple[tuple[float, float], ...] | None = None  # (device s, host s) of each step
+    process_bytes: int = 0  # the process outside its tensors while training (Problem's)
+    loss_s: float | None = None  # the loss's forward and backward
+
+    @property
+    def blocks_measured(self) -> bool:
+        return self.block_s is not None
+
+
+ESTIMATED = Measured()  # nothing measured: every time from the profile's rates
+
+
 def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_size: int = 1,
-                  optimizer: OptimizerProfile | None = None,
-                  measured_s: Sequence[tuple[float, float]] | None = None,
-                  measured_step_s: Sequence[tuple[float, float]] | None = None,
-                  process_bytes: int = 0, nproc_per_node: int = 1,
-                  host_state: str = "replicated", host_mem_bytes: int | None = None,
-                  measured_loss_s: float | None = None) -> Problem:
+                  optimizer: OptimizerProfile | None = None, measured: Measured = ESTIMATED,
+                  nproc_per_node: int = 1, host_state: str = "replicated",
+                  host_mem_bytes: int | None = None) -> Problem:
     """Per-block costs of `graph` on `hw`.
 
     optimizer: the optimizer's state and temporaries per parameter byte (default AdamW's:
-    2 and 2). measured_s: (forward, backward) seconds per block, replacing the roofline
-    estimate; measured_step_s: (device, host) seconds of each block's optimizer step, replacing
-    the estimate from the profile's rates. process_bytes: what the process holds outside its
-    tensors while training, measured (Problem.process_bytes). nproc_per_node, host_state:
-    Problem's; host_mem_bytes: the node's host memory, instead of the profile's (its pinned
-    share scaled alike). measured_loss_s: the loss's forward and backward, replacing the
-    estimate of three passes over what it saves at the memory bandwidth.
+    2 and 2). measured: times (and the process's own memory) measured on this machine,
+    replacing the roofline's: each block's forward and backward, its optimizer step's on the
+    device and on the host (else from the profile's rates), and the loss's (else three passes
+    over what it saves at the memory bandwidth). nproc_per_node, host_state: Problem's;
+    host_mem_bytes: the node's host memory, instead of the profile's (its pinned share
+    scaled alike).
     """
     optimizer = optimizer or ADAMW
     if dtype not in DTYPES:
@@ -216,7 +229,6 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         raise ValueError(f"the block graph of {graph.model} was measured in {graph.dtype}, the "
                          f"plan is in {dtype}: the graph must be measured in the plan's dtype; "
                          f"build it with build_block_graph(..., dtype={dtype!r})")
-    flops_per_s = hw.flops_per_s[dtype]
     in_bytes = [0] * len(graph.blocks)
     for e in graph.edges:
         in_bytes[e.dst] += e.bytes
@@ -232,50 +244,19 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
             key = (sh.producer, sh.readers[0], sh.readers[1])
             held[key] = held.get(key, 0) + sh.bytes
 
-    blocks = []
-    for i, b in enumerate(graph.blocks):
-        param_bytes, act_bytes, out_bytes = b.param_bytes, b.act_bytes, b.out_bytes
-        traffic = act_bytes + shared_saved[i] + out_bytes + param_bytes
-        if measured_s is not None:
-            fwd_s, bwd_s = measured_s[i]
-        else:
-            fwd_s = b.fwd_flops / flops_per_s + traffic / hw.mem_bytes_per_s
-            bwd_s = b.bwd_flops / flops_per_s + 2 * traffic / hw.mem_bytes_per_s
-        blocks.append(BlockCost(
-            name=b.name,
-            fwd_s=fwd_s,
-            bwd_s=bwd_s,
-            param_bytes=param_bytes,
-            shared_from=b.shared_from,
-            optim_bytes=optimizer.state_factor * b.param_bytes,
-            act_bytes=act_bytes,
-            in_bytes=in_bytes[i],
-            out_bytes=out_bytes,
-            fwd_temp_bytes=b.fwd_temp_bytes,
-            bwd_temp_bytes=b.bwd_temp_bytes,
-            step_temp_bytes=int(optimizer.temp_factor * b.max_param_bytes),
-            host_step_s=(measured_step_s[i][1] if measured_step_s is not None
-                         else b.param_bytes / hw.host_optim_bytes_per_s),
-            device_step_s=(measured_step_s[i][0] if measured_step_s is not None
-                           else DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s),
-            allreduce_s=ring_allreduce_s(param_bytes, world_size, hw.net_bytes_per_s,
-                                         hw.net_latency_s),
-            reduce_scatter_s=ring_half_s(param_bytes, world_size, hw.net_bytes_per_s,
-                                         hw.net_latency_s),
-            all_gather_s=ring_half_s(param_bytes, world_size, hw.net_bytes_per_s,
-                                     hw.net_latency_s),
-            shared_saved_bytes=shared_saved[i],
-            shared_made_bytes=shared_made[i],
-            held_in_bytes=held_in[i],
-        ))
+    blocks = tuple(
+        replace(_block_cost(b, i, shared_saved[i], hw, dtype, world_size, optimizer, measured),
+                in_bytes=in_bytes[i], shared_made_bytes=shared_made[i],
+                held_in_bytes=held_in[i])
+        for i, b in enumerate(graph.blocks))
     loss_act_bytes = graph.loss_act_bytes
     return Problem(
-        blocks=tuple(blocks),
+        blocks=blocks,
         h2d_bytes_per_s=hw.h2d_bytes_per_s,
         d2h_bytes_per_s=hw.d2h_bytes_per_s,
         input_bytes=graph.input_bytes,
         loss_act_bytes=loss_act_bytes,
-        loss_s=(measured_loss_s if measured_loss_s is not None
+        loss_s=(measured.loss_s if measured.loss_s is not None
                 else 3 * loss_act_bytes / hw.mem_bytes_per_s),
         host_mem_bytes=host_mem_bytes or hw.host_mem_bytes,
         pinned_mem_bytes=(hw.pinned_mem_bytes if host_mem_bytes is None else
@@ -288,7 +269,34 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         held_saved=tuple(HeldSaved(p, r0, r1, nbytes)
                          for (p, r0, r1), nbytes in sorted(held.items())),
         contention=Contention.of(vars(hw)),
-        process_bytes=process_bytes,
+        process_bytes=measured.process_bytes,
         nproc_per_node=nproc_per_node,
         host_state=host_state,
     )
+
+
+def _block_cost(b: Block, i: int, shared_saved_bytes: int, hw: Hardware, dtype: str,
+                world_size: int, optimizer: OptimizerProfile, measured: Measured) -> BlockCost:
+    """Block i's costs, but for the bytes it takes in from other blocks (build_problem's)."""
+    traffic = b.act_bytes + shared_saved_bytes + b.out_bytes + b.param_bytes
+    if measured.block_s is not None:
+        fwd_s, bwd_s = measured.block_s[i]
+    else:
+        flops_per_s = hw.flops_per_s[dtype]
+        fwd_s = b.fwd_flops / flops_per_s + traffic / hw.mem_bytes_per_s
+        bwd_s = b.bwd_flops / flops_per_s + 2 * traffic / hw.mem_bytes_per_s
+    if measured.step_s is not None:
+        device_step_s, host_step_s = measured.step_s[i]
+    else:
+        device_step_s = DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s
+        host_step_s = b.param_bytes / hw.host_optim_bytes_per_s
+    net = (b.param_bytes, world_size, hw.net_bytes_per_s, hw.net_latency_s)
+    return BlockCost(
+        name=b.name, fwd_s=fwd_s, bwd_s=bwd_s, param_bytes=b.param_bytes,
+        shared_from=b.shared_from, optim_bytes=optimizer.state_factor * b.param_bytes,
+        act_bytes=b.act_bytes, in_bytes=0, out_bytes=b.out_bytes,
+        fwd_temp_bytes=b.fwd_temp_bytes, bwd_temp_bytes=b.bwd_temp_bytes,
+        step_temp_bytes=int(optimizer.temp_factor * b.max_param_bytes),
+        host_step_s=host_step_s, device_step_s=device_step_s,
+        allreduce_s=ring_allreduce_s(*net), reduce_scatter_s=ring_half_s(*net),
+        all_gather_s=ring_half_s(*net), shared_saved_bytes=shared_saved_bytes)

@@ -10,21 +10,28 @@ operation uses must be filled and not yet freed when the operation starts.
 An optimizer step of `accumulate` micro-batches replays the op list that many times, the
 first accumulate-1 without the ops of LAST_MICRO_BATCH_KINDS (see [Note: accumulation] in lowering.py):
 the step takes (accumulate-1) replays without them plus one full replay, each simulated.
-With clipping, the updates run after the whole backward; `overlapped_iteration_s` is what
+With clipping, the updates run after the whole backward; `overlapped_step_s` is what
 an iteration would take if they overlapped the next iteration's forward instead (see
-overlapped_iteration_s below).
+overlapped_step_s below).
 """
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 from karma.errors import KarmaError
-from karma.schedule import DEFERRED_KINDS, LAST_MICRO_BATCH_KINDS, STREAMS, Buffer, Op
+from karma.schedule import (
+    DEFERRED_KINDS,
+    LAST_MICRO_BATCH_KINDS,
+    STREAMS,
+    Buffer,
+    Op,
+    WeightBuffer,
+    resident_owner,
+)
 
 
 class ScheduleError(KarmaError):
@@ -124,7 +131,7 @@ INDEPENDENT = Contention()
 
 @dataclass(frozen=True)
 class SimResult:
-    iteration_s: float  # one optimizer step: every micro-batch's replay
+    serial_step_s: float  # one optimizer step, every micro-batch's replay, updates in the last
     busy_s: dict[str, float]  # per stream, summed over the step's replays
     peak_device_bytes: int
     timeline: tuple[tuple[float, int], ...]  # (time, device bytes allocated from then on)
@@ -134,15 +141,15 @@ class SimResult:
     transfer_bytes: dict[str, int]  # bytes moved per copy stream, summed over the step
     replay_s: float = 0.0  # the replay that steps (what start_s and end_s show)
     micro_batch_s: float | None = None  # a replay that does not step (accumulate > 1)
-    overlapped_iteration_s: float | None = None  # with clipping: updates under the next forward
+    overlapped_step_s: float | None = None  # with clipping: updates under the next forward
 
     @property
     def step_s(self) -> float:
         """One optimizer step as the runtime runs it: with clipping the host updates overlap
         the next iteration's forward (runtime/update.py, [Note: updates overlapped with the next
-        forward]), so the overlapped figure; else iteration_s."""
-        overlapped = self.overlapped_iteration_s
-        return overlapped if overlapped is not None else self.iteration_s
+        forward]), so the overlapped figure; else serial_step_s."""
+        overlapped = self.overlapped_step_s
+        return overlapped if overlapped is not None else self.serial_step_s
 
 
 def simulate(ops: Sequence[Op], buffers: Sequence[Buffer], accumulate: int = 1,
@@ -171,7 +178,7 @@ def simulate(ops: Sequence[Op], buffers: Sequence[Buffer], accumulate: int = 1,
         if op.stream in moved:
             moved[op.stream] += times * op.bytes
     return SimResult(
-        iteration_s=replay_s + (accumulate - 1) * (micro_s or 0.0),
+        serial_step_s=replay_s + (accumulate - 1) * (micro_s or 0.0),
         busy_s=busy,
         peak_device_bytes=peak,
         timeline=tuple(timeline),
@@ -181,7 +188,7 @@ def simulate(ops: Sequence[Op], buffers: Sequence[Buffer], accumulate: int = 1,
         transfer_bytes=moved,
         replay_s=replay_s,
         micro_batch_s=micro_s,
-        overlapped_iteration_s=(overlapped_iteration_s(ops, accumulate, contention)
+        overlapped_step_s=(overlapped_step_s(ops, accumulate, contention)
                                 if clip else None),
     )
 
@@ -281,10 +288,7 @@ def _without_step(ops: Sequence[Op]) -> list[Op]:
     return [replace(op, dur_s=0.0) if op.kind in LAST_MICRO_BATCH_KINDS else op for op in ops]
 
 
-_WEIGHTS = re.compile(r"w\.(\d+)(@[fb]\d*)?$")  # w.OWNER (resident) or w.OWNER@fUSER (fetched)
-
-
-def overlapped_iteration_s(ops: Sequence[Op], accumulate: int = 1,
+def overlapped_step_s(ops: Sequence[Op], accumulate: int = 1,
                            contention: Contention = INDEPENDENT) -> float:
     """[Note: updates under the next forward] The step time if host steps and uploads ran
     while the next iteration's forward does, each done before its block's weights are next
@@ -323,13 +327,10 @@ def overlapped_iteration_s(ops: Sequence[Op], accumulate: int = 1,
             continue
         deps = [second[d] for d in op.deps if d in second] + list(last.values())
         for name in op.uses:
-            m = _WEIGHTS.match(name)
-            if m is None:
-                continue
-            owner = int(m.group(1))
-            if m.group(2) and op.kind == "fetch" and owner in host_step:
-                deps.append(host_step[owner])
-            elif not m.group(2) and owner in pending:
+            fetched, owner = WeightBuffer.parse(name), resident_owner(name)
+            if fetched is not None and op.kind == "fetch" and fetched.owner in host_step:
+                deps.append(host_step[fetched.owner])
+            elif owner is not None and owner in pending:
                 up = pending.pop(owner)
                 deps.append(add(up, [first[d] for d in up.deps]))
         second[op.id] = add(op, deps)

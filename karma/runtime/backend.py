@@ -79,7 +79,7 @@ class Backend(Protocol):
     def stream(self, name: str) -> contextlib.AbstractContextManager:
         """Entered by stream `name`'s worker thread for its whole life."""
 
-    def begin_iteration(self, op_ids: Iterable[int]) -> None:
+    def begin_replay(self, op_ids: Iterable[int]) -> None:
         """An iteration starts; its ops have these gids."""
 
     def issued(self, op_id: int, stream: str) -> None:
@@ -116,7 +116,7 @@ class Backend(Protocol):
         """When compute waited for an all-reduce since the last call (None: the compute
         thread's own waits say it)."""
 
-    def end_iteration(self) -> None:
+    def end_replay(self) -> None:
         """Every stream's work of the iteration has been issued: finish it."""
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,7 @@ class CpuBackend(Backend):
     def stream(self, name: str):
         return contextlib.nullcontext()
 
-    def begin_iteration(self, op_ids) -> None:
+    def begin_replay(self, op_ids) -> None:
         pass
 
     def issued(self, op_id: int, stream: str) -> None:
@@ -194,7 +194,7 @@ class CpuBackend(Backend):
     def take_net_waits(self) -> list[tuple[float, float]] | None:
         return None  # the compute thread's own waits (Engine.blocked) are compute's
 
-    def end_iteration(self) -> None:
+    def end_replay(self) -> None:
         pass
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from karma.runtime.hostmem import host_memory_problem, measure_host_memory
 from karma.runtime.lr import LRSchedule
 from karma.runtime.nodecopy import NodeCopy, whole_bytes
 from karma.runtime.peak import DevicePeak, PrivatePeak
-from karma.runtime.shard import sharded, sharded_params
+from karma.runtime.shard import sharded_params
 from karma.runtime.training_options import GradClip, MixedPrecision
 from karma.schedule import Schedule
 from karma.units import format_bytes
@@ -131,7 +131,7 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
             model = mf.build(log)  # on the CPU: initial values do not depend on it
         model.train()
         node = None
-        if sharded(schedule):  # [Note: the node's copy of the weights]
+        if schedule.config.sharded:  # [Note: the node's copy of the weights]
             named = dict(model.named_parameters(remove_duplicate=False))
             shapes = [(named[n].shape, named[n].dtype) for n in sharded_params(schedule)]
             pinned = backend.pool_kind == "pinned"
@@ -170,7 +170,7 @@ def _pool_bytes(schedule: Schedule) -> int:
     share of the node's copy of the weights the planner counted in them (nodecopy.py)."""
     c = schedule.config
     whole = sum(b.param_bytes for b in schedule.blocks if b.optim == "host") \
-        if sharded(schedule) else 0
+        if schedule.config.sharded else 0
     return max(0, schedule.predicted.host_bytes - -(-whole // c.nproc_per_node))
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from karma.errors import KarmaError
-from karma.fileio import NO_ROOM, write_failure
+from karma.fileio import NO_ROOM, replaced_atomically, write_failure
 from karma.runtime import dcp_state, distributed
 from karma.runtime.distributed import SINGLE, Ranks
 
@@ -347,8 +347,7 @@ def _detached_state(sd: dict | None, scratch: Path, snapshot: bool = False) -> d
 
 
 def _save(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with replaced_atomically(path) as tmp, open(tmp, "wb") as f:
         out = _KeepsWriteErrors(f)
         try:
             torch.save(obj, out)
@@ -356,9 +355,6 @@ def _save(path: Path, obj) -> None:
             if out.error is not None:  # the disk's answer, not the zip writer's
                 raise out.error from None
             raise
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class _KeepsWriteErrors:
@@ -382,12 +378,8 @@ class _KeepsWriteErrors:
 
 
 def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with replaced_atomically(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -106,7 +106,7 @@ class CudaBackend(Backend):
             return torch.cuda.stream(self.streams[name])  # and its device, for the thread
         return torch.cuda.device(self.device)  # host: CPU work, on a thread of this GPU
 
-    def begin_iteration(self, op_ids) -> None:
+    def begin_replay(self, op_ids) -> None:
         """Events for this iteration's ops (the engine's ids, unique across iterations);
         the previous iteration's stay, for the updates it left running (update.py, [Note:
         updates overlapped with the next forward])."""
@@ -214,7 +214,7 @@ class CudaBackend(Backend):
         waits, self._net_waits = self._net_waits, []
         return [(self.clock.seconds(a), self.clock.seconds(b)) for a, b in waits]
 
-    def end_iteration(self) -> None:
+    def end_replay(self) -> None:
         for s in self.streams.values():
             s.synchronize()
         with self._lock:

@@ -34,7 +34,7 @@ from karma.runtime.hooks import BlockHooks
 from karma.runtime.host import BuildInTier, HostPool
 from karma.runtime.nodecopy import NodeCopy
 from karma.runtime.replay import DivergedError, ReplayTables
-from karma.runtime.shard import ShardedWeights, sharded
+from karma.runtime.shard import ShardedWeights
 from karma.runtime.streams import OpEvents, StreamWorker
 from karma.runtime.swap import SwapStore
 from karma.runtime.training_options import GradClip, MixedPrecision
@@ -74,7 +74,7 @@ class Engine:
             ShardedWeights(b.name, [(n, named[n]) for n in b.params], b.weights,
                            make_optimizer, pool, node, self.shared, exchange.ranks,
                            schedule.config.accumulate, device, tier)
-            if sharded(schedule) and b.optim == "host" else
+            if schedule.config.sharded and b.optim == "host" else
             BlockWeights(b.name, [(n, named[n]) for n in b.params], b.weights, b.optim,
                          make_optimizer, pool, self.shared, device, tier)
             for b in self.blocks
@@ -107,14 +107,14 @@ class Engine:
 
     # --- one iteration -------------------------------------------------------------------
 
-    def begin_iteration(self, update: bool = True, first: bool = True) -> None:
+    def begin_replay(self, update: bool = True, first: bool = True) -> None:
         """Start replaying the schedule for one micro-batch. `update`: the last micro-batch of
         an optimizer step, whose all-reduces, optimizer steps and uploads run (the others
         skip them: schedule.LAST_MICRO_BATCH_KINDS). `first`: the first, whose gradients start
         the accumulation."""
         gids = self.events.next_generation()
-        self.updates.begin_iteration(update, first)
-        self.backend.begin_iteration(gids)
+        self.updates.begin_replay(update, first)
+        self.backend.begin_replay(gids)
         self._cursor = 0
         self._issued = 0
         self._last_compute = None
@@ -128,13 +128,13 @@ class Engine:
         self.hooks.leave_block()
         self._arrive("loss", len(self.blocks) - 1)
 
-    def end_iteration(self) -> None:
+    def end_replay(self) -> None:
         self._arrive("end", -1)
         running = self.updates.left_running()
         self.events.wait([self.events.base + op.id for op in self.schedule.ops
                           if op.id not in running])
         self.updates.carry(running)
-        self.backend.end_iteration()  # every stream's work finished; deferred releases done
+        self.backend.end_replay()  # every stream's work finished; deferred releases done
         for store in self.swaps.values():
             store.reset()
         self.hooks.stop()

@@ -17,12 +17,12 @@ block's parameter names}. Every file is written to a temporary name and renamed.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from karma.errors import KarmaError
+from karma.fileio import replaced_atomically
 from karma.runtime import checkpoint, dcp_state
 
 FORMATS = ("torch", "safetensors")
@@ -95,9 +95,8 @@ def _write_model(model: dict[str, torch.Tensor], output: Path, fmt: str) -> Path
         ptr = t.untyped_storage().data_ptr()
         plain[name] = t.clone() if ptr in seen else t.contiguous()
         seen.add(ptr)
-    tmp = output.with_name(output.name + ".tmp")
-    save_file(plain, str(tmp))
-    os.replace(tmp, output)
+    with replaced_atomically(output) as tmp:
+        save_file(plain, str(tmp))
     return output
 
 

@@ -119,7 +119,7 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
     traced = range(first, first + options.trace_steps) if first is not None else range(0)
     report = RunReport(
         steps=[], losses=[], step_s=[], lrs=[], grad_norms=[], peak_device_bytes=0,
-        predicted_step_s=schedule.predicted.iteration_s,
+        predicted_step_s=schedule.predicted.step_s,
         predicted_ideal_s=schedule.predicted.ideal_s,
         predicted_peak_device_bytes=schedule.predicted.peak_device_bytes,
         planned_outside_bytes=schedule.process_bytes,
@@ -134,7 +134,7 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
             rt.trace_next_step()
         for _ in range(rt.accumulate):  # one micro-batch each
             inputs, targets = next(data)
-            rt.step(inputs, targets)
+            rt.micro_step(inputs, targets)
         log(_record(report, step, options.steps, rt))
         if rt.last.trace is not None and options.trace_path is not None:
             path = trace_file(options.trace_path, step, options.trace_steps)
@@ -187,7 +187,7 @@ def _record(report: RunReport, step: int, steps: int, rt: Runtime) -> str:
     report.wait_s.append(stats.wait_s_by_stream())
     samples = rt.batch_size * rt.ranks.world_size * rt.accumulate
     line = _progress(step, steps, stats.loss, stats.lr, stats.step_s, samples,
-                     stats.peak_bytes, predicted.peak_device_bytes, predicted.iteration_s)
+                     stats.peak_bytes, predicted.peak_device_bytes, predicted.step_s)
     if stats.grad_norm is not None:
         line += f"  grad norm {stats.grad_norm:.4g}"
     if rt.exchange is not None:

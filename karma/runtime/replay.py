@@ -4,6 +4,7 @@
     tables.compute_ops        # the compute thread's ops, in order
     tables.due[op_id]         # side ops whose holdings are free when compute op op_id starts
     tables.weight_params[buf] # the parameter names behind weight buffer `w.OWNER@fUSER`
+                              # (schedule.WeightBuffer)
 
 Plain values built from the schedule alone, without torch: each table can be read and tested
 by itself, and the engine (engine.py) holds the live objects (parameters, events, streams)
@@ -12,7 +13,6 @@ that the tables name.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,11 +24,9 @@ from karma.schedule import (
     GRAD_KINDS,
     Op,
     Schedule,
+    WeightBuffer,
     is_barrier,
 )
-
-# a weight buffer: block OWNER's weights, fetched for block USER's forward (f) or backward (b)
-WEIGHT_BUFFER = re.compile(r"w\.(\d+)@([fb])(\d*)$")
 
 
 class DivergedError(KarmaError):
@@ -94,7 +92,7 @@ class ReplayTables:
         fetch_waits = {}
         for op in ops:
             if op.kind == "fetch":
-                buffer_owner = int(_weight_buffer(op.uses[0])[1])
+                buffer_owner = _weight_buffer(op.uses[0]).owner
                 if buffer_owner in host_steps:
                     fetch_waits[op.id] = host_steps[buffer_owner]
         return cls(
@@ -106,23 +104,23 @@ class ReplayTables:
             fetch_waits=fetch_waits)
 
 
-def _weight_buffer(name: str) -> re.Match:
-    m = WEIGHT_BUFFER.match(name)
-    if m is None:
+def _weight_buffer(name: str) -> WeightBuffer:
+    weights = WeightBuffer.parse(name)
+    if weights is None:
         raise DivergedError(f"fetch of unknown buffer {name!r}")
-    return m
+    return weights
 
 
 def _weight_params(schedule: Schedule) -> dict[str, tuple[str, ...]]:
     """The parameters behind each weight buffer `w.OWNER@fUSER` / `w.OWNER@bUSER` that the
     schedule frees or fetches."""
-    names = {buf.name for buf in schedule.buffers if WEIGHT_BUFFER.match(buf.name)}
+    names = {buf.name for buf in schedule.buffers if WeightBuffer.parse(buf.name)}
     names |= {op.uses[0] for op in schedule.ops if op.kind == "fetch"}
     blocks = schedule.blocks
     table = {}
     for name in sorted(names):
-        m = _weight_buffer(name)
-        owner, user = int(m[1]), int(m[3]) if m[3] else int(m[1])
+        weights = _weight_buffer(name)
+        owner, user = weights.owner, weights.user
         owned = set(blocks[owner].params)
         table[name] = blocks[owner].params if user == owner else tuple(
             n for n in blocks[user].shared_params if n in owned)

@@ -4,7 +4,7 @@
     schedule = karma.plan("examples/gpt.py", gpu_mem="600M", hardware="cpu", batch_size=2)
     with karma.Runtime(schedule, seed=0) as rt:
         for inputs, targets in my_data:
-            loss = rt.step(inputs, targets)      # one planned training iteration
+            loss = rt.step(inputs, targets)      # one planned optimizer step
         eval_loss = rt.evaluate(inputs, targets)  # forward only, under the same budget
         torch.save(rt.state_dict(), "state.pt")
 
@@ -70,8 +70,9 @@ def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile
 class Runtime:
     """Trains the schedule's model: `step`, `evaluate`, `state_dict`, `close`.
 
-    With gradient accumulation (the schedule's config.accumulate N), each `step` call is one
-    micro-batch and every N-th call ends an optimizer step (`stepped` tells which)."""
+    A step is one optimizer update. With gradient accumulation (the schedule's
+    config.accumulate N) it takes N micro-batches: each `micro_step` call is one, and every
+    N-th call ends a step (`stepped` tells which)."""
 
     def __init__(self, schedule: Schedule | str | Path, seed: int | None = None, *,
                  model_file: ModelFile | None = None, timeout_s: float = 60.0,
@@ -104,10 +105,10 @@ class Runtime:
         self._checked_output = False
         self._accepted_calls: set[tuple[int, tuple[str, ...]]] = set()  # (positional, keys)
         self.last: StepStats | None = None  # the latest step's measurements
-        self.iterations = 0  # steps taken by this object (a resumed run counts from its start)
+        self.steps = 0  # optimizer steps taken by this object (a resumed run: from its start)
         self.last_eval_peak_bytes = 0  # the latest evaluate()'s peak, as StepStats.peak_bytes
         self.accumulation = Accumulation(schedule.config.accumulate)
-        self.stepped = False  # whether the latest step() call ended an optimizer step
+        self.stepped = False  # whether the latest micro_step() call ended an optimizer step
         self._tally = StepTally()
         self._trace_next = False
         try:
@@ -139,7 +140,7 @@ class Runtime:
 
     @property
     def accumulate(self) -> int:
-        """Micro-batches (step calls) per optimizer step."""
+        """Micro-batches (micro_step calls) per optimizer step."""
         return self.accumulation.micro_batches
 
     @property
@@ -167,27 +168,37 @@ class Runtime:
         self._trace_next = True
 
     def step(self, inputs: Any, targets: Any = None) -> float:
-        """One planned training iteration on this batch (inputs as in the model-file
-        protocol: a Tensor, a tuple, or a dict of keyword arguments); returns its loss.
+        """One planned optimizer step on this batch (inputs as in the model-file protocol: a
+        Tensor, a tuple, or a dict of keyword arguments); returns its loss. A schedule that
+        accumulates micro-batches takes them through `micro_step`."""
+        if self.accumulate > 1:
+            raise KarmaError(
+                f"this schedule accumulates {self.accumulate} micro-batches per optimizer step "
+                "(config.accumulate): call Runtime.micro_step once per micro-batch; every "
+                f"{self.accumulate}th call ends a step (Runtime.stepped)")
+        return self.micro_step(inputs, targets)
+
+    def micro_step(self, inputs: Any, targets: Any = None) -> float:
+        """One micro-batch of the planned step (inputs as in `step`); returns its loss.
 
         As the plain loop: under autocast with bf16, loss_fn(model(x), y) / N backward, and
         after the N-th micro-batch of a step (N = accumulate) the gradients clipped (with
         clipping), every optimizer stepped and the LR scheduler stepped."""
         self._check_usable()
-        model_inputs, targets = self._batch(inputs, targets, "Runtime.step")
+        model_inputs, targets = self._batch(inputs, targets, "Runtime.micro_step")
         acc = self.accumulation
         if acc.first:
             self._tally.begin(self.lr)
             if self.parts.cache_bound is not None:
-                self.parts.cache_bound.bound(self.iterations)
+                self.parts.cache_bound.bound(self.steps)
             self.backend.clock.restart()  # the origin of this step's all-reduce times
         recorder = self._recorder() if self._trace_next and acc.last else None
         self.meter.start(record=recorder is not None)
         t0 = time.perf_counter()
         try:
-            loss = self._iteration(model_inputs, targets).item()
+            loss = self._replay(model_inputs, targets).item()
         except BaseException as e:
-            self._failed = True  # streams may hold half an iteration: no step after this one
+            self._failed = True  # streams may hold half a replay: no step after this one
             self.engine.trace(None)
             self.engine.abandon()
             self.meter.stop()
@@ -202,14 +213,15 @@ class Runtime:
         self.stepped = acc.last
         if acc.last:
             self.last = self._finish_step(trace)
-            self.iterations += 1
+            self.steps += 1
         acc.advance()
         return loss
 
-    def _iteration(self, model_inputs: ModelInputs, targets: Any) -> torch.Tensor:
-        """One micro-batch through the engine; its loss (before the 1/N of accumulation)."""
+    def _replay(self, model_inputs: ModelInputs, targets: Any) -> torch.Tensor:
+        """One micro-batch through the engine, one replay of the schedule's ops; its loss
+        (before the 1/N of accumulation)."""
         acc = self.accumulation
-        self.engine.begin_iteration(update=acc.last, first=acc.first)
+        self.engine.begin_replay(update=acc.last, first=acc.first)
         with self.precision.autocast():
             output = model_inputs.call(self.model)
             self._check_output(output)
@@ -218,7 +230,7 @@ class Runtime:
             scaled = loss / acc.micro_batches
         del output
         scaled.backward()
-        self.engine.end_iteration()  # in the last micro-batch, every optimizer stepped
+        self.engine.end_replay()  # in the last micro-batch, every optimizer stepped
         if acc.last and self.lr_schedule is not None:
             self.lr_schedule.step(self.parts.host_optimizers, self.engine.after_host_updates)
         return loss
@@ -229,7 +241,7 @@ class Runtime:
         the host tier) with its own message, whichever stream met it; None: `e` itself."""
         if isinstance(e, OpFailed) and isinstance(e.__cause__, distributed.RankLost):
             return distributed.lost(self.ranks,
-                                    f"in iteration {self.iterations + 1}'s gradient exchange",
+                                    f"in step {self.steps + 1}'s gradient exchange",
                                     e.__cause__.__cause__)
         if isinstance(e, OpFailed) and isinstance(e.__cause__, KarmaError):
             return KarmaError(str(e.__cause__))
@@ -248,7 +260,7 @@ class Runtime:
         self.engine.settle()  # the updates it left running: their ops are in the trace
         self.engine.trace(None)
         self._trace_next = False
-        return recorder.finish(self.iterations + 1, elapsed, *waits,
+        return recorder.finish(self.steps + 1, elapsed, *waits,
                                memory=self.meter.samples())
 
     def _finish_step(self, trace) -> StepStats:
@@ -300,7 +312,7 @@ class Runtime:
             raise KarmaError("this Runtime is closed; build a new one")
         if self._failed:
             raise KarmaError("this Runtime stopped after a failed step (its streams may hold "
-                             "part of that iteration); close it and build a new one, and "
+                             "part of that step); close it and build a new one, and "
                              "load_state_dict a state saved before the failure to continue")
 
     def _batch(self, inputs: Any, targets: Any, where: str) -> tuple[ModelInputs, Any]:

@@ -58,14 +58,9 @@ def rows_of(t: torch.Tensor, cut: Cut) -> torch.Tensor:
     return (t.view(1) if t.dim() == 0 else t).narrow(0, cut.start, cut.stop - cut.start)
 
 
-def sharded(schedule: Schedule) -> bool:
-    """Whether the schedule's host-stepped blocks keep sharded host state."""
-    return schedule.config.host_state == "sharded" and schedule.config.world_size > 1
-
-
 def sharded_params(schedule: Schedule) -> list[str]:
     """The parameters whose host state is sharded: those of the host-stepped blocks."""
-    if not sharded(schedule):
+    if not schedule.config.sharded:
         return []
     return [n for b in schedule.blocks if b.optim == "host" for n in b.params]
 

@@ -62,7 +62,7 @@ class Updates:
         self._carried: dict[int, int] = {}  # local op id -> gid of a deferred op in flight
         self._after: list[Hashable] = []  # keys of work queued behind the host steps in flight
 
-    def begin_iteration(self, update: bool, first: bool) -> None:
+    def begin_replay(self, update: bool, first: bool) -> None:
         """A micro-batch starts (after the events of the new generation are made)."""
         self.updating, self.first = update, first
         self._began = False

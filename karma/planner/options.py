@@ -1,0 +1,161 @@
+"""What to plan for: one frozen `PlanOptions`, made once and checked once.
+
+    options = PlanOptions(gpu_mem="16G", hardware="v100-16g", batch_size=8, world_size=4)
+    report = karma.api.plan_report("examples/gpt.py", options)
+
+karma-plan makes it from its flags (cli/plan.py), `karma.plan` from its keyword arguments;
+every later stage (tracing, calibration, the pipeline, the capacity questions) reads it
+whole. A sweep or a batch search varies one field with `dataclasses.replace`, which checks
+the new value again. Each field's comment names its karma-plan flag. A bad value is a
+KarmaError that names the option, its flag and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from karma.errors import KarmaError
+from karma.planner.baselines import BASELINES
+from karma.planner.hardware import Hardware, load_hardware
+from karma.schedule import DTYPES, HOST_STATES
+from karma.units import parse_size
+
+STRATEGIES = ("ilp", *BASELINES)
+# how the machine and the model's blocks are measured (--remeasure, --no-measure):
+# cached: measured where the profile is this machine, once, then read from the cache;
+# fresh: measured again, and cached; estimate: the roofline estimate from the profile's rates
+MEASURES = ("cached", "fresh", "estimate")
+# a batch size searched for (--batch-size max|best, karma.api.choose_batch): the largest that
+# fits, or the one of most samples per second
+BATCH_CHOICES = ("max", "best")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Everything a plan is asked for, beside the model."""
+
+    gpu_mem: int | str | None = None  # device memory budget (--gpu-mem); bytes, or "16G"
+    hardware: str | Hardware = "v100-16g"  # a built-in profile, a karma-profile file (--hardware)
+    batch_size: int | None = None  # samples per step and rank (--batch-size); None: the file's
+    world_size: int = 1  # ranks (--world-size)
+    nproc_per_node: int | None = None  # ranks per node (--nproc-per-node); None: the profile's
+    host_mem: int | str | None = None  # the node's host memory (--host-mem); None: the profile's
+    host_state: str = "auto"  # auto | sharded | replicated (--host-state)
+    dtype: str = "fp32"  # fp32, or bf16 mixed precision (--dtype)
+    accumulate: int = 1  # micro-batches per optimizer step (--accumulate)
+    clip_grad_norm: float | None = None  # clip gradients to this global norm (--clip-grad-norm)
+    strategy: str = "ilp"  # ilp or a baseline (--strategy)
+    seed: int = 0  # the training seed the schedule records (--seed)
+    time_limit_s: float = 60.0  # the ILP's time limit (--time-limit)
+    gap: float = 0.01  # the relative optimality gap at which the ILP stops (--gap)
+    blocks: str | None = None  # module paths whose calls are blocks, a regex (--blocks)
+    measure: str = "cached"  # one of MEASURES (--remeasure: fresh, --no-measure: estimate)
+    # derived and checked in __post_init__
+    profile: Hardware = field(init=False, repr=False, compare=False)  # `hardware`, loaded
+    nproc: int = field(init=False, repr=False)  # ranks per node, the profile's default applied
+
+    def __post_init__(self) -> None:
+        _set = object.__setattr__
+        if self.gpu_mem is not None:
+            _set(self, "gpu_mem", _size(self.gpu_mem, "the memory budget", "gpu_mem",
+                                        "--gpu-mem", "16G"))
+        if self.host_mem is not None:
+            _set(self, "host_mem", _size(self.host_mem, "the node's host memory", "host_mem",
+                                         "--host-mem", "384G"))
+        if self.batch_size is not None and not _whole(self.batch_size):
+            raise KarmaError(f"batch_size {self.batch_size!r} (--batch-size) must be a whole "
+                             "number of samples, 1 or more, e.g. 8")
+        if self.strategy not in STRATEGIES:
+            raise KarmaError(f"strategy {self.strategy!r} (--strategy) is not a strategy; use "
+                             f"one of {', '.join(STRATEGIES)}")
+        if isinstance(self.time_limit_s, bool) or not self.time_limit_s > 0 \
+                or not 0 <= self.gap < 1:
+            raise KarmaError(f"the time limit {self.time_limit_s!r} s (--time-limit) must be "
+                             f"positive and the gap {self.gap!r} (--gap) in [0, 1), e.g. 60 "
+                             "and 0.01")
+        if self.measure not in MEASURES:
+            raise KarmaError(f"measure {self.measure!r} is not a way to measure; use one of "
+                             f"{', '.join(MEASURES)} (--remeasure: fresh, --no-measure: "
+                             "estimate)")
+        _check_training(self.dtype, self.accumulate, self.clip_grad_norm)
+        profile = self.hardware if isinstance(self.hardware, Hardware) \
+            else load_hardware(self.hardware)
+        _set(self, "profile", profile)
+        _set(self, "nproc", _ranks_per_node(profile, self.world_size, self.nproc_per_node,
+                                            self.host_state))
+
+    def check_plannable(self) -> None:
+        """Raise unless a plan can be made: a budget is given (a block graph needs none, a
+        budget sweep gives its own)."""
+        if self.gpu_mem is None:
+            raise KarmaError("--gpu-mem is required to plan, e.g. --gpu-mem 16G (or use "
+                             "--print-ir to see the block graph)")
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The budget in bytes."""
+        self.check_plannable()
+        return self.gpu_mem
+
+
+def _whole(n: object, least: int = 1) -> bool:
+    return not isinstance(n, bool) and isinstance(n, int) and n >= least
+
+
+def _size(value: int | str, what: str, name: str, flag: str, example: str) -> int:
+    nbytes = value if _whole(value, 0) else parse_size(str(value), flag)
+    if nbytes <= 0:
+        raise KarmaError(f"{what} {value!r} ({name}, {flag}) must be more than zero, e.g. "
+                         f"{example}")
+    return nbytes
+
+
+def _check_training(dtype: str, accumulate: int, clip_grad_norm: float | None) -> None:
+    """The training options (dtype, accumulate, clip_grad_norm) a schedule can ask for."""
+    if dtype == "fp16":
+        raise KarmaError("fp16 (--dtype fp16) is not supported: it needs a loss scaler, whose "
+                         "skipped steps no plan can predict, and bf16 has fp32's range without "
+                         "one; use --dtype bf16")
+    if dtype not in DTYPES:
+        raise KarmaError(f"dtype {dtype!r} (--dtype) is not a training dtype; use fp32, or bf16 "
+                         "for mixed precision")
+    if not _whole(accumulate):
+        raise KarmaError(f"accumulate {accumulate!r} (--accumulate) must be a whole number of "
+                         "micro-batches per optimizer step, 1 or more (1: no accumulation)")
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(
+            clip_grad_norm, (int, float)) or not math.isfinite(clip_grad_norm)
+            or clip_grad_norm <= 0):
+        raise KarmaError(f"clip_grad_norm {clip_grad_norm!r} (--clip-grad-norm) must be a "
+                         "positive number, the largest global gradient norm (e.g. 1.0); leave "
+                         "it out for no clipping")
+
+
+def _ranks_per_node(hw: Hardware, world_size: int, nproc_per_node: int | None,
+                    host_state: str) -> int:
+    """Ranks per node (default the profile's devices_per_node, capped by world_size; on a cpu
+    profile every rank, as ranks started on one machine are), checked to divide the ranks
+    and fit the node's devices."""
+    if host_state not in ("auto", *HOST_STATES):
+        raise KarmaError(f"host_state {host_state!r} (--host-state) is not one karma knows; use "
+                         "auto, sharded or replicated")
+    if not _whole(world_size):
+        raise KarmaError(f"world_size {world_size!r} (--world-size) must be a whole number of "
+                         "ranks, 1 or more")
+    given = nproc_per_node is not None
+    k = nproc_per_node if given else world_size if hw.device_kind == "cpu" else min(
+        hw.devices_per_node, world_size)
+    if not _whole(k):
+        raise KarmaError(f"nproc_per_node {k!r} (--nproc-per-node) must be a whole number of "
+                         "ranks, 1 or more")
+    if hw.device_kind == "cuda" and k > hw.devices_per_node:
+        raise KarmaError(f"--nproc-per-node {k} is more than the {hw.devices_per_node} GPUs of "
+                         f"a {hw.name} node; use at most {hw.devices_per_node} (one rank a GPU), "
+                         "or a profile of a larger node (--hardware FILE with devices_per_node)")
+    if k > world_size or world_size % k:
+        flag = "--nproc-per-node" if given else f"the profile's {hw.devices_per_node} devices " \
+                                                 "per node (--nproc-per-node)"
+        raise KarmaError(f"--world-size {world_size} is not a multiple of {flag} {k}: every "
+                         f"node runs as many ranks; use a world size of N x {k}, or set "
+                         "--nproc-per-node to a divisor of the world size")
+    return k
