@@ -18,17 +18,26 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from karma.ir.autograd_saved import (  # noqa: E402
+    real_saved_bytes_per_block,
+    whole_model_saved_bytes,
+)
 from karma.ir.build import build_block_graph  # noqa: E402
 from karma.modelfile import load_model_file  # noqa: E402
-from tests.conftest import SMALL_ENV, environment  # noqa: E402
-from tests.test_ir import real_saved_bytes_per_block  # noqa: E402
-from tests.test_ir_shared import whole_model_saved_bytes  # noqa: E402
+
+# the examples at their tests' small sizes
+SMALL_ENV = {
+    "mlp": {"KARMA_MLP_WIDTH": "64", "KARMA_MLP_DEPTH": "4", "KARMA_MLP_IN": "32"},
+    "gpt": {"KARMA_GPT": "tiny"},
+    "resnet": {"KARMA_RESNET": "tiny"},
+}
 
 # (label, model file, environment, batch size)
 WHOLE_MODEL_CASES = [
@@ -50,7 +59,7 @@ WHOLE_MODEL_CASES = [
 def per_block() -> None:
     print(f"{'model':<8} {'blocks':>6} {'IR acts':>12} {'real acts':>12} {'max block err':>14}")
     for name in ("mlp", "gpt", "resnet"):
-        with environment(SMALL_ENV[name]):
+        with mock.patch.dict(os.environ, SMALL_ENV[name]):
             mf = load_model_file(ROOT / "examples" / f"{name}.py")
             graph = build_block_graph(mf, batch_size=4)
             torch.manual_seed(0)
@@ -67,7 +76,7 @@ def whole_model() -> None:
     print(f"\n{'model':<16} {'per block':>12} {'IR total':>12} {'traced':>12} {'eager':>12}"
           f" {'IR/traced':>10} {'IR/eager':>9}  shared (producer->readers bytes)")
     for label, path, env, batch in WHOLE_MODEL_CASES:
-        with environment(env):
+        with mock.patch.dict(os.environ, env):
             mf = load_model_file(ROOT / path)
             graph = build_block_graph(mf, batch_size=batch)
             traced = whole_model_saved_bytes(mf, batch)

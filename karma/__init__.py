@@ -10,7 +10,7 @@ As a library (the command-line tools are built on the same calls):
     schedule = karma.plan("examples/gpt.py", gpu_mem="16G", hardware="v100-16g")
     schedule.save("schedule.yaml")                  # karma.load_schedule reads it back
     with karma.Runtime(schedule, seed=0) as rt:
-        loss = rt.step(inputs, targets)             # one planned training iteration
+        loss = rt.step(inputs, targets)             # one planned optimizer step
         eval_loss = rt.evaluate(inputs, targets)    # forward only, under the same budget
 """
 

@@ -29,6 +29,7 @@ from karma.ir.graph import BlockGraph, OptimizerProfile
 from karma.ir.optimizer import optimizer_profile
 from karma.modelfile import ModelFile, load_model_file
 from karma.planner.fit_contention import fit_side_streams
+from karma.planner.hardware import Hardware, load_hardware
 from karma.planner.options import BATCH_CHOICES, PlanOptions
 from karma.planner.pipeline import PlanReport, make_schedule, probe_schedule
 from karma.planner.plan import InfeasiblePlan
@@ -64,8 +65,15 @@ def plan_options(**options) -> PlanOptions:
 def plan_report(model_file: str | Path, options: PlanOptions,
                 log: Log | None = None) -> PlanReport:
     """`plan`, with everything karma-plan prints: the chosen plan's evaluation and every
-    baseline's, and where the block times came from."""
-    return _solve(_prepare(model_file, options, log), options)
+    baseline's, and where the block times came from. A batch size of max or best is
+    searched first (choose_batch), and the points tried come with the report."""
+    searched: list[dict] = []
+    if options.searches_batch:
+        batch, searched = choose_batch(model_file, options.batch_size, options, log)
+        options = replace(options, batch_size=batch)
+    prepared = _prepare(model_file, options, log)
+    report = _solve(prepared, options)
+    return replace(report, batch_search=tuple(sorted(searched, key=lambda p: p["batch_size"])))
 
 
 @dataclass(frozen=True)
@@ -105,22 +113,35 @@ def _solve(prepared: _Prepared, options: PlanOptions) -> PlanReport:
     return replace(report, block_times=cal.summary)
 
 
-SWEEPS = ("gpu-mem", "batch-size")
+SWEEPS = ("gpu-mem", "batch-size", "hardware")
+_FIELD = {"gpu-mem": "gpu_mem", "batch-size": "batch_size", "hardware": "hardware"}
 
 
-def sweep(model_file: str | Path, quantity: str, values: Sequence[int],
+def sweep(model_file: str | Path, quantity: str, values: Sequence,
           options: PlanOptions, log: Log | None = None) -> list[dict]:
     """Plan at every value of `quantity` ("gpu-mem": device memory budgets in bytes;
-    "batch-size"), the other options as given; one record per point, an infeasible one
-    naming the resource that ran out. A budget sweep traces and calibrates once: each point
-    is a solve."""
+    "batch-size"; "hardware": profiles, each at its own device memory unless the options
+    give a budget), the other options as given; one record per point, an infeasible one
+    naming why. A budget sweep traces and calibrates once: each point is a solve."""
     if quantity not in SWEEPS:
         raise KarmaError(f"--sweep {quantity}=...: karma sweeps {' or '.join(SWEEPS)}")
+    if options.searches_batch and quantity != "batch-size":
+        raise KarmaError(f"--batch-size {options.batch_size} plans one schedule at the batch "
+                         "it finds; give a number of samples to sweep or compare plans")
     points = []
     prepared = None
     for value in values:
-        point = replace(options, **{"gpu_mem" if quantity == "gpu-mem" else "batch_size": value})
-        if prepared is None or quantity == "batch-size":
+        try:
+            point = replace(options, **{_FIELD[quantity]: value})
+        except KarmaError as e:  # a profile that cannot hold the ranks (--nproc-per-node)
+            hw = value if isinstance(value, Hardware) else load_hardware(value)
+            points.append({"hardware": hw.name, "world_size": options.world_size,
+                           "gpu_mem_bytes": options.gpu_mem or hw.device_mem_bytes,
+                           "feasible": False, "reason": str(e)})
+            continue
+        if point.gpu_mem is None and quantity == "hardware":
+            point = replace(point, gpu_mem=point.profile.device_mem_bytes)
+        if prepared is None or quantity != "gpu-mem":
             prepared = _prepare(model_file, point, log)
         points.append(_point(prepared, point))
     return points
@@ -175,8 +196,9 @@ def _point(prepared: _Prepared, options: PlanOptions) -> dict:
     """One point of a sweep: the plan's figures, or why nothing fits."""
     batch = prepared.graph.batch_size
     samples = batch * options.world_size * options.accumulate
-    point = {"gpu_mem_bytes": options.capacity_bytes, "batch_size": batch,
-             "world_size": options.world_size, "nproc_per_node": options.nproc}
+    point = {"hardware": options.profile.name, "gpu_mem_bytes": options.capacity_bytes,
+             "batch_size": batch, "world_size": options.world_size,
+             "nproc_per_node": options.nproc}
     try:
         report = _solve(prepared, options)
     except InfeasiblePlan as e:

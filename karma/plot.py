@@ -312,8 +312,7 @@ def _save_atomically(fig, path: Path) -> None:
         raise KarmaError(f"cannot write the plot to '{path}': {e}") from e
 
 
-def plot_sweep(points: list[dict], quantity: str, hardware_name: str,
-               path: str | os.PathLike) -> None:
+def plot_sweep(points: list[dict], quantity: str, path: str | os.PathLike) -> None:
     """karma-plan --sweep --plot: samples per second against the swept quantity, a line per
     strategy (the plan karma chooses drawn bold and marked), written as a PNG atomically.
     A strategy is drawn where it fits."""
@@ -343,7 +342,7 @@ def plot_sweep(points: list[dict], quantity: str, hardware_name: str,
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    ax.set_title(f"{quantity} sweep on {hardware_name}"
+    ax.set_title(f"{quantity} sweep on {points[0]['hardware']}"
                  + (" (red: no plan fits)" if short else ""), fontsize=10)
     _save_atomically(fig, path)
 

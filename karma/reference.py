@@ -95,14 +95,7 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
         for r in range(world_size):
             if world_size > 1:
                 _set_rng_state(rng[r], device)
-            micro = []
-            for _ in range(accumulate):
-                x, y = next(data[r])
-                with autocast():
-                    loss = mf.loss_fn(x.map(to_device).call(model), map_targets(y, to_device))
-                    scaled = loss / accumulate
-                scaled.backward()
-                micro.append(loss.item())
+            micro = _micro_batches(mf, model, data[r], accumulate, autocast, to_device)
             losses[r].append(sum(micro) / len(micro))
             if world_size == 1:
                 break  # the plain loop: the gradients stay where backward left them
@@ -114,29 +107,60 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
             for p, g in zip(params, summed):
                 p.grad = None if g is None else g / world_size
         lrs.append(float(opt.param_groups[0]["lr"]))
-        if host is not None:
-            host.take_grads(norms_on_device=clip_grad_norm is not None and accumulate == 1)
-        if clip_grad_norm is not None and host is None:
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                                   clip_grad_norm)))
-        elif clip_grad_norm is not None:
-            grad_norms.append(host.clip(model, clip_grad_norm))
-        opt.step()  # the host-stepped parameters have no gradient here: it skips them
-        if host is not None:
-            host.step(opt)
-        if sched is not None:
-            sched.step()
-        opt.zero_grad()
+        norm = _step(model, opt, sched, host, clip_grad_norm, accumulate)
+        if norm is not None:
+            grad_norms.append(norm)
         if on_step is not None:
             on_step()
         if eval_every and step % eval_every == 0:
-            model.eval()
-            with torch.no_grad(), autocast():
-                eval_losses = [mf.loss_fn(x.map(to_device).call(model), map_targets(y, to_device))
-                               .item() for x, y in held_out]
-            model.train()
-            evals.append({"step": step, "loss": sum(eval_losses) / len(eval_losses)})
+            evals.append({"step": step, "loss": _eval_loss(mf, model, held_out, autocast,
+                                                           to_device)})
     return ReferenceRun(model, losses, lrs=lrs, grad_norms=grad_norms, evals=evals)
+
+
+def _micro_batches(mf: ModelFile, model: torch.nn.Module, data, accumulate: int, autocast,
+                   to_device) -> list[float]:
+    """One rank's micro-batches of a step: forward and loss (under autocast), backward of
+    loss / accumulate; their losses."""
+    losses = []
+    for _ in range(accumulate):
+        x, y = next(data)
+        with autocast():
+            loss = mf.loss_fn(x.map(to_device).call(model), map_targets(y, to_device))
+            scaled = loss / accumulate
+        scaled.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def _step(model: torch.nn.Module, opt, sched, host: HostStepped | None,
+          clip_grad_norm: float | None, accumulate: int) -> float | None:
+    """The optimizer step, the gradients clipped first where asked (their norm returned),
+    the scheduler after it, the gradients zeroed."""
+    norm = None
+    if host is not None:
+        host.take_grads(norms_on_device=clip_grad_norm is not None and accumulate == 1)
+    if clip_grad_norm is not None and host is None:
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm))
+    elif clip_grad_norm is not None:
+        norm = host.clip(model, clip_grad_norm)
+    opt.step()  # the host-stepped parameters have no gradient here: it skips them
+    if host is not None:
+        host.step(opt)
+    if sched is not None:
+        sched.step()
+    opt.zero_grad()
+    return norm
+
+
+def _eval_loss(mf: ModelFile, model: torch.nn.Module, held_out, autocast, to_device) -> float:
+    """The mean loss over the held-out batches, in evaluation mode, without gradients."""
+    model.eval()
+    with torch.no_grad(), autocast():
+        losses = [mf.loss_fn(x.map(to_device).call(model), map_targets(y, to_device)).item()
+                  for x, y in held_out]
+    model.train()
+    return sum(losses) / len(losses)
 
 
 def _resized(mf: ModelFile, batch_size: int, resize: tuple[int, int], accumulate: int,

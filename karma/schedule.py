@@ -356,8 +356,15 @@ def dump_schedule(s: Schedule) -> str:
     text equals `s` when its times are already rounded; load(dump(load(dump(s)))) always
     equals load(dump(s)).
     """
+    return "\n".join([*_HEADER, f"karma_schedule: {yaml_int(s.version)}", *_plan_lines(s),
+                      *_block_lines(s.blocks), *_op_lines(s.ops),
+                      *_buffer_lines(s.buffers)]) + "\n"
+
+
+def _plan_lines(s: Schedule) -> list[str]:
+    """The model, the config, the hardware, the strategy and what it predicts."""
     m, c, p = s.model, s.config, s.predicted
-    lines = [*_HEADER, f"karma_schedule: {yaml_int(s.version)}", "model:"]
+    lines = ["model:"]
     lines += _scalar_lines([("path", m.path), ("sha256", m.sha256), ("ir_sha256", m.ir_sha256)])
     lines.append(f"  env: {flow_map(m.env, None)}")
     lines.append("config:")
@@ -385,36 +392,45 @@ def dump_schedule(s: Schedule) -> str:
     if p.node_host_bytes is not None:
         lines += _scalar_lines([("node_host_bytes", p.node_host_bytes),
                                 ("node_pinned_bytes", p.node_pinned_bytes)])
+    return lines
 
-    lines.append("# blocks: each block's decisions (act: keep | swap | recompute; weights: "
-                 "resident | streamed; optim: device | host)")
-    lines.append("blocks:" + ("" if s.blocks else " []"))
-    for b in s.blocks:
-        lines.append(f"  - {{index: {yaml_int(b.index)}, name: {yaml_str(b.name)}, act: {yaml_str(b.act)}, "
-                     f"weights: {yaml_str(b.weights)}, optim: {yaml_str(b.optim)}, "
-                     f"param_bytes: {yaml_int(b.param_bytes)}, act_bytes: {yaml_int(b.act_bytes)},")
+
+def _block_lines(blocks: tuple[BlockEntry, ...]) -> list[str]:
+    lines = ["# blocks: each block's decisions (act: keep | swap | recompute; weights: "
+             "resident | streamed; optim: device | host)", "blocks:" + ("" if blocks else " []")]
+    for b in blocks:
+        lines.append(f"  - {{index: {yaml_int(b.index)}, name: {yaml_str(b.name)}, "
+                     f"act: {yaml_str(b.act)}, weights: {yaml_str(b.weights)}, "
+                     f"optim: {yaml_str(b.optim)}, param_bytes: {yaml_int(b.param_bytes)}, "
+                     f"act_bytes: {yaml_int(b.act_bytes)},")
         lines += wrapped_list("     modules: ", b.modules, ",")
         lines += wrapped_list("     params: ", b.params, ",")
         lines += wrapped_list("     shared_params: ", b.shared_params, "}")
+    return lines
 
-    lines.append("# ops: in issue order; an op starts when its stream is free and its deps have "
-                 "finished")
-    lines.append("ops:" + ("" if s.ops else " []"))
-    for o in s.ops:
-        lines.append(f"  - {{id: {yaml_int(o.id)}, kind: {yaml_str(o.kind)}, block: {yaml_int(o.block)}, "
-                     f"stage: {yaml_int(o.stage)}, stream: {yaml_str(o.stream)}, "
+
+def _op_lines(ops: tuple[Op, ...]) -> list[str]:
+    lines = ["# ops: in issue order; an op starts when its stream is free and its deps have "
+             "finished", "ops:" + ("" if ops else " []")]
+    for o in ops:
+        lines.append(f"  - {{id: {yaml_int(o.id)}, kind: {yaml_str(o.kind)}, "
+                     f"block: {yaml_int(o.block)}, stage: {yaml_int(o.stage)}, "
+                     f"stream: {yaml_str(o.stream)}, "
                      f"dur_s: {yaml_float(o.dur_s, _SECONDS_DIGITS)}, "
                      f"bytes: {yaml_int(o.bytes)}, deps: {flow_list(o.deps)}, "
                      f"uses: {flow_list(o.uses)}}}")
+    return lines
 
-    lines.append("# buffers: device memory allocated when op `alloc` starts (null: before the "
-                 "replay) and freed when op `free` ends (null: never)")
-    lines.append("buffers:" + ("" if s.buffers else " []"))
-    for b in s.buffers:
+
+def _buffer_lines(buffers: tuple[Buffer, ...]) -> list[str]:
+    lines = ["# buffers: device memory allocated when op `alloc` starts (null: before the "
+             "replay) and freed when op `free` ends (null: never)",
+             "buffers:" + ("" if buffers else " []")]
+    for b in buffers:
         lines.append(f"  - {{name: {yaml_str(b.name)}, block: {yaml_int(b.block)}, "
                      f"bytes: {yaml_int(b.bytes)}, alloc: {yaml_value(b.alloc, None)}, "
                      f"free: {yaml_value(b.free, None)}}}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def round_seconds(x: float) -> float:

@@ -2,8 +2,8 @@
 
 Schedules are read, diffed and edited by hand, so the runtime must not trust them.
 `load_schedule` checks each field's type and that every id names something (an op's deps
-name earlier ops); `validate` then checks that the whole still describes one training
-iteration the runtime can replay, and that it computes what the plan computes. It runs at
+name earlier ops); `validate` then checks that the whole still describes one training step
+the runtime can replay, and that it computes what the plan computes. It runs at
 the end of every `load_schedule` (karma-run, karma-inspect, karma.Runtime), before any model
 is built; `karma-inspect --check` runs just this. A violation is one ScheduleFileError that
 names the op or block, the rule, and the fix. The rules, in the order they are checked:
@@ -19,12 +19,13 @@ names the op or block, the rule, and the fix. The rules, in the order they are c
 - stages ordered: stages never decrease along the op list (the runtime issues side ops in
   list order as compute reaches their stage).
 - compute order: the compute ops follow the model's own execution.
-- dependencies: an op that needs another's result waits for it (see [Note: happens-before]).
+- dependencies: an op that needs another's result waits for it (see [Note: happens-before]
+  in schedule_replay.py).
 - buffer lifetime: a buffer is allocated before every use, used before it is freed, and an
-  allocated buffer is freed once in the iteration; with clipping, fetched weights are not
-  freed by an op that may run on into the next iteration (see _deferred_weight_frees).
+  allocated buffer is freed once in the replay; with clipping, fetched weights are not
+  freed by an op that may run on into the next step (see _deferred_weight_frees).
 - peak within capacity: the buffers live in any stage add up to at most
-  config.capacity_bytes (see [Note: the peak walked over stages]).
+  config.capacity_bytes (see [Note: the peak walked over stages] in schedule_replay.py).
 
 Once the model is built, `check_model_names` checks what needs it: every parameter and
 module a block names exists in the model, each parameter of the model is owned by exactly one
@@ -38,13 +39,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 
 from karma.schedule import (
     DEFERRED_KINDS,
     FETCH_PHASES,
     GRAD_KINDS,
-    LAST_MICRO_BATCH_KINDS,
     OP_KINDS,
     OPTIMIZER_STEP_KINDS,
     STREAM_OF_KIND,
@@ -54,6 +53,7 @@ from karma.schedule import (
     ScheduleFileError,
     WeightBuffer,
 )
+from karma.schedule_replay import HappensBefore, walk_peak_bytes
 from karma.units import format_bytes
 
 _REPLAN = "re-plan with karma-plan"
@@ -71,55 +71,6 @@ def validate(schedule: Schedule, source: str = "schedule") -> None:
         _Checker(schedule).run()
     except _Broken as e:
         raise ScheduleFileError(f"{source}: {e}") from None
-
-
-def walk_peak_bytes(schedule: Schedule) -> tuple[int, int]:
-    """(peak bytes, the stage where it is reached) of the buffers live stage by stage: a
-    buffer counts in every stage from its `alloc` op's (the first, when null) through its
-    `free` op's (the last, when null).
-
-    [Note: the peak walked over stages] Within a stage the streams run side by side, so a
-    buffer freed by one op of a stage may still be live when another op of the same stage
-    allocates; across stages the barrier orders them (schedule.py: an op on a barrier stream
-    starts when every op of the earlier stages on those streams has finished). So each
-    buffer counts in its whole span of stages: the planner's own bound
-    (predicted.stage_peak_bytes, which it keeps within the budget), never below the timed
-    simulation's peak of those buffers. The one exception: a host step's temporaries
-    (hoststep.N, on the CPU backend) run on the host stream, outside the barrier; the planner
-    counts them in every stage their step may reach, this walk in their step's stage only,
-    so the walk stays within the planner's bound there too. An op's own temporaries (a
-    buffer that op allocates and frees: steptmp.N, hoststep.N) never meet those of another
-    op of its stream, which runs one op at a time: per stage and stream only the largest
-    counts (the planner takes the same maximum for the device steps' temporaries; summing
-    them refused a valid plan of tests/models/mlp_schedule.py for 2 ranks)."""
-    last = max((op.stage for op in schedule.ops), default=0)
-    # live bytes change only at the stages where a buffer starts or after one it ends: kept
-    # by stage, not in a list as long as the largest stage number (a stage edited to 2**62
-    # took all memory: found by fuzzing)
-    delta: dict[int, int] = defaultdict(int)
-    # an op's own temporaries (allocated and freed by that op): one op of a stream runs at
-    # a time, so per stage and stream only the largest of them is live at once
-    transient: dict[tuple[int, str], int] = defaultdict(int)
-    for b in schedule.buffers:
-        if b.alloc is not None and b.alloc == b.free:
-            op = schedule.ops[b.alloc]
-            transient[op.stage, op.stream] = max(transient[op.stage, op.stream], b.bytes)
-            continue
-        first = schedule.ops[b.alloc].stage if b.alloc is not None else 0
-        final = schedule.ops[b.free].stage if b.free is not None else last
-        delta[first] += b.bytes
-        delta[max(first, final) + 1] -= b.bytes
-    on_top = defaultdict(int)
-    for (stage, _), nbytes in transient.items():
-        on_top[stage] += nbytes
-    peak, at, live = 0, 0, 0
-    for stage in sorted(delta.keys() | on_top.keys()):
-        if stage > last:
-            break
-        live += delta[stage]
-        if live + on_top[stage] > peak:
-            peak, at = live + on_top[stage], stage
-    return peak, at
 
 
 def check_model_names(schedule: Schedule, params: Mapping[str, object],
@@ -166,52 +117,6 @@ def check_model_names(schedule: Schedule, params: Mapping[str, object],
                 "another model than the one planned (another model.env?): " + fix)
 
 
-@dataclass(frozen=True)
-class _Order:
-    """[Note: happens-before] Op a happens before op b when a has finished whenever b
-    starts, in every replay: a is among b's deps, or precedes it on its stream (each stream
-    runs its ops in list order, the compute thread too), or either through a chain of such
-    steps. With accumulation, a micro-batch that does not step skips the side ops of
-    LAST_MICRO_BATCH_KINDS: the engine marks them done at once, without waiting for their
-    deps, and they take no place on their stream. So an order that must hold in every
-    replay is checked in both: `full` (the replay that steps) and `micro` (one that does
-    not; the same as full without accumulation)."""
-
-    full: tuple[int, ...]  # op id -> bit set of the ops that happen before it
-    micro: tuple[int, ...]
-    skipped: frozenset[int]  # ops a micro-batch that does not step skips
-
-    @classmethod
-    def of(cls, schedule: Schedule) -> _Order:
-        skipped = frozenset(op.id for op in schedule.ops if op.kind in LAST_MICRO_BATCH_KINDS
-                            and op.stream != "compute") \
-            if schedule.config.accumulate > 1 else frozenset()
-        full = _before(schedule.ops, frozenset())
-        return cls(full, _before(schedule.ops, skipped) if skipped else full, skipped)
-
-    def before(self, a: int, b: int) -> bool:
-        """Whether op a happens before op b in every replay that runs both."""
-        if not self.full[b] >> a & 1:
-            return False
-        return a in self.skipped or b in self.skipped or bool(self.micro[b] >> a & 1)
-
-
-def _before(ops: tuple[Op, ...], skipped: frozenset[int]) -> tuple[int, ...]:
-    sets: list[int] = []
-    last_on: dict[str, int] = {}
-    for op in ops:
-        preds = set() if op.id in skipped else set(op.deps)
-        if op.id not in skipped and op.stream in last_on:
-            preds.add(last_on[op.stream])
-        bits = 0
-        for p in preds:
-            bits |= sets[p] | (1 << p)
-        sets.append(bits)
-        if op.id not in skipped:
-            last_on[op.stream] = op.id
-    return tuple(sets)
-
-
 class _Checker:
     """The rules, one method each; `run` checks them in the docstring's order."""
 
@@ -231,7 +136,7 @@ class _Checker:
         self.ops_match_decisions()
         self.stages()
         self.compute_order()
-        self.order = _Order.of(self.s)
+        self.order = HappensBefore.of(self.s)
         self.dependencies()
         self.buffers()
         self.peak()
@@ -514,9 +419,9 @@ class _Checker:
         self._deferred_weight_frees()
 
     def _deferred_weight_frees(self) -> None:
-        """With clipping, host steps and uploads may run on into the next iteration
+        """With clipping, host steps and uploads may run on into the next step
         ([Note: the training options' contract]). Fetched weights freed by one of them would
-        still be held when the next iteration fetches the same weights, and a fetch finds
+        still be held when the next step fetches the same weights, and a fetch finds
         weights it can reuse when it is issued: it would not fill them again, and the
         forward would read them from before their update. (Found by fuzzing: w.0@b freed by
         block 0's host step trained different weights, in two runs out of three.)"""
@@ -530,9 +435,9 @@ class _Checker:
                        if op.stream == "compute" and b.name in op.uses]
             fix = f"set its free to {readers[-1]}, {_FIX}" if readers else _REPLAN
             raise _Broken(f"buffer {b.name} (buffers[{k}]) is freed by {self.op(b.free)}, which "
-                          "may run on into the next iteration (rule: buffer lifetime: with "
+                          "may run on into the next step (rule: buffer lifetime: with "
                           "config.clip_grad_norm fetched weights are freed by the op that reads "
-                          "them last, never by a host_step or an upload: the next iteration's "
+                          "them last, never by a host_step or an upload: the next step's "
                           "fetch would find them still held and use them without their "
                           f"update); {fix}")
 

@@ -7,44 +7,10 @@ import json
 import pytest
 import torch
 
+from karma.ir.autograd_saved import real_saved_bytes_per_block
 from karma.ir.build import build_block_graph
-from karma.ir.graph import BlockGraph
 from karma.modelfile import load_model_file
 from tests.conftest import MODELS
-
-
-def real_saved_bytes_per_block(model: torch.nn.Module, graph: BlockGraph,
-                               inputs) -> list[int]:
-    """What autograd saves per block in a real CPU forward, attributed by module calls.
-
-    Independent of the IR's graph splitting: a global forward pre-hook switches the current
-    block whenever a module of that block starts; a saved-tensors hook sums the storages
-    saved meanwhile (parameters and buffers excluded, each storage once per block).
-    """
-    block_of_module = {m: b.index for b in graph.blocks for m in b.modules}
-    name_of = {id(m): n for n, m in model.named_modules()}
-    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    current = [0]
-    saved: list[dict[int, int]] = [{} for _ in graph.blocks]
-
-    def pre_hook(module, args):
-        name = name_of.get(id(module))
-        if name in block_of_module:
-            current[0] = block_of_module[name]
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            saved[current[0]][s.data_ptr()] = s.nbytes()
-        return t
-
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            inputs.call(model)
-    finally:
-        handle.remove()
-    return [sum(s.values()) for s in saved]
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet"])

@@ -11,42 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 
+from karma.ir.autograd_saved import whole_model_saved_bytes
 from karma.ir.build import build_block_graph
-from karma.ir.measure import _reroute_sdpa
-from karma.ir.trace import trace
 from karma.modelfile import ModelFile, load_model_file
 
 MODELS = Path(__file__).parent / "models"
-
-
-def whole_model_saved_bytes(mf: ModelFile, batch_size: int, eager: bool = False) -> int:
-    """Bytes autograd saves for the whole model's forward and loss, each storage once,
-    parameters and buffers excluded.
-
-    Default: the traced graph, unsplit, on meta tensors with the IR's fused-attention
-    rerouting (karma/ir/measure.py). eager=True: the model file's own model on real CPU
-    tensors (no tracing: Hugging Face models take their eager attention path, and CPU
-    attention picks its own kernel), for small models only.
-    """
-    if eager:
-        torch.manual_seed(0)
-        model = mf.build_model().train()
-        inputs, targets = mf.checked_example_batch(batch_size)
-    else:
-        traced = trace(mf, batch_size)
-        model, inputs, targets = traced.gm, traced.inputs, traced.targets
-        _reroute_sdpa(model)
-    skip = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
-    seen: dict[int, torch.Tensor] = {}  # the tensor keeps its storage's _cdata unique
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage()._cdata not in skip:
-            seen[t.untyped_storage()._cdata] = t
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        mf.loss_fn(inputs.call(model), targets)
-    return sum(t.untyped_storage().nbytes() for t in seen.values())
 
 
 def ir_saved_bytes(mf: ModelFile, batch_size: int) -> int:

@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 
 from karma.schedule import Op, Schedule, ScheduleFileError, dump_schedule
-from karma.schedule_check import check_model_names, validate, walk_peak_bytes
+from karma.schedule_check import check_model_names, validate
 from karma.schedule_load import load_schedule
+from karma.schedule_replay import walk_peak_bytes
 from tests.conftest import ROOT
 from tests.schedule_fixtures import MIXED, rounded, tiny_graph, tiny_schedule
 
@@ -310,7 +311,7 @@ def test_with_clipping_fetched_weights_are_not_freed_by_a_deferred_op():
     step = op_of(s, "host_step", 0)
     late = with_buffer(s, "w.0@b", free=step.id)
     refused(late, "buffer w.0@b (buffers[", f"is freed by op {step.id} (host_step of block 0 "
-                  "(head)), which may run on into the next iteration (rule: buffer lifetime: "
+                  "(head)), which may run on into the next step (rule: buffer lifetime: "
                   "with config.clip_grad_norm fetched weights are freed by the op that reads "
                   f"them last, never by a host_step or an upload", f"set its free to {reader}")
     # without clipping every op of an iteration ends within it: later, but allowed

@@ -15,9 +15,9 @@ from pathlib import Path
 from karma.errors import KarmaError
 from karma.fileio import cache_dir, write_text_atomic
 
-CACHE_VERSION = 8  # bump when what a cache file holds changes meaning (3: in context; 4: scaled
-# to the median step; 5: with the process's bytes outside its tensors; 6: with the loss's time;
-# 7: with the side streams' fractions fitted to a probe; 8: each copy's own, and their wait)
+# part of every cache file's key: bump it when what a file holds changes meaning, so that
+# files written before are measured again
+CACHE_VERSION = 8
 
 
 def cache_path(kind: str, key: dict) -> Path:

@@ -39,12 +39,8 @@ _RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_
                 # streams]): measured on the CPU, 0 on a GPU
                 "compute_slowdown_copy", "copy_slowdown_compute", "compute_slowdown_host",
                 "host_slowdown_compute")
-# what is measured and how; 2: the contention fractions; 3: under the runtime's allocator;
-# 4: with its CPU cache (runtime/cpu_cache.py); 5: contention conserving work in the
-# measurement (since removed); 6: the tier measured where the runtime keeps it
-# (fileio.tier_directory); 7: the fractions recorded as measured (the simulator bounds their
-# sum: simulate.Contention.speed); 8: copies timed on a worker thread, contention beside a
-# training layer's forward and backward, over more bytes than a cache holds
+# part of the machine's cache key: bump it when what is measured, or how, changes, so that a
+# machine measured the old way is measured again
 MACHINE_VERSION = 8
 
 

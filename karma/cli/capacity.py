@@ -13,20 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from dataclasses import replace
 
 from karma.cli.common import positive_int
 from karma.errors import KarmaError
 from karma.planner.hardware import load_hardware
 from karma.planner.options import BATCH_CHOICES, PlanOptions
-from karma.units import format_bytes, format_seconds, parse_size
+from karma.planner.report import hardware_table, sweep_table
+from karma.units import parse_size
 
 Log = Callable[[str], None]
 
 
 def compare_hardware(args: argparse.Namespace, options: PlanOptions, log: Log) -> int:
-    """--hardware A,B,C: the same model planned on each profile, at its own device memory
-    unless --gpu-mem is given; one row each (--json: a list)."""
+    """--hardware A,B,C: the same model planned on each profile (a sweep of hardware), at
+    its own device memory unless --gpu-mem is given; one row each (--json: a list)."""
     from karma.api import sweep as plan_sweep
 
     if args.output or args.print_ir or args.batch_size in BATCH_CHOICES:
@@ -34,45 +34,9 @@ def compare_hardware(args: argparse.Namespace, options: PlanOptions, log: Log) -
                          "-o, --print-ir and --batch-size max|best, and plan on the profile "
                          "you choose")
     profiles = [load_hardware(name) for name in args.hardware.split(",")]
-    rows = []
-    for hw in profiles:
-        budget = options.gpu_mem or hw.device_mem_bytes
-        row = {"hardware": hw.name, "gpu_mem_bytes": budget, "world_size": options.world_size}
-        try:  # one point of a budget sweep: the same record
-            point = plan_sweep(args.model, "gpu-mem", [budget], replace(options, hardware=hw),
-                               log)[0]
-        except KarmaError as e:  # the profile cannot hold the ranks (--nproc-per-node), say
-            point = {"feasible": False, "reason": str(e)}
-        rows.append({**row, **point})
+    rows = plan_sweep(args.model, "hardware", profiles, options, log)
     print(json.dumps(rows, indent=2) if args.json else hardware_table(rows))
     return 0
-
-
-def hardware_table(rows: list[dict]) -> str:
-    ranks = rows[0]["world_size"] > 1
-    lines = [f"{'hardware':<12} {'budget':>9} {'step':>10} {'samples/s':>10} "
-             f"{'peak':>9} {'host a node':>11} {'strategy':<13}"
-             + (f" {'ranks':>6} {'scaling':>7}" if ranks else "")]
-    for r in rows:
-        cells = f"{r['hardware']:<12} {format_bytes(r['gpu_mem_bytes']):>9} "
-        if not r["feasible"]:
-            lines.append(cells + f"does not fit: {r['reason']}")
-            continue
-        lines.append(cells + f"{format_seconds(r['step_s']):>10} "
-                     f"{r['samples_per_s']:>10.2f} {format_bytes(r['peak_device_bytes']):>9} "
-                     f"{format_bytes(r['node_host_bytes']):>11} {r['strategy']:<13}"
-                     + (f" {r['world_size']:>6} {100 * r['scaling_efficiency']:>6.1f}%"
-                        if ranks else ""))
-    return "\n".join(lines)
-
-
-def search_batch(args: argparse.Namespace, options: PlanOptions,
-                 log: Log) -> tuple[int, list[dict]]:
-    """--batch-size max|best: the batch, and the points searched (by batch)."""
-    from karma.api import choose_batch
-
-    batch, points = choose_batch(args.model, args.batch_size, options, log)
-    return batch, sorted(points, key=lambda p: p["batch_size"])
 
 
 def sweep(args: argparse.Namespace, options: PlanOptions, log: Log) -> int:
@@ -91,24 +55,21 @@ def sweep(args: argparse.Namespace, options: PlanOptions, log: Log) -> int:
         raise KarmaError("--sweep gpu-mem=... and --gpu-mem contradict each other; give one")
     if quantity == "batch-size" and options.gpu_mem is None:
         raise KarmaError("a batch-size sweep plans at one budget: give --gpu-mem")
-    name = options.profile.name
     points = plan_sweep(args.model, quantity, values, options, log)
     if args.plot:
         from karma.plot import plot_sweep
 
-        plot_sweep(points, quantity, name, args.plot)
-    print(json.dumps(points, indent=2) if args.json else sweep_table(points, name)
+        plot_sweep(points, quantity, args.plot)
+    print(json.dumps(points, indent=2) if args.json else sweep_table(points)
           + (f"\nwrote {args.plot}" if args.plot else ""))
     return 0
 
 
 def parse_sweep(spec: str) -> tuple[str, list[int]]:
     """QUANTITY=A:B[:STEP] or QUANTITY=V1,V2,...: the quantity and its values, in order."""
-    from karma.api import SWEEPS
-
     quantity, _, text = spec.partition("=")
-    if quantity not in SWEEPS:
-        raise KarmaError(f"--sweep {spec!r}: karma sweeps {' or '.join(SWEEPS)}, as "
+    if quantity not in ("gpu-mem", "batch-size"):  # profiles: --hardware A,B,C
+        raise KarmaError(f"--sweep {spec!r}: karma sweeps gpu-mem or batch-size, as "
                          "gpu-mem=4G:24G:2G or batch-size=1:64")
     parse = (lambda t: parse_size(t, "--sweep gpu-mem")) if quantity == "gpu-mem" \
         else (lambda t: positive_int(t))
@@ -132,21 +93,3 @@ def parse_sweep(spec: str) -> tuple[str, list[int]]:
         raise KarmaError(f"--sweep {spec!r}: a budget range needs its step, e.g. "
                          "gpu-mem=4G:24G:2G")
     return quantity, values
-
-
-def sweep_table(points: list[dict], hardware_name: str, what: str = "sweep") -> str:
-    names = sorted({n for p in points for n in p["baselines"]})
-    head = f"{'gpu-mem':>9} {'batch':>5} {'ilp':>9} {'samples/s':>9} {'peak':>9} {'host':>9}"
-    lines = [f"{what} on {hardware_name}: step time of the chosen plan, and of each baseline "
-             "(- does not fit)", head + "".join(f" {n:>13}" for n in names)]
-    for p in points:
-        cells = f"{format_bytes(p['gpu_mem_bytes']):>9} {p['batch_size']:>5} "
-        if not p["feasible"]:
-            lines.append(cells + f"no plan fits: {p['resource']} memory runs out")
-            continue
-        cells += (f"{format_seconds(p['step_s']):>9} {p['samples_per_s']:>9.2f} "
-                  f"{format_bytes(p['peak_device_bytes']):>9} {format_bytes(p['host_bytes']):>9}")
-        lines.append(cells + "".join(
-            f" {format_seconds(p['baselines'][n]) if p['baselines'].get(n) else '-':>13}"
-            for n in names))
-    return "\n".join(lines)

@@ -14,14 +14,12 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from karma.cli import capacity
 from karma.cli.common import check_writable, huge_pages_for_large_tensors, positive_int, run_cli
 from karma.errors import KarmaError
 from karma.planner.options import BATCH_CHOICES, PlanOptions
-from karma.units import format_bytes, format_seconds
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,10 +114,10 @@ def _batch_size(text: str) -> int | str:
 def plan_options(args: argparse.Namespace) -> PlanOptions:
     """karma-plan's flags as the one PlanOptions every command path plans with (checked
     here, once: a bad value is one line before anything is traced). With --hardware A,B,C
-    the first profile; with --batch-size max|best the batch is searched (None here)."""
+    the first profile (capacity.compare_hardware plans on each)."""
     return PlanOptions(
         gpu_mem=args.gpu_mem, hardware=args.hardware.split(",")[0],
-        batch_size=None if args.batch_size in BATCH_CHOICES else args.batch_size,
+        batch_size=args.batch_size,
         world_size=args.world_size, nproc_per_node=args.nproc_per_node,
         host_mem=args.host_mem, host_state=args.host_state, dtype=args.dtype,
         accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
@@ -129,13 +127,13 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
 
 def _plan(args: argparse.Namespace) -> int:
     options = plan_options(args)
-    if args.sweep:
-        return capacity.sweep(args, options, _notes)
-    if args.plot:
+    if args.plot and not args.sweep:
         raise KarmaError("--plot draws a sweep: give --sweep too (karma-inspect --plot draws "
                          "one schedule)")
-    if "," in args.hardware:
+    if "," in args.hardware and not args.sweep:
         return capacity.compare_hardware(args, options, _notes)
+    if args.sweep:
+        return capacity.sweep(args, options, _notes)
     if args.print_ir:
         return _print_ir(args, options)
     return _plan_one(args, options)
@@ -154,17 +152,13 @@ def _print_ir(args: argparse.Namespace, options: PlanOptions) -> int:
 
 
 def _plan_one(args: argparse.Namespace, options: PlanOptions) -> int:
-    """One schedule: planned, written (-o) and summarized; --batch-size max|best searched
-    first. (Without --gpu-mem, plan_report says so before tracing.)"""
+    """One schedule: planned (--batch-size max|best: at the batch searched), written (-o)
+    and summarized. (Without --gpu-mem, plan_report says so before tracing.)"""
     from karma.api import plan_report
     from karma.planner.plan import InfeasiblePlan
 
     if args.output:  # before anything is traced
         check_writable(Path(args.output), "-o", "schedule.yaml")
-    search = None
-    if args.batch_size in BATCH_CHOICES:
-        batch, search = capacity.search_batch(args, options, _notes)
-        options = replace(options, batch_size=batch)
     try:
         report = plan_report(args.model, options, _notes)
     except InfeasiblePlan as e:
@@ -181,15 +175,7 @@ def _plan_one(args: argparse.Namespace, options: PlanOptions) -> int:
 
     if args.output:
         report.schedule.save(args.output)
-    name = options.profile.name
-    if args.json:
-        print(json.dumps({**_summary_json(report),
-                          **({"batch_search": search} if search is not None else {})},
-                         indent=2))
-        return 0
-    if search is not None:
-        print(capacity.sweep_table(search, name, "batches searched") + "\n")
-    print(_summary_text(report, name, args.output))
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.text(args.output))
     return 0
 
 
@@ -198,88 +184,6 @@ def _notes(*notes: str) -> None:
     stdout may be JSON."""
     for note in notes:
         print(f"karma-plan: note: {note}", file=sys.stderr)
-
-
-def _summary_json(report) -> dict:
-    ev, s = report.chosen, report.schedule
-    return {
-        "feasible": True,
-        "strategy": ev.plan.strategy,
-        "status": ev.plan.status,
-        "step_s": ev.step_s,
-        "peak_device_bytes": ev.peak_device_bytes,
-        "stage_peak_bytes": ev.stage_peak_bytes,
-        "capacity_bytes": ev.capacity_bytes,
-        "lower_bound_s": ev.sim.lower_bound_s,
-        "ideal_s": s.predicted.ideal_s,
-        "price_of_budget": s.predicted.price_of_budget,
-        "solve_s": ev.plan.solve_s,
-        "block_times": "measured" if s.predicted.calibration == "measured" else "roofline",
-        "process_bytes": report.problem.process_bytes,
-        "scaling_efficiency": s.predicted.scaling_efficiency,
-        "batch_size": s.config.batch_size,
-        "world_size": s.config.world_size,
-        "nproc_per_node": s.config.nproc_per_node,
-        "host_state": s.config.host_state,
-        "host_bytes": s.predicted.host_bytes,
-        "pinned_bytes": s.predicted.pinned_bytes,
-        "node_host_bytes": s.predicted.node_host_bytes,
-        "node_pinned_bytes": s.predicted.node_pinned_bytes,
-        "host_mem_bytes": ev.host_mem_bytes,
-        "decisions": ev.plan.counts(),
-        "baselines": {
-            name: {"feasible": b.feasible, "step_s": b.step_s,
-                   "peak_device_bytes": b.peak_device_bytes}
-            for name, b in report.baselines.items()
-        },
-    }
-
-
-def _summary_text(report, hardware_name: str, output: str | None) -> str:
-    ev, s = report.chosen, report.schedule
-    c = ev.plan.counts()
-    cap = ev.capacity_bytes
-    lines = [
-        f"model {s.model.path}: {len(s.blocks)} blocks, batch {s.config.batch_size}, "
-        f"{s.config.training_text()}, {s.config.world_size} rank(s) on {hardware_name}, "
-        f"budget {format_bytes(cap)}",
-        f"plan: {ev.plan.strategy} ({ev.plan.status}"
-        + (f", solved in {ev.plan.solve_s:.2f} s" if ev.plan.strategy == "ilp" else "") + ")"
-        + (f"; {ev.plan.note}" if ev.plan.status == "fallback" else ""),
-        f"decisions: {c['keep']} keep, {c['swap']} swap, {c['recompute']} recompute; "
-        f"{c['streamed_weights']} streamed weights; {c['host_optimizer']} on the host optimizer",
-        f"block times: {report.block_times}",
-        f"predicted step {format_seconds(ev.step_s)}: "
-        f"{s.predicted.price_of_budget:.2f}x the ideal {format_seconds(s.predicted.ideal_s)} "
-        f"(keep_all with unlimited memory: the price of the budget); stream bound "
-        f"{format_seconds(ev.sim.lower_bound_s)}"
-        + ("; host updates overlapped with the next forward" if s.config.clip_grad_norm
-           is not None else ""),
-        f"predicted peak {format_bytes(ev.peak_device_bytes)} of {format_bytes(cap)} "
-        f"({100 * ev.peak_device_bytes / cap:.0f}%)"
-        + (f", {format_bytes(report.problem.process_bytes)} of it the process outside its "
-           "tensors (measured while timing the blocks)" if report.problem.process_bytes else ""),
-    ]
-    p = s.predicted
-    lines.append(
-        f"host memory ({s.config.host_state} state): {format_bytes(p.host_bytes)} a rank "
-        f"({format_bytes(p.pinned_bytes)} pinned); {format_bytes(p.node_host_bytes)} a node of "
-        f"{s.config.nproc_per_node} rank(s) ({format_bytes(p.node_pinned_bytes)} pinned), of "
-        f"{format_bytes(ev.host_mem_bytes)} ({format_bytes(ev.pinned_mem_bytes)} pinnable)")
-    if s.config.world_size > 1:
-        lines.append(f"scaling efficiency against one rank: "
-                     f"{100 * s.predicted.scaling_efficiency:.1f}%")
-    lines += ["", f"{'strategy':<15} {'fits':<5} {'step':>10} {'peak':>11}"]
-    rows = [("ilp", ev)] if ev.plan.strategy == "ilp" or ev.plan.status == "fallback" else []
-    rows += list(report.baselines.items())
-    for name, e in rows:
-        mark = " *" if e.plan.choices == ev.plan.choices and name == ev.plan.strategy else ""
-        lines.append(f"{name + mark:<15} {'yes' if e.feasible else 'no':<5} "
-                     f"{format_seconds(e.step_s):>10} {format_bytes(e.peak_device_bytes):>11}")
-    if output:
-        lines += ["", f"wrote {output} ({len(s.ops)} operations); inspect it with "
-                      f"karma-inspect {output}"]
-    return "\n".join(lines)
 
 
 def _ceil_gib(nbytes: int) -> str:

@@ -292,10 +292,6 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def _differentiable(t) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-
-
 # --- fused attention while measuring (see [Note: fused attention on the meta device]) ---
 
 def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

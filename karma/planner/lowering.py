@@ -46,7 +46,7 @@ from karma.schedule import (
     resident_weights,
 )
 
-HOST_TEMP = "hoststep."  # buffers of host optimizer temporaries (see host_temp_bytes)
+HOST_TEMP = "hoststep."  # buffers of host optimizer temporaries (memory.host_temp_bytes)
 
 
 @dataclass(frozen=True, order=True)
@@ -86,7 +86,7 @@ class Training:
     """How gradients become an optimizer step (the schedule's config.accumulate and
     config.clip_grad_norm), as far as the plan's shape depends on it."""
 
-    accumulate: int = 1  # micro-batches per step; the op list is one micro-batch's iteration
+    accumulate: int = 1  # micro-batches per step; the op list is one micro-batch's replay
     clip: bool = False  # the global gradient norm is clipped: every step after every gradient
 
     def __post_init__(self) -> None:
@@ -101,7 +101,7 @@ PLAIN = Training()  # one micro-batch per step, no clipping: the default everywh
 # and skips the ops of LAST_MICRO_BATCH_KINDS (schedule.py: all-reduces, steps, uploads) in the first
 # N-1. Gradients add up between replays: a host-stepped block's on the host (each
 # grads_to_host adds), a device-stepped block's in its grad buffer, which then lives through
-# the whole step (allocated before the iteration, never freed). On several ranks a
+# the whole step (allocated before the replay, never freed). On several ranks a
 # host-stepped block's gradients are all-reduced once, on the host: its all-reduce follows
 # its grads_to_host (one stage later), and its host step follows the all-reduce.
 
@@ -125,7 +125,7 @@ PLAIN = Training()  # one micro-batch per step, no clipping: the default everywh
 # [Note: clipping] The global norm needs every gradient before any update, so with clipping
 # every device and host step runs in the update stage, after every backward, all-reduce and
 # grads_to_host; host steps (and their uploads) go from block 0 up, the order in which the
-# next iteration needs the weights. Device-stepped blocks hold their gradients until then.
+# next step needs the weights. Device-stepped blocks hold their gradients until then.
 
 
 @dataclass(frozen=True)
@@ -184,12 +184,20 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
     if c.act == "recompute":
         f.op(("recompute", i), "recompute", i, st.bwd(i), "compute", b.fwd_s)
     bwd = f.op(("backward", i), "backward", i, st.bwd(i), "compute", b.bwd_s)
-
     f.buffer(f"tmp.f.{i}", i, b.fwd_temp_bytes, fwd, fwd)
     f.buffer(f"tmp.b.{i}", i, b.bwd_temp_bytes, bwd, bwd)
+    _activations(f, problem, st, i, c, fwd, bwd)
+    _weights(f, problem, st, i, c)
+    _gradients(f, problem, st, i, c, training, bwd)
+    return f
 
-    # activations; the saved tensors it shares with later blocks, held until their backward,
-    # or its own (see [Note: how long a shared saved tensor is held] in problem.py)
+
+def _activations(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice, fwd: tuple,
+                 bwd: tuple) -> None:
+    """What block i saves for its backward, kept, swapped or recomputed; the saved tensors
+    it shares with later blocks, held until their backward, or its own (see [Note: how long
+    a shared saved tensor is held] in problem.py)."""
+    b = problem.blocks[i]
     for h in problem.held_by_first_reader[i]:
         f.buffer(f"shared.{h.made_by}.{i}.{h.next_reader}", i, h.bytes,
                  ("forward", h.made_by), ("backward", h.freed_after(c.act)))
@@ -212,16 +220,24 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
         f.buffer(f"act.{i}@re", i, b.act_bytes + b.shared_made_bytes, ("recompute", i), bwd)
         f.buffer(f"tmp.r.{i}", i, b.fwd_temp_bytes, ("recompute", i), ("recompute", i))
 
-    # weights: this block's, then its copies for later blocks that share them
+
+def _weights(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice) -> None:
+    """Block i's weights on the device: resident, or fetched for itself and then for the
+    later blocks that share them."""
+    b = problem.blocks[i]
     if c.weights == "resident":
         f.buffer(resident_weights(i), i, b.param_bytes, None, None)
-    else:
-        for user, nbytes in [(i, b.param_bytes)] + users_of(problem, i):
-            _stream_weights(f, problem, st, i, user, nbytes, c.ahead)
-        if not problem.sharded:  # sharded, the node's copy: _host_state
-            f.pinned_bytes += b.param_bytes
+        return
+    for user, nbytes in [(i, b.param_bytes)] + users_of(problem, i):
+        _stream_weights(f, problem, st, i, user, nbytes, c.ahead)
+    if not problem.sharded:  # sharded, the node's copy: _host_state
+        f.pinned_bytes += b.param_bytes
 
-    # gradients and the optimizer step
+
+def _gradients(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice,
+               training: Training, bwd: tuple) -> None:
+    """Block i's gradients, their exchange over ranks and its optimizer step."""
+    b = problem.blocks[i]
     users = users_of(problem, i)
     first_bwd_user = max([i] + [j for j, _ in users])
     grad = f"grad.{i}"
@@ -235,63 +251,79 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
     reduce_on_host = problem.world_size > 1 and c.optim == "host" and training.accumulate > 1
     sharded = problem.sharded and c.optim == "host"
     # sharded: each rank keeps its shard of the gradients, unless clipping needs them whole
-    exchange, exchange_s = ("reduce_scatter", b.reduce_scatter_s) \
-        if sharded and not training.clip else ("allreduce", b.allreduce_s)
+    exchange = ("reduce_scatter", b.reduce_scatter_s) if sharded and not training.clip \
+        else ("allreduce", b.allreduce_s)
     if problem.world_size > 1 and not reduce_on_host:
         # the gradients travel as one flat buffer: one collective per block, not per tensor
-        ar = f.op((exchange, i), exchange, i, st.allreduce(i), "net", exchange_s,
+        ar = f.op((exchange[0], i), exchange[0], i, st.allreduce(i), "net", exchange[1],
                   b.param_bytes, uses=(grad,))
         f.buffer(f"artmp.{i}", i, b.param_bytes, ar, ar)
     if c.optim == "device":
-        # the step reads the averaged gradients: after the all-reduce's stage on many ranks
-        step_stage = st.to_host(i) if problem.world_size > 1 else st.bwd(i)
-        step = f.op(("device_step", i), "device_step", i,
-                    st.update if training.clip else step_stage, "compute",
-                    b.device_step_s, uses=(grad, resident_weights(i), f"opt.{i}"))
-        f.buffer(f"steptmp.{i}", i, b.step_temp_bytes, step, step)
-        f.buffer(f"opt.{i}", i, b.optim_bytes, None, None)
-        if training.accumulate > 1:  # summed over the micro-batches of a step
-            f.buffer(grad, i, b.param_bytes, None, None)
-            # once .grad exists, autograd makes each new gradient beside it and adds it in:
-            # a second copy of the weights no later block shares, during the block's
-            # backward; the shared ones' sum waits beside .grad from their first gradient on
-            f.buffer(f"gradnew.{i}", i, b.param_bytes - shared_bytes, bwd, bwd)
-            f.buffer(f"gradwait.{i}", i, shared_bytes, ("backward", first_bwd_user), bwd)
-        else:
-            f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), step)
+        _device_step(f, problem, st, i, training, bwd, first_bwd_user, shared_bytes)
     else:
-        # sharded, a rank copies only its shard of the averaged gradients (all of them when
-        # they add up on the host over micro-batches, before the exchange)
-        to_host_bytes = b.param_bytes if reduce_on_host or not sharded \
-            else shard_bytes(b.param_bytes, problem.world_size)
-        to_host = f.op(("grads_to_host", i), "grads_to_host", i,
-                       st.allreduce(i) if reduce_on_host else st.to_host(i), "d2h",
-                       problem.d2h_s(to_host_bytes), to_host_bytes, uses=(grad,))
-        f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), to_host)
-        after: tuple[tuple, ...] = (("stage_end", st.to_host(i)),)
-        if reduce_on_host:
-            # counted on the device too: a collective on device memory stages through it
-            ar = f.op((exchange, i), exchange, i, st.to_host(i), "net", exchange_s,
-                      b.param_bytes, after=(to_host,))
-            f.buffer(f"artmp.{i}", i, b.param_bytes, ar, ar)
-            after += (ar,)
-        if training.clip:  # after every gradient of the iteration (see [Note: clipping])
-            after = (("stage_end", st.update - 1),) + after[1:]
-        step_stage = st.update if training.clip else st.to_host(i)
-        step = f.op(("host_step", i), "host_step", i, step_stage, "host",
-                    b.host_step_s / problem.world_size if sharded else b.host_step_s,
-                    after=after)
-        if problem.host_temps_on_device:  # see host_temp_bytes
-            f.buffer(f"{HOST_TEMP}{i}", i, b.step_temp_bytes, step, step)
-        updated = step
-        if sharded:
-            updated = f.op(("all_gather", i), "all_gather", i, step_stage, "net",
-                           b.all_gather_s, b.param_bytes, after=(step,))
-        if c.weights == "resident":
-            f.op(("upload", i), "upload", i, st.update, "h2d", problem.h2d_s(b.param_bytes),
-                 b.param_bytes, uses=(resident_weights(i),), after=(updated,))
-        add_host_state(f, problem, b, sharded, reduce_on_host)
-    return f
+        _host_step(f, problem, st, i, c, training, first_bwd_user, exchange, reduce_on_host,
+                   sharded)
+
+
+def _device_step(f: Fragment, problem: Problem, st: Stages, i: int, training: Training,
+                 bwd: tuple, first_bwd_user: int, shared_bytes: int) -> None:
+    """Block i stepped on the device, after its all-reduce on several ranks, with clipping
+    in the update stage."""
+    b, grad = problem.blocks[i], f"grad.{i}"
+    step_stage = st.to_host(i) if problem.world_size > 1 else st.bwd(i)
+    step = f.op(("device_step", i), "device_step", i,
+                st.update if training.clip else step_stage, "compute",
+                b.device_step_s, uses=(grad, resident_weights(i), f"opt.{i}"))
+    f.buffer(f"steptmp.{i}", i, b.step_temp_bytes, step, step)
+    f.buffer(f"opt.{i}", i, b.optim_bytes, None, None)
+    if training.accumulate > 1:  # summed over the micro-batches of a step
+        f.buffer(grad, i, b.param_bytes, None, None)
+        # once .grad exists, autograd makes each new gradient beside it and adds it in:
+        # a second copy of the weights no later block shares, during the block's
+        # backward; the shared ones' sum waits beside .grad from their first gradient on
+        f.buffer(f"gradnew.{i}", i, b.param_bytes - shared_bytes, bwd, bwd)
+        f.buffer(f"gradwait.{i}", i, shared_bytes, ("backward", first_bwd_user), bwd)
+    else:
+        f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), step)
+
+
+def _host_step(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice,
+               training: Training, first_bwd_user: int, exchange: tuple[str, float],
+               reduce_on_host: bool, sharded: bool) -> None:
+    """Block i's gradients copied to the host (all-reduced there when they add up over
+    micro-batches), stepped there, gathered (sharded) and uploaded if resident."""
+    b, grad = problem.blocks[i], f"grad.{i}"
+    # sharded, a rank copies only its shard of the averaged gradients (all of them when
+    # they add up on the host over micro-batches, before the exchange)
+    to_host_bytes = b.param_bytes if reduce_on_host or not sharded \
+        else shard_bytes(b.param_bytes, problem.world_size)
+    to_host = f.op(("grads_to_host", i), "grads_to_host", i,
+                   st.allreduce(i) if reduce_on_host else st.to_host(i), "d2h",
+                   problem.d2h_s(to_host_bytes), to_host_bytes, uses=(grad,))
+    f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), to_host)
+    after: tuple[tuple, ...] = (("stage_end", st.to_host(i)),)
+    if reduce_on_host:
+        # counted on the device too: a collective on device memory stages through it
+        ar = f.op((exchange[0], i), exchange[0], i, st.to_host(i), "net", exchange[1],
+                  b.param_bytes, after=(to_host,))
+        f.buffer(f"artmp.{i}", i, b.param_bytes, ar, ar)
+        after += (ar,)
+    if training.clip:  # after every gradient of the step (see [Note: clipping])
+        after = (("stage_end", st.update - 1),) + after[1:]
+    step_stage = st.update if training.clip else st.to_host(i)
+    step = f.op(("host_step", i), "host_step", i, step_stage, "host",
+                b.host_step_s / problem.world_size if sharded else b.host_step_s,
+                after=after)
+    if problem.host_temps_on_device:  # see memory.host_temp_bytes
+        f.buffer(f"{HOST_TEMP}{i}", i, b.step_temp_bytes, step, step)
+    updated = step
+    if sharded:
+        updated = f.op(("all_gather", i), "all_gather", i, step_stage, "net",
+                       b.all_gather_s, b.param_bytes, after=(step,))
+    if c.weights == "resident":
+        f.op(("upload", i), "upload", i, st.update, "h2d", problem.h2d_s(b.param_bytes),
+             b.param_bytes, uses=(resident_weights(i),), after=(updated,))
+    add_host_state(f, problem, b, sharded, reduce_on_host)
 
 
 def _stream_weights(f: Fragment, problem: Problem, st: Stages, owner: int, user: int,

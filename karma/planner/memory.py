@@ -4,7 +4,7 @@ A buffer counts in every stage from the one of the op that allocates it to the o
 that frees it (`buffer_spans`); host step temporaries count as [Note: host step temporaries]
 says. `stage_memory` sums them for a plan; the ILP's memory constraint (formulation.py) sums
 the same spans over its one-hot choices, and the schedule checker walks the same bound
-(schedule_check.walk_peak_bytes).
+(schedule_replay.walk_peak_bytes).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def host_temp_bytes(f: Fragment) -> int:
     the host (to_host(i)) and may run on through any later stage. So the stage model counts,
     in each stage from to_host(i) on, the largest temporary among the blocks whose host step
     may have started (host_temp_by_stage), rather than each in its own stage. With
-    clipping the host steps run on into the next iteration's forward (the runtime overlaps
+    clipping the host steps run on into the next step's forward (the runtime overlaps
     them: runtime/update.py, [Note: updates overlapped with the next forward]), so the largest of
     them counts in every stage."""
     return max((b.bytes for b in f.buffers if b.name.startswith(HOST_TEMP)), default=0)

@@ -37,7 +37,9 @@ class PlanOptions:
 
     gpu_mem: int | str | None = None  # device memory budget (--gpu-mem); bytes, or "16G"
     hardware: str | Hardware = "v100-16g"  # a built-in profile, a karma-profile file (--hardware)
-    batch_size: int | None = None  # samples per step and rank (--batch-size); None: the file's
+    # samples per step and rank (--batch-size); None: the model file's; max or best (one of
+    # BATCH_CHOICES): searched, the largest that fits or the one of most samples per second
+    batch_size: int | str | None = None
     world_size: int = 1  # ranks (--world-size)
     nproc_per_node: int | None = None  # ranks per node (--nproc-per-node); None: the profile's
     host_mem: int | str | None = None  # the node's host memory (--host-mem); None: the profile's
@@ -63,9 +65,10 @@ class PlanOptions:
         if self.host_mem is not None:
             _set(self, "host_mem", _size(self.host_mem, "the node's host memory", "host_mem",
                                          "--host-mem", "384G"))
-        if self.batch_size is not None and not _whole(self.batch_size):
+        if self.batch_size is not None and not _whole(self.batch_size) \
+                and self.batch_size not in BATCH_CHOICES:
             raise KarmaError(f"batch_size {self.batch_size!r} (--batch-size) must be a whole "
-                             "number of samples, 1 or more, e.g. 8")
+                             "number of samples, 1 or more (e.g. 8), or max or best")
         if self.strategy not in STRATEGIES:
             raise KarmaError(f"strategy {self.strategy!r} (--strategy) is not a strategy; use "
                              f"one of {', '.join(STRATEGIES)}")
@@ -91,6 +94,11 @@ class PlanOptions:
         if self.gpu_mem is None:
             raise KarmaError("--gpu-mem is required to plan, e.g. --gpu-mem 16G (or use "
                              "--print-ir to see the block graph)")
+
+    @property
+    def searches_batch(self) -> bool:
+        """Whether the batch is to be searched (max or best)."""
+        return self.batch_size in BATCH_CHOICES
 
     @property
     def capacity_bytes(self) -> int:

@@ -12,7 +12,6 @@ ILP's plan, or a baseline's), then each pass of passes.PASSES.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from karma.ir.graph import ADAMW, BlockGraph, OptimizerProfile
 from karma.planner.hardware import dump_hardware
@@ -21,19 +20,10 @@ from karma.planner.lowering import Choice
 from karma.planner.options import PlanOptions
 from karma.planner.passes import PASSES, Planning
 from karma.planner.plan import Evaluation, InfeasiblePlan, Plan
-from karma.planner.problem import ESTIMATED, Measured, Problem
+from karma.planner.problem import ESTIMATED, Measured
+from karma.planner.report import PlanReport
 from karma.schedule import BlockEntry, ModelRef, Predicted, Schedule, TrainConfig
 from karma.units import format_bytes
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    problem: Problem
-    chosen: Evaluation
-    baselines: dict[str, Evaluation]
-    schedule: Schedule
-    single_rank_step_s: float  # the chosen plan on one rank (for scaling efficiency)
-    block_times: str = "roofline estimate"  # where the block times came from, for the summary
 
 
 def make_schedule(graph: BlockGraph, model: ModelRef, options: PlanOptions,
@@ -51,7 +41,7 @@ def make_schedule(graph: BlockGraph, model: ModelRef, options: PlanOptions,
     # the ideal: keep_all's time, its memory unlimited (see Predicted.ideal_s)
     schedule = schedule_from(graph, model, options, chosen, single,
                              ideal_s=p.baselines["keep_all"].step_s, measured=measured)
-    return PlanReport(p.problem, chosen, p.baselines, schedule, single)
+    return PlanReport(p.problem, chosen, p.baselines, schedule, single, options.profile.name)
 
 
 def first_choice(p: Planning) -> Evaluation:

@@ -110,7 +110,7 @@ class Problem:
     blocks: tuple[BlockCost, ...]
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
-    input_bytes: int  # one batch of model inputs, resident all iteration
+    input_bytes: int  # one batch of model inputs, resident all step
     loss_act_bytes: int  # what the loss saves (logits' log-softmax and the like)
     loss_s: float
     host_mem_bytes: int  # the node's, shared by its nproc_per_node ranks
@@ -232,18 +232,7 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
     in_bytes = [0] * len(graph.blocks)
     for e in graph.edges:
         in_bytes[e.dst] += e.bytes
-    shared_saved, shared_made, held_in = ([0] * len(graph.blocks) for _ in range(3))
-    held: dict[tuple[int, int, int], int] = {}
-    for sh in graph.shared_saved:
-        for r in sh.readers:
-            shared_saved[r] += sh.bytes
-            shared_made[r] += sh.bytes if sh.producer == r else 0
-            # a block saves what another block made only if it is one of its inputs
-            held_in[r] += sh.bytes if 0 <= sh.producer < r else 0
-        if sh.producer >= 0:  # the model's inputs are resident anyway (Problem.input_bytes)
-            key = (sh.producer, sh.readers[0], sh.readers[1])
-            held[key] = held.get(key, 0) + sh.bytes
-
+    shared_saved, shared_made, held_in, held = _shared_saved(graph)
     blocks = tuple(
         replace(_block_cost(b, i, shared_saved[i], hw, dtype, world_size, optimizer, measured),
                 in_bytes=in_bytes[i], shared_made_bytes=shared_made[i],
@@ -273,6 +262,25 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         nproc_per_node=nproc_per_node,
         host_state=host_state,
     )
+
+
+def _shared_saved(graph: BlockGraph) -> tuple[list[int], list[int], list[int],
+                                               dict[tuple[int, int, int], int]]:
+    """Per block, the saved bytes it shares with other blocks (or the batch), those of them
+    it made, and those made by an earlier block that it takes in; and the held tensors'
+    bytes by (maker, first reader, next reader): see HeldSaved."""
+    shared_saved, shared_made, held_in = ([0] * len(graph.blocks) for _ in range(3))
+    held: dict[tuple[int, int, int], int] = {}
+    for sh in graph.shared_saved:
+        for r in sh.readers:
+            shared_saved[r] += sh.bytes
+            shared_made[r] += sh.bytes if sh.producer == r else 0
+            # a block saves what another block made only if it is one of its inputs
+            held_in[r] += sh.bytes if 0 <= sh.producer < r else 0
+        if sh.producer >= 0:  # the model's inputs are resident anyway (Problem.input_bytes)
+            key = (sh.producer, sh.readers[0], sh.readers[1])
+            held[key] = held.get(key, 0) + sh.bytes
+    return shared_saved, shared_made, held_in, held
 
 
 def _block_cost(b: Block, i: int, shared_saved_bytes: int, hw: Hardware, dtype: str,

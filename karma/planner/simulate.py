@@ -1,4 +1,4 @@
-"""The performance model: an event simulation of one iteration of a schedule's operations.
+"""The performance model: an event simulation of one step of a schedule's operations.
 
 Each stream runs its operations in order; an operation starts when its stream is free and its
 dependencies have finished, and lasts its predicted duration, or longer where streams
@@ -11,7 +11,7 @@ An optimizer step of `accumulate` micro-batches replays the op list that many ti
 first accumulate-1 without the ops of LAST_MICRO_BATCH_KINDS (see [Note: accumulation] in lowering.py):
 the step takes (accumulate-1) replays without them plus one full replay, each simulated.
 With clipping, the updates run after the whole backward; `overlapped_step_s` is what
-an iteration would take if they overlapped the next iteration's forward instead (see
+a step would take if they overlapped the next step's forward instead (see
 overlapped_step_s below).
 """
 
@@ -146,7 +146,7 @@ class SimResult:
     @property
     def step_s(self) -> float:
         """One optimizer step as the runtime runs it: with clipping the host updates overlap
-        the next iteration's forward (runtime/update.py, [Note: updates overlapped with the next
+        the next step's forward (runtime/update.py, [Note: updates overlapped with the next
         forward]), so the overlapped figure; else serial_step_s."""
         overlapped = self.overlapped_step_s
         return overlapped if overlapped is not None else self.serial_step_s
@@ -291,11 +291,11 @@ def _without_step(ops: Sequence[Op]) -> list[Op]:
 def overlapped_step_s(ops: Sequence[Op], accumulate: int = 1,
                            contention: Contention = INDEPENDENT) -> float:
     """[Note: updates under the next forward] The step time if host steps and uploads ran
-    while the next iteration's forward does, each done before its block's weights are next
+    while the next step's forward does, each done before its block's weights are next
     read: a fetch of block o's weights waits for o's host step, the first op reading o's
     resident weights for o's upload (issued on h2d just before that op).
 
-    Two iterations are simulated back to back: the first without its updates, then the
+    Two steps are simulated back to back: the first without its updates, then the
     second (a micro-batch that does not step when accumulate > 1) with the first's updates
     interleaved as above. The second starts where the first's other work ends (E1) and the
     state at that point repeats every step, so one step takes E2 - E1 (E2: where the
@@ -308,12 +308,12 @@ def overlapped_step_s(ops: Sequence[Op], accumulate: int = 1,
         merged.append(replace(op, id=len(merged), deps=tuple(sorted(set(deps)))))
         return len(merged) - 1
 
-    first: dict[int, int] = {}  # id in `ops` -> id in `merged`, for the first iteration
+    first: dict[int, int] = {}  # id in `ops` -> id in `merged`, for the first step
     for op in ops:
         if op.kind not in DEFERRED_KINDS:
             first[op.id] = add(op, (first[d] for d in op.deps if d in first))
     e1 = max(_times(merged, contention)[1], default=0.0)
-    # the second iteration starts when the first's work (its updates aside) is done
+    # the second step starts when the first's work (its updates aside) is done
     last = {op.stream: k for k, op in enumerate(merged)}
     host_step: dict[int, int] = {}
     for op in ops:  # a block's host step, then (sharded) its all-gather: the last updates
