@@ -38,6 +38,7 @@ from karma.schedule import (
     TrainConfig,
 )
 from karma.schedule_check import validate
+from karma.yamltext import yaml_value
 
 _FIX = "re-plan with karma-plan to write a valid schedule"
 
@@ -146,15 +147,11 @@ _Check = Callable[[object, str], object]  # (value, key path) -> the value as th
 
 def _show(v: object) -> str:
     """A value as the YAML file spells it, for messages."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
     if isinstance(v, dict):
         return "a mapping"
     if isinstance(v, list):
         return "a list"
-    return repr(v)
+    return yaml_value(v) if v is None or isinstance(v, bool) else repr(v)
 
 
 def _join(path: str, key: str) -> str:

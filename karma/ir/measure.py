@@ -163,8 +163,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):
-            storage = t.untyped_storage()
+        for storage in _storages(out):
             if storage not in self._seen:
                 nbytes = storage.nbytes()
                 self._seen[storage] = weakref.ref(storage, partial(self._freed, nbytes))
@@ -275,11 +274,15 @@ class _MadeBy(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):
-            storage = t.untyped_storage()
+        for storage in _storages(out):
             if storage not in self.made_by:
                 self.made_by[storage] = self.block
         return out
+
+
+def _storages(value) -> list[torch.UntypedStorage]:
+    """The storages of the tensors in an op's output."""
+    return [t.untyped_storage() for t in _tensors(value)]
 
 
 def _tensors(value) -> list[torch.Tensor]:

@@ -30,15 +30,9 @@ from typing import NamedTuple
 
 import pulp
 
+from karma.planner import lowering
 from karma.planner.fragment import Fragment
-from karma.planner.lowering import (
-    Choice,
-    Stages,
-    Training,
-    common_fragment,
-    fragment,
-    valid_choices,
-)
+from karma.planner.lowering import Choice, Stages, Training
 from karma.planner.memory import buffer_spans, host_temp_bytes, host_temp_first_stage
 from karma.planner.problem import Problem
 from karma.schedule import LAST_MICRO_BATCH_KINDS, is_barrier
@@ -145,8 +139,8 @@ def formulate(problem: Problem, limits: Limits, training: Training,
     n = len(problem.blocks)
     st = Stages(n, problem.world_size)
     # copies one stage ahead here; a pass after the solve considers two (prefetch.py)
-    options = {i: [c for c in valid_choices(problem, i) if c.ahead == 1] for i in range(n)}
-    frags = {(i, c): fragment(problem, i, c, training) for i in range(n) for c in options[i]}
+    options = {i: [c for c in lowering.valid_choices(problem, i) if c.ahead == 1] for i in range(n)}
+    frags = {(i, c): lowering.fragment(problem, i, c, training) for i in range(n) for c in options[i]}
     micro = training.accumulate > 1
     temps = any(host_temp_bytes(f) > 0 for f in frags.values())
     lp = pulp.LpProblem("karma_plan", pulp.LpMinimize)
@@ -156,7 +150,7 @@ def formulate(problem: Problem, limits: Limits, training: Training,
 
     f = Formulation(
         problem, limits, training, minimize_capacity, st, options, frags,
-        common_fragment(problem), lp,
+        lowering.common_fragment(problem), lp,
         x={(i, c): lp.add_variable(f"x_{i}_{_tag(c)}", cat="Binary")
            for i in range(n) for c in options[i]},
         t=variables("t", st.update),
