@@ -23,6 +23,7 @@ import torch
 from karma.modelfile import ModelFile, load_model_file, map_targets
 from karma.runtime.host import data_bytes, private_bytes
 from karma.runtime.peak import PrivatePeak
+from karma.schedule import DTYPES
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,7 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=1,
                    help="average the gradients of this many ranks' batches, in one process")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--dtype", default="fp32", choices=DTYPES)
     p.add_argument("--accumulate", type=int, default=1, metavar="N")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X")
     p.add_argument("--cap-device-memory", default=None, metavar="SIZE",
