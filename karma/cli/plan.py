@@ -143,6 +143,9 @@ def _print_ir(args: argparse.Namespace, options: PlanOptions) -> int:
     from karma.ir.build import build_block_graph
     from karma.modelfile import load_model_file
 
+    if options.searches_batch:
+        raise KarmaError(f"--print-ir prints the block graph at one batch size: give a number "
+                         f"for --batch-size, not {options.batch_size}")
     mf = load_model_file(args.model)
     graph = build_block_graph(mf, options.batch_size, options.blocks, model_name=args.model,
                               dtype=options.dtype)
