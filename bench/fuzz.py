@@ -12,7 +12,7 @@ as karma-run would: refused (exit 2: by validation, or when run), ran bitwise eq
 PyTorch, or a bug (an internal error, a result not bitwise equal, a hang past --timeout).
 Prints the counts per base and in total, and the mutations behind every bug (the exit
 status is 1 if there is any). With --chaos SEED the runs pause at random around every
-operation (KARMA_CHAOS, karma/runtime/chaos.py), so that a dependency a mutant dropped shows
+operation (KARMA_CHAOS, karma/runtime/replay/chaos.py), so that a dependency a mutant dropped shows
 as a race more often. `make test` runs a few hundred of the same (tests/test_fuzz.py).
 """
 

@@ -52,7 +52,7 @@ summary="$OUT/summary.md"
     echo
     nvidia-smi -L
     $PY -c "import torch, torch.distributed as d; print('torch', torch.__version__, torch.cuda.get_device_name(), 'nccl', d.is_nccl_available() and torch.cuda.nccl.version())"
-    $PY -c "import torch; from karma.runtime.cuda_backend import CudaBackend; CudaBackend(); torch.empty(1 << 20, device='cuda'); print('expandable segments after CudaBackend():', all(s['is_expandable'] for s in torch.cuda.memory_snapshot()))"
+    $PY -c "import torch; from karma.runtime.backends.cuda_backend import CudaBackend; CudaBackend(); torch.empty(1 << 20, device='cuda'); print('expandable segments after CudaBackend():', all(s['is_expandable'] for s in torch.cuda.memory_snapshot()))"
 } 2>&1 | tee "$summary"
 
 echo -e "\n## tests/test_gpu.py\n" >> "$summary"

@@ -53,7 +53,7 @@ def contender(mode: str, steps: int, batch_size: int, cap_bytes: int, device: st
     mf = load_model_file(ROOT / "examples" / "gpt.py")
     outside = 0
     if device == "cuda":  # the card emulated as karma-run --cap-device-memory does
-        from karma.runtime.cuda_backend import cap_device_memory
+        from karma.runtime.backends.cuda_backend import cap_device_memory
 
         outside = cap_device_memory(cap_bytes).outside_bytes
     torch.manual_seed(0)

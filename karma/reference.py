@@ -21,8 +21,8 @@ from functools import partial
 import torch
 
 from karma.modelfile import ModelFile, load_model_file, map_targets
-from karma.runtime.host import data_bytes, private_bytes
-from karma.runtime.peak import PrivatePeak
+from karma.runtime.host.peak import PrivatePeak
+from karma.runtime.host.tier import data_bytes, private_bytes
 from karma.schedule import DTYPES
 
 
@@ -206,12 +206,12 @@ class HostStepped:
     CPU optimizer made by the model file's make_optimizer steps the masters (per parameter,
     as each block's optimizer does: the same bits whatever the grouping), and the device
     weights are copied from them. With clipping, each gradient's norm is taken where karma
-    takes it (runtime/update.py, Updates._grads_to_host_with_norms): on the device before
+    takes it (runtime/replay/update.py, Updates._grads_to_host_with_norms): on the device before
     the copy, or on the CPU for a gradient summed there over micro-batches; the total and the
     scaling are PyTorch's get_total_norm and clip_grads_with_norm_ over the same list, as
     GradClip does. The hyperparameters of the plain optimizer's param group k (an LR
-    schedule's) are copied into the CPU optimizer's before each step, as lr.py does for each
-    block.
+    schedule's) are copied into the CPU optimizer's before each step, as runtime/params/lr.py
+    does for each block.
     """
 
     def __init__(self, model: torch.nn.Module, make_optimizer, names: Collection[str]):
@@ -278,14 +278,14 @@ def main() -> None:
                    help="on CUDA: emulate a GPU of SIZE, as karma-run --cap-device-memory does")
     args = p.parse_args()
     if args.cap_device_memory is not None:
-        from karma.runtime.cuda_backend import cap_device_memory
+        from karma.runtime.backends.cuda_backend import cap_device_memory
         from karma.units import parse_size
 
         cap_device_memory(parse_size(args.cap_device_memory, "--cap-device-memory"))
     mf = load_model_file(args.model)
     mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])  # import-time costs, as karma-run
     baseline, baseline_data = private_bytes(), data_bytes()
-    meter = PrivatePeak(baseline)  # as karma-run measures its peak (runtime/peak.py)
+    meter = PrivatePeak(baseline)  # as karma-run measures its peak (runtime/host/peak.py)
     stamps = [time.perf_counter()]
     meter.start()
     try:

@@ -6,10 +6,10 @@
 
 A trace file is JSON: a header (the schedule's fingerprint, the model, the backend, the
 step) and one row per op: its stream and its start and end in seconds since the
-replay's start (runtime/tracing.py records them): the step's replay, or with --accumulate N
+replay's start (runtime/replay/tracing.py records them): the step's replay, or with --accumulate N
 its last micro-batch's, the one that steps, as karma-inspect --plot shows. `waits` are the
 intervals in which the compute thread waited for another stream, each blamed on one
-(runtime/streams.py, [Note: which stream a wait is blamed on]).
+(runtime/replay/streams.py, [Note: which stream a wait is blamed on]).
 
 `chrome_trace` writes the Chrome trace event format that Perfetto (ui.perfetto.dev) and
 chrome://tracing open, as torch.profiler's export_chrome_trace does: the plan and the

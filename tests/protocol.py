@@ -5,7 +5,7 @@ that was never recorded does not wait at all, memory released before its copy ha
 is corrupted, and a collective whose stream was never ordered after the gradients' event
 all-reduces whatever the buffer held. All of it silently. `CheckingBackend` runs a schedule
 on the CPU and records the first call that would be wrong on CUDA, against the rules of the
-`Backend` protocol (karma/runtime/backend.py):
+`Backend` protocol (karma/runtime/backends/backend.py):
 
 - `order_after(deps, ...)`: every dependency has been issued (its event recorded);
 - `release_after(op, ...)`: the op has been issued; the release is then held, as on a GPU
@@ -34,7 +34,7 @@ import threading
 
 import torch
 
-from karma.runtime.backend import CpuBackend
+from karma.runtime.backends.backend import CpuBackend
 from karma.schedule import BARRIER_STREAMS, EXCHANGE_KINDS, Schedule
 
 

@@ -43,7 +43,7 @@ from karma.planner.options import PlanOptions
 from karma.planner.pipeline import schedule_from
 from karma.planner.plan import Plan, evaluate
 from karma.planner.problem import build_problem
-from karma.runtime.export import model_state_dict
+from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.loop import RunOptions, open_model_file, train
 from karma.schedule import (
     ACT_CHOICES,

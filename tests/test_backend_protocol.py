@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from karma.runtime.cuda_backend import CudaBackend, allocator_settings
-from karma.runtime.distributed import Ranks
+from karma.runtime.backends.cuda_backend import CudaBackend, allocator_settings
+from karma.runtime.distributed.process_group import Ranks
 from tests.matrix import MODELS, STRATEGIES, cells
 from tests.protocol import CheckingBackend
 from tests.runtime_helpers import load_small, plan, run
@@ -38,9 +38,10 @@ def two_ranks_in_one_process(monkeypatch, schedule) -> CheckingBackend:
     collective leaves its buffer as it is (protocol only, no numbers checked)."""
     ranks = Ranks(rank=0, world_size=2, owns_group=False, net=None, dist_backend="gloo")
     for name in ("barrier", "agree", "leave"):
-        monkeypatch.setattr(f"karma.runtime.distributed.{name}", lambda *a, **k: None)
-    monkeypatch.setattr("karma.runtime.distributed.join", lambda *a, **k: ranks)
-    monkeypatch.setattr("karma.runtime.distributed.gather", lambda ranks, value, where: [value])
+        monkeypatch.setattr(f"karma.runtime.distributed.process_group.{name}", lambda *a, **k: None)
+    monkeypatch.setattr("karma.runtime.distributed.process_group.join", lambda *a, **k: ranks)
+    monkeypatch.setattr("karma.runtime.distributed.process_group.gather",
+                        lambda ranks, value, where: [value])
     backend = CheckingBackend(schedule, fake_collective=True)
     monkeypatch.setattr("karma.runtime.runtime.make_backend", lambda kind: backend)
     return backend
@@ -76,7 +77,7 @@ def test_a_misplaced_collective_is_caught(gpt_two_ranks, monkeypatch):
     broken = misplace_allreduce(gpt_two_ranks, block)
     # the validator refuses such a schedule before it runs; the checker is the second line,
     # for an engine that would misplace it by itself
-    monkeypatch.setattr("karma.runtime.engine.validate", lambda schedule: None)
+    monkeypatch.setattr("karma.runtime.replay.engine.validate", lambda schedule: None)
     run(broken, load_small("gpt"), 1)
     caught = [v for v in backend.violations if "before its gradients' event" in v]
     assert caught and f"all-reduce of block {block})" in caught[0], backend.violations[:5]
@@ -85,7 +86,7 @@ def test_a_misplaced_collective_is_caught(gpt_two_ranks, monkeypatch):
 def test_an_exchange_that_frees_its_own_buffer_is_caught(gpt_two_ranks, monkeypatch):
     """A release that does not wait for the all-reduce's event: on CUDA the buffer could be
     reused while the collective still reads it."""
-    from karma.runtime.exchange import GradientExchange
+    from karma.runtime.distributed.exchange import GradientExchange
 
     reduce = GradientExchange.reduce
 

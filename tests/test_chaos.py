@@ -1,4 +1,4 @@
-"""Chaos timing (KARMA_CHAOS, karma/runtime/chaos.py): the streams' ordering protocol holds
+"""Chaos timing (KARMA_CHAOS, karma/runtime/replay/chaos.py): the streams' ordering protocol holds
 under random pauses around every operation and hand-off, and the pauses do catch a missing
 wait ([Note: chaos timing]).
 
@@ -24,8 +24,8 @@ import torch
 
 from karma.errors import KarmaError
 from karma.reference import train_reference
-from karma.runtime.chaos import Chaos
-from karma.runtime.export import model_state_dict
+from karma.runtime.checkpoints.export import model_state_dict
+from karma.runtime.replay.chaos import Chaos
 from tests.matrix import strategy_cells
 from tests.runtime_helpers import (
     assert_bitwise_equal,
@@ -234,7 +234,7 @@ def test_a_missing_wait_is_caught_under_chaos(gpt_reference, tmp_path, monkeypat
     broken = without_wait(plan(mf, "offload_all", 1.0), "host_step", on="grads_to_host")
     with pytest.raises(KarmaError, match="rule: dependencies"):  # what a user's run would see
         run(broken, mf, STEPS, checkpoint_dir=tmp_path / "checked")
-    monkeypatch.setattr("karma.runtime.engine.validate", lambda schedule: None)  # to run it
+    monkeypatch.setattr("karma.runtime.replay.engine.validate", lambda schedule: None)  # to run it
     caught = []
     for seed in SEEDS:
         monkeypatch.setenv("KARMA_CHAOS", f"{seed}:20")
@@ -263,11 +263,11 @@ def test_each_rank_pauses_differently(monkeypatch):
     """The ranks' threads have the same names; without the rank in the seed every rank would
     pause in step with the others."""
     def pauses(rank: int) -> list[float]:
-        monkeypatch.setattr("karma.runtime.chaos._rank", lambda: rank)
+        monkeypatch.setattr("karma.runtime.replay.chaos._rank", lambda: rank)
         chaos = Chaos(1, 0.02)
         slept: list[float] = []
         with monkeypatch.context() as m:  # the pauses, recorded instead of slept
-            m.setattr("karma.runtime.chaos.time", SimpleNamespace(sleep=slept.append))
+            m.setattr("karma.runtime.replay.chaos.time", SimpleNamespace(sleep=slept.append))
             for _ in range(20):
                 chaos.pause()
         return slept

@@ -14,8 +14,8 @@ import torch
 
 from karma.cli.export import main as export_main
 from karma.cli.run import main as run_main
-from karma.runtime.dcp_state import consolidated_optimizer
-from karma.runtime.export import model_state_dict
+from karma.runtime.checkpoints.dcp_state import consolidated_optimizer
+from karma.runtime.checkpoints.export import model_state_dict
 from karma.schedule import dump_schedule
 from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, run
 
@@ -132,14 +132,14 @@ def test_a_run_killed_while_saving_resumes_from_the_checkpoint_before(trained, t
     import subprocess
     import sys
 
-    from karma.runtime.checkpoint import latest_checkpoint
+    from karma.runtime.checkpoints.checkpoint import latest_checkpoint
     from tests.conftest import ROOT
 
     _, schedule, _ = trained
     ckpt = tmp_path / "killed"
     dies = (
         "import os, signal, sys\n"
-        "import karma.runtime.dcp_state as d\n"
+        "import karma.runtime.checkpoints.dcp_state as d\n"
         "real = d.save\n"
         "def save(model, engine, ranks, directory, standalone):\n"
         "    real(model, engine, ranks, directory, standalone)\n"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from karma.cli.run import main
-from karma.runtime.export import model_state_dict
+from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.loop import open_model_file
 from karma.schedule import dump_schedule
 from karma.schedule_load import load_schedule

@@ -1,4 +1,5 @@
-"""The CPU backend's caching allocator (karma/runtime/cpu_cache.py): reuse, its limit, forks."""
+"""The CPU backend's caching allocator (karma/runtime/host/cpu_cache.py): reuse, its limit,
+forks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from karma.runtime import cpu_cache
+from karma.runtime.host import cpu_cache
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="no C++ compiler to build the allocator with")
@@ -197,7 +198,11 @@ def test_the_first_step_keeps_a_reserve_for_what_the_process_grows():
     start) only STEP_RESERVE_BYTES less."""
     from types import SimpleNamespace
 
-    from karma.runtime.cpu_cache import FIRST_STEP_RESERVE_BYTES, STEP_RESERVE_BYTES, PlannedBound
+    from karma.runtime.host.cpu_cache import (
+        FIRST_STEP_RESERVE_BYTES,
+        STEP_RESERVE_BYTES,
+        PlannedBound,
+    )
 
     limits = []
     stats = SimpleNamespace(live_bytes=0, idle_bytes=0)

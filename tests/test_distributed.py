@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from karma.reference import train_reference
-from karma.runtime.checkpoint import latest_checkpoint
+from karma.runtime.checkpoints.checkpoint import latest_checkpoint
 from karma.schedule import EXCHANGE_KINDS, dump_schedule
 from tests.dist_helpers import ROOT, finish, free_port, start_ranks, wait_for_line
 from tests.matrix import MODELS, OPTIONS, STRATEGIES, cell_id, cells
@@ -590,7 +590,7 @@ def test_torchrun_launches_karma_run(gpt_two_ranks, tmp_path):
 
 
 def test_hidden_time_is_the_all_reduce_outside_compute_waits():
-    from karma.runtime.exchange import hidden_s
+    from karma.runtime.distributed.exchange import hidden_s
 
     calls = [(0.0, 4.0), (10.0, 12.0)]
     assert hidden_s(calls, []) == 6.0  # compute never waited: all of it hidden
@@ -603,7 +603,7 @@ def test_hidden_time_is_the_all_reduce_outside_compute_waits():
 
 def test_the_collective_backend_defaults_to_nccl_on_cuda_and_gloo_on_the_cpu():
     from karma.errors import KarmaError
-    from karma.runtime.distributed import choose_backend
+    from karma.runtime.distributed.process_group import choose_backend
 
     assert choose_backend(None, "cuda") == "nccl" and choose_backend(None, "cpu") == "gloo"
     assert choose_backend("gloo", "cuda") == "gloo"
@@ -613,7 +613,7 @@ def test_the_collective_backend_defaults_to_nccl_on_cuda_and_gloo_on_the_cpu():
 
 def test_ranks_beyond_the_gpus_share_them_and_the_gpus_shared_are_found():
     from karma.runtime.bringup import local_device_index
-    from karma.runtime.distributed import shared_gpus
+    from karma.runtime.distributed.process_group import shared_gpus
 
     assert local_device_index({}, 4, current=2) == 2  # no torchrun: the current device
     assert [local_device_index({"LOCAL_RANK": str(r)}, 1, 0) for r in range(2)] == [0, 0]
@@ -625,11 +625,11 @@ def test_ranks_beyond_the_gpus_share_them_and_the_gpus_shared_are_found():
 CHECK_GPUS = """
 import os, sys, torch.distributed as dist
 from karma.errors import KarmaError
-from karma.runtime import distributed
+from karma.runtime.distributed import process_group
 dist.init_process_group("gloo")
-ranks = distributed.Ranks(dist.get_rank(), 2, True, None)
+ranks = process_group.Ranks(dist.get_rank(), 2, True, None)
 try:
-    distributed._check_own_gpus(ranks, sys.argv[1 + dist.get_rank()])
+    process_group._check_own_gpus(ranks, sys.argv[1 + dist.get_rank()])
     print("ok")
 except KarmaError as e:
     print(e)

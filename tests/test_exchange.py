@@ -11,10 +11,10 @@ import threading
 
 import torch
 
-from karma.runtime.backend import CpuBackend
-from karma.runtime.cuda_backend import CudaBackend
-from karma.runtime.distributed import Ranks
-from karma.runtime.exchange import GradientExchange
+from karma.runtime.backends.backend import CpuBackend
+from karma.runtime.backends.cuda_backend import CudaBackend
+from karma.runtime.distributed.exchange import GradientExchange
+from karma.runtime.distributed.process_group import Ranks
 
 RANKS = Ranks(rank=0, world_size=2, owns_group=False, net=None, dist_backend="gloo")
 

@@ -18,14 +18,14 @@ import threading
 import pytest
 import torch
 
-import karma.runtime.checkpoint
-import karma.runtime.host
+import karma.runtime.checkpoints.checkpoint
+import karma.runtime.host.tier
 import karma.runtime.loop
 from karma.cli.run import main
 from karma.errors import KarmaError
-from karma.runtime.checkpoint import latest_checkpoint
-from karma.runtime.export import model_state_dict
-from karma.runtime.host import HostPool
+from karma.runtime.checkpoints.checkpoint import latest_checkpoint
+from karma.runtime.checkpoints.export import model_state_dict
+from karma.runtime.host.tier import HostPool
 from karma.schedule import dump_schedule
 from tests.conftest import ROOT
 from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, reference_train
@@ -78,7 +78,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_resume_is_exact(
         return real_open(path, mode, *args, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(karma.runtime.checkpoint, "open", open_on_a_full_disk, raising=False)
+        m.setattr(karma.runtime.checkpoints.checkpoint, "open", open_on_a_full_disk, raising=False)
         code, out, err = run_main(capsys, schedule_path, "--steps", 3, "--checkpoint-every", 1,
                                   "--checkpoint-dir", ckpt)
     assert_stopped_with(code, err, f"cannot write checkpoint {ckpt / 'step_2'}: No space left "
@@ -148,7 +148,7 @@ def test_a_tier_that_cannot_grow_names_its_file_and_what_to_free(tmp_path, monke
     def full(fd, offset, length):
         raise NO_SPACE
 
-    monkeypatch.setattr(karma.runtime.host.os, "posix_fallocate", full)
+    monkeypatch.setattr(karma.runtime.host.tier.os, "posix_fallocate", full)
     with pytest.raises(KarmaError) as e:
         pool.empty((1 << 20,), torch.float32)  # 4 MiB: the pool grows
     assert str(e.value).startswith(f"cannot write the host tier's file {tmp_path}/karma-tier-")
@@ -178,7 +178,7 @@ def test_a_tier_that_cannot_grow_on_a_stream_stops_the_run_with_its_message(
         os.ftruncate(fd, offset + length)
 
     monkeypatch.setattr(HostPool, "_alloc", grow_on_streams)
-    monkeypatch.setattr(karma.runtime.host.os, "posix_fallocate", full)
+    monkeypatch.setattr(karma.runtime.host.tier.os, "posix_fallocate", full)
     code, out, err = run_main(capsys, schedule_path, "--steps", 2)
     assert_stopped_with(code, err, "cannot write the host tier's file ")
     assert "No space left on device" in err and "operation" not in err

@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from karma.runtime.export import model_state_dict
+from karma.runtime.checkpoints.export import model_state_dict
 from karma.schedule_load import load_schedule
 from tests import schedule_fuzz
 from tests.conftest import ROOT
@@ -59,7 +59,7 @@ def base_of(case) -> Base:
 
 @pytest.fixture
 def chaos(monkeypatch):
-    """The runs under chaos timing (karma/runtime/chaos.py): a dependency a mutant dropped
+    """The runs under chaos timing (karma/runtime/replay/chaos.py): a dependency a mutant dropped
     shows as a race more often than on this machine's own timing. About 5 s more."""
     monkeypatch.setenv("KARMA_CHAOS", "1")
 

@@ -33,9 +33,9 @@ import pytest
 import torch
 
 from karma.reference import train_reference
-from karma.runtime.cuda_backend import CudaBackend
-from karma.runtime.swap import SwapStore
-from karma.runtime.weights import SharedStorage
+from karma.runtime.backends.cuda_backend import CudaBackend
+from karma.runtime.params.weights import SharedStorage
+from karma.runtime.replay.swap import SwapStore
 from karma.schedule import dump_schedule
 from tests.conftest import EXAMPLES
 from tests.dist_helpers import finish, start_ranks

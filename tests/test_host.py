@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from karma.runtime.backend import CpuBackend
-from karma.runtime.host import ALIGN, BuildInTier, HostPool
-from karma.runtime.swap import SwapStore
+from karma.runtime.backends.backend import CpuBackend
+from karma.runtime.host.tier import ALIGN, BuildInTier, HostPool
+from karma.runtime.replay.swap import SwapStore
 
 
 def slot(t: torch.Tensor) -> tuple[int, int, int]:

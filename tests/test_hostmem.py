@@ -1,4 +1,4 @@
-"""Host memory checked at start (karma/runtime/hostmem.py): the decision on made-up numbers,
+"""Host memory checked at start (karma/runtime/host/check.py): the decision on made-up numbers,
 and what it reads from this machine."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from karma.fileio import filesystem_type
-from karma.runtime.hostmem import HostMemory, host_memory_problem, mem_available_bytes
+from karma.runtime.host.check import HostMemory, host_memory_problem, mem_available_bytes
 
 GIB = 1 << 30
 

@@ -8,7 +8,7 @@ import torch
 import karma
 from karma.cli.plan import main as plan_main
 from karma.cli.run import main as run_main
-from karma.runtime.export import model_state_dict
+from karma.runtime.checkpoints.export import model_state_dict
 from karma.schedule_load import load_schedule
 from tests.conftest import EXAMPLES, environment
 from tests.runtime_helpers import assert_bitwise_equal

@@ -1,5 +1,5 @@
 """Learning-rate schedules: the model file's make_scheduler(optimizer), one scheduler driving
-every block's optimizer (karma/runtime/lr.py), bitwise equal to the plain loop's
+every block's optimizer (karma/runtime/params/lr.py), bitwise equal to the plain loop's
 `opt.step(); sched.step()`, continued exactly by --resume.
 
 tests/models/mlp_schedule.py: warmup (factor 0 at step 0) then cosine, by LambdaLR; with
@@ -18,7 +18,7 @@ import karma
 from karma.cli.plan import main as plan_main
 from karma.cli.run import main as run_main
 from karma.reference import train_reference
-from karma.runtime.export import model_state_dict
+from karma.runtime.checkpoints.export import model_state_dict
 from tests.conftest import MODELS, environment
 from tests.matrix import ONE_BUDGET, strategy_cells
 from tests.runtime_helpers import (

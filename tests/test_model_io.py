@@ -25,7 +25,7 @@ from karma.modelfile import (
     load_model_file,
     output_tensors,
 )
-from karma.runtime.export import model_state_dict
+from karma.runtime.checkpoints.export import model_state_dict
 from tests.conftest import MODELS, environment
 from tests.matrix import ONE_BUDGET, strategy_cells
 from tests.runtime_helpers import (

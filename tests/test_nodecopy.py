@@ -1,4 +1,4 @@
-"""The node's copy of the weights (runtime/nodecopy.py) on CUDA, with the driver faked: pinned
+"""The node's copy of the weights (runtime/host/nodecopy.py) on CUDA, with the driver faked: pinned
 where it pins, unpinned with one warning where it refuses (as it refuses a shared mapping of a
 file on a disk's filesystem: [Note: the node's copy of the weights])."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from karma.runtime import nodecopy
-from karma.runtime.distributed import SINGLE
-from karma.runtime.nodecopy import NodeCopy
+from karma.runtime.distributed.process_group import SINGLE
+from karma.runtime.host import nodecopy
+from karma.runtime.host.nodecopy import NodeCopy
 
 
 class FakeDriver:

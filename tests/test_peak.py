@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from karma.runtime.host import private_bytes
-from karma.runtime.peak import PrivatePeak
+from karma.runtime.host.peak import PrivatePeak
+from karma.runtime.host.tier import private_bytes
 
 MIB = 1 << 20
 

@@ -17,11 +17,11 @@ from functools import cache
 import pytest
 import torch
 
-from karma.runtime.checkpoint import latest_checkpoint
-from karma.runtime.dcp_state import consolidated_optimizer
-from karma.runtime.export import model_state_dict
-from karma.runtime.host import ALIGN
-from karma.runtime.replay import DivergedError
+from karma.runtime.checkpoints.checkpoint import latest_checkpoint
+from karma.runtime.checkpoints.dcp_state import consolidated_optimizer
+from karma.runtime.checkpoints.export import model_state_dict
+from karma.runtime.host.tier import ALIGN
+from karma.runtime.replay.tables import DivergedError
 from tests.matrix import MODELS, STRATEGIES, cells, first_fast, strategy_cells
 from tests.runtime_helpers import (
     LAYERS_MODEL,
@@ -233,7 +233,7 @@ def test_a_checkpoint_of_host_weights_holds_only_the_weights_and_their_state(tmp
     # offload_all keeps every weight and AdamW's moments as views into the host tier's arena
     # (64 MiB or more); the checkpoint must hold their own bytes (three times the weights),
     # not the arena, and not via private clones (see [Note: saving views of the host tier]
-    # in karma/runtime/checkpoint.py).
+    # in karma/runtime/checkpoints/checkpoint.py).
     mf = load_small("gpt")
     run(plan(mf, "offload_all"), mf, 1, checkpoint_dir=tmp_path)
     param_bytes = sum(p.numel() * p.element_size() for p in mf.build_model().parameters())

@@ -14,8 +14,8 @@ import pytest
 from karma.cli.inspect import main as inspect_main
 from karma.cli.run import main as run_main
 from karma.planner.simulate import simulate
-from karma.runtime import cpu_cache
-from karma.runtime.streams import wait_for
+from karma.runtime.host import cpu_cache
+from karma.runtime.replay.streams import wait_for
 from karma.schedule import STREAMS, dump_schedule, schedule_sha256
 from karma.schedule_load import load_schedule
 from karma.timeline import (

@@ -17,7 +17,7 @@ from karma.cli.plan import main as plan_main
 from karma.cli.run import main as run_main
 from karma.errors import KarmaError
 from karma.reference import train_reference
-from karma.runtime.export import model_state_dict
+from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.runtime import Runtime
 from tests.conftest import EXAMPLES, SMALL_ENV
 from tests.matrix import FAST, MODELS, ONE_BUDGET, cell_id, first_fast, strategy_cells

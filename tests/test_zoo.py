@@ -10,7 +10,7 @@ import functools
 
 import pytest
 
-from karma.runtime.export import model_state_dict
+from karma.runtime.checkpoints.export import model_state_dict
 from tests.conftest import EXAMPLES
 from tests.runtime_helpers import (
     assert_bitwise_equal,

@@ -30,8 +30,8 @@ from karma.planner.hardware import (
     hardware_from_yaml,
     load_hardware,
 )
-from karma.runtime import cpu_cache
-from karma.runtime.host import return_freed_memory_promptly
+from karma.runtime.host import cpu_cache
+from karma.runtime.host.tier import return_freed_memory_promptly
 
 _RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
                 "host_optim_bytes_per_s",
@@ -66,9 +66,9 @@ def local_device(hardware: str | Hardware) -> str | None:
 @contextlib.contextmanager
 def allocating_as_the_runtime_does(device: str):
     """[Note: timing under the runtime's allocator] On the CPU backend the runtime returns
-    freed memory to the system promptly (runtime/host.py, [Note: glibc keeps freed memory])
+    freed memory to the system promptly (runtime/host/tier.py, [Note: glibc keeps freed memory])
     and keeps the tensors a step frees for the next step in its own cache ([Note: a caching
-    allocator for the CPU backend], runtime/cpu_cache.py). Timed under glibc's defaults, the
+    allocator for the CPU backend], runtime/host/cpu_cache.py). Timed under glibc's defaults, the
     blocks of GPT-2 small (sequence 64, batch 2) predicted 1.65 s for a keep_all step that
     took 2.44 s under the prompt return alone. So the machine and the blocks are measured as
     the runtime allocates: the glibc setting is process-wide and the one a karma.Runtime in

@@ -40,7 +40,7 @@ import torch
 from karma.errors import KarmaError
 from karma.fileio import tier_directory
 from karma.planner.hardware import Hardware
-from karma.runtime.hostmem import mem_available_bytes as meminfo_available_bytes
+from karma.runtime.host.check import mem_available_bytes as meminfo_available_bytes
 
 _GiB = 1024**3
 _MiB = 1024**2

@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from karma.runtime.export import export_checkpoint, resolve
+    from karma.runtime.checkpoints.export import export_checkpoint, resolve
 
     step_dir = resolve(Path(args.checkpoint))
     written = export_checkpoint(step_dir, args.output, optimizer=args.optimizer,

@@ -185,7 +185,7 @@ def user_error(e: BaseException) -> KarmaError | None:
     is a bug in karma (an internal error). KarmaErrors stand for themselves; a stream's
     KarmaError met outside a step (a checkpoint waits for the last updates) and running out
     of memory are the user's to fix too."""
-    from karma.runtime.streams import OpFailed
+    from karma.runtime.replay.streams import OpFailed
 
     if isinstance(e, KarmaError):
         return e

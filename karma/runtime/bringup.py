@@ -26,13 +26,16 @@ import torch
 from karma.errors import KarmaError
 from karma.fileio import tier_directory
 from karma.modelfile import ModelFile
-from karma.runtime import cpu_cache, distributed
-from karma.runtime.backend import Backend, CpuBackend
-from karma.runtime.cuda_backend import CudaBackend
-from karma.runtime.distributed import Ranks
-from karma.runtime.engine import Engine
-from karma.runtime.exchange import GradientExchange
-from karma.runtime.host import (
+from karma.runtime.backends.backend import Backend, CpuBackend
+from karma.runtime.backends.cuda_backend import CudaBackend
+from karma.runtime.distributed import process_group
+from karma.runtime.distributed.exchange import GradientExchange
+from karma.runtime.distributed.process_group import Ranks
+from karma.runtime.host import cpu_cache
+from karma.runtime.host.check import host_memory_problem, measure_host_memory
+from karma.runtime.host.nodecopy import NodeCopy, whole_bytes
+from karma.runtime.host.peak import DevicePeak, PrivatePeak
+from karma.runtime.host.tier import (
     BuildInTier,
     HostPool,
     data_bytes,
@@ -40,12 +43,10 @@ from karma.runtime.host import (
     private_bytes,
     return_freed_memory_promptly,
 )
-from karma.runtime.hostmem import host_memory_problem, measure_host_memory
-from karma.runtime.lr import LRSchedule
-from karma.runtime.nodecopy import NodeCopy, whole_bytes
-from karma.runtime.peak import DevicePeak, PrivatePeak
-from karma.runtime.shard import sharded_params
-from karma.runtime.training_options import GradClip, MixedPrecision
+from karma.runtime.params.lr import LRSchedule
+from karma.runtime.params.shard import sharded_params
+from karma.runtime.replay.engine import Engine
+from karma.runtime.replay.training_options import GradClip, MixedPrecision
 from karma.schedule import Schedule
 from karma.units import format_bytes
 
@@ -64,7 +65,7 @@ class Parts:
     exchange: GradientExchange | None  # on several ranks
     precision: MixedPrecision
     optimizer: BlockOptimizers
-    lr_schedule: LRSchedule | None  # the model file's make_scheduler, if any (lr.py)
+    lr_schedule: LRSchedule | None  # the model file's make_scheduler, if any (params/lr.py)
     cache_bound: cpu_cache.PlannedBound | None  # the CPU backend's cache, where it runs
     baseline_private_bytes: int  # before the model was built: what the peak is measured above
     baseline_data_bytes: int  # VmData then: the process's fixed cost under prlimit --data
@@ -79,7 +80,7 @@ class Parts:
     @property
     def host_optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers of host-stepped blocks, whose steps may run on into the next
-        iteration (update.py)."""
+        iteration (replay/update.py)."""
         return [w.optimizer for w in self.engine.weights
                 if w.optim == "host" and w.optimizer is not None]
 
@@ -123,7 +124,7 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
                     "(memory: a tmpfs)" if host_memory.tier_in_memory else
                     "(a file on disk, whose pages the kernel writes back: slower than a "
                     "tmpfs; set KARMA_TIER_DIR to one with room)"))
-        # on the CPU backend the model is built in the host tier (host.BuildInTier): its
+        # on the CPU backend the model is built in the host tier (host/tier.py, BuildInTier): its
         # weights need not fit in the memory the schedule allows
         tier = BuildInTier(pool, TIER_MIN_BYTES) if backend.name == "cpu" else None
         torch.manual_seed(seed)
@@ -135,7 +136,7 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
             named = dict(model.named_parameters(remove_duplicate=False))
             shapes = [(named[n].shape, named[n].dtype) for n in sharded_params(schedule)]
             pinned = backend.pool_kind == "pinned"
-            # pinned, in shared memory, where the driver can pin it (nodecopy.py)
+            # pinned, in shared memory, where the driver can pin it (host/nodecopy.py)
             node_dir = tier_directory() if pinned else host_memory.tier_dir
             node = NodeCopy(whole_bytes(shapes, ranks.world_size), ranks, node_dir, pinned,
                             timeout_s, log)
@@ -159,15 +160,15 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
         if bound is not None:
             bound.bound(0)
         # every rank has built its model (ranks that build slower than the timeout get longer)
-        distributed.barrier(ranks, "before the first step",
-                            timeout_s + time.perf_counter() - built)
+        process_group.barrier(ranks, "before the first step",
+                              timeout_s + time.perf_counter() - built)
         return Parts(model, engine, pool, meter, exchange, precision, optimizer, lr_schedule,
                      bound, baseline_private, baseline_data, stack.pop_all(), node)
 
 
 def _pool_bytes(schedule: Schedule) -> int:
     """The host tier a rank's pool starts with: the schedule's per-rank host bytes, less the
-    share of the node's copy of the weights the planner counted in them (nodecopy.py)."""
+    share of the node's copy of the weights the planner counted in them (host/nodecopy.py)."""
     c = schedule.config
     whole = sum(b.param_bytes for b in schedule.blocks if b.optim == "host") \
         if schedule.config.sharded else 0

@@ -15,14 +15,14 @@ import torch
 
 from karma.errors import KarmaError
 from karma.modelfile import ModelFile
-from karma.runtime import distributed
-from karma.runtime.checkpoint import (
+from karma.runtime.checkpoints.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from karma.runtime.engine import Engine
-from karma.runtime.exchange import hidden_s
+from karma.runtime.distributed import process_group
+from karma.runtime.distributed.exchange import hidden_s
+from karma.runtime.replay.engine import Engine
 from karma.runtime.runtime import Runtime, open_model_file
 from karma.schedule import Schedule
 from karma.timeline import write_trace
@@ -152,9 +152,9 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
             _checkpoint(rt, options, step)
     # the ranks stepped the same averaged gradients: their weights must be equal
     if ranks.world_size > 1:
-        distributed.agree(ranks, "parameters after the last step", _digest(rt.engine),
-                          "this is a bug in karma: please report it with the schedule")
-    rank_host = distributed.gather(ranks, rt.host_bytes, "comparing their host memory")
+        process_group.agree(ranks, "parameters after the last step", _digest(rt.engine),
+                            "this is a bug in karma: please report it with the schedule")
+    rank_host = process_group.gather(ranks, rt.host_bytes, "comparing their host memory")
     return dataclasses.replace(report, peak_device_bytes=rt.meter.peak, rank_host_bytes=rank_host,
                                **rt.meter.absolute())
 
@@ -163,8 +163,9 @@ def _resume(rt: Runtime, options: RunOptions, data) -> int:
     """Load the newest complete checkpoint, if any, and move the data on to where it
     stopped; the step it was taken after (0: none found)."""
     found = latest_checkpoint(options.checkpoint_dir) if options.checkpoint_dir else None
-    distributed.agree(rt.ranks, "checkpoint to resume from", found.name if found else "none",
-                      "all ranks must see the same --checkpoint-dir (a shared file system)")
+    process_group.agree(rt.ranks, "checkpoint to resume from",
+                        found.name if found else "none",
+                        "all ranks must see the same --checkpoint-dir (a shared file system)")
     if found is None:
         rt.log("resume: no complete checkpoint found; starting from step 0")
         return 0
@@ -213,13 +214,14 @@ def _evaluate(rt: Runtime, evals: list, step: int) -> dict:
 
 
 def _checkpoint(rt: Runtime, options: RunOptions, step: int) -> None:
-    """Every rank writes its part (checkpoint.py); rank 0 puts the checkpoint in place."""
+    """Every rank writes its part (checkpoints/checkpoint.py); rank 0 puts the checkpoint in
+    place."""
     path = save_checkpoint(options.checkpoint_dir, step, rt.model, rt.engine, rt.schedule,
                            rt.seed, rt.lr_schedule, rt.ranks, options.timeout_s)
     if rt.ranks.main:
         rt.log(f"checkpoint {path}")
-    distributed.barrier(rt.ranks, f"after the checkpoint of step {step}",
-                        options.timeout_s, distributed.CHECKPOINT_WAIT_S)
+    process_group.barrier(rt.ranks, f"after the checkpoint of step {step}",
+                          options.timeout_s, process_group.CHECKPOINT_WAIT_S)
 
 
 def traced_step(options: RunOptions, start_step: int) -> int | None:

@@ -36,14 +36,14 @@ from karma.modelfile import (
     map_targets,
     output_tensors,
 )
-from karma.runtime import distributed
 from karma.runtime.bringup import bring_up, make_backend
-from karma.runtime.checkpoint import load_runtime_state, runtime_state
-from karma.runtime.distributed import Ranks
+from karma.runtime.checkpoints.checkpoint import load_runtime_state, runtime_state
+from karma.runtime.distributed import process_group
+from karma.runtime.distributed.process_group import Ranks
+from karma.runtime.replay.streams import OpFailed
+from karma.runtime.replay.tracing import TraceRecorder
+from karma.runtime.replay.training_options import Accumulation
 from karma.runtime.stats import StepStats, StepTally
-from karma.runtime.streams import OpFailed
-from karma.runtime.tracing import TraceRecorder
-from karma.runtime.training_options import Accumulation
 from karma.schedule import Schedule, schedule_sha256
 from karma.schedule_load import load_schedule
 
@@ -93,9 +93,9 @@ class Runtime:
         self.seed = schedule.config.seed if seed is None else seed
         self.timeout_s = timeout_s
         device_kind = dict(schedule.hardware).get("device_kind", "cpu")
-        dist_backend = distributed.choose_backend(dist_backend, device_kind)
+        dist_backend = process_group.choose_backend(dist_backend, device_kind)
         self.backend = make_backend(device_kind)  # on CUDA: LOCAL_RANK's GPU, set first
-        self.ranks: Ranks = distributed.join(
+        self.ranks: Ranks = process_group.join(
             schedule.config.world_size, schedule_sha256(schedule),
             {"seed": self.seed, **(agree or {})}, timeout_s, dist_backend,
             self.backend.device_id())
@@ -115,7 +115,7 @@ class Runtime:
             self.parts = bring_up(schedule, self.model_file, self.backend, self.ranks,
                                   self.seed, self.log, cap_device_memory, timeout_s)
         except BaseException:
-            distributed.leave(self.ranks)
+            process_group.leave(self.ranks)
             raise
         parts = self.parts
         self.model, self.engine, self.meter = parts.model, parts.engine, parts.meter
@@ -239,10 +239,10 @@ class Runtime:
         """What a failed step raises instead of `e`: a rank lost in the gradient exchange
         (not, say, out of memory), or a stream's failure the user can fix (a full disk under
         the host tier) with its own message, whichever stream met it; None: `e` itself."""
-        if isinstance(e, OpFailed) and isinstance(e.__cause__, distributed.RankLost):
-            return distributed.lost(self.ranks,
-                                    f"in step {self.steps + 1}'s gradient exchange",
-                                    e.__cause__.__cause__)
+        if isinstance(e, OpFailed) and isinstance(e.__cause__, process_group.RankLost):
+            return process_group.lost(self.ranks,
+                                      f"in step {self.steps + 1}'s gradient exchange",
+                                      e.__cause__.__cause__)
         if isinstance(e, OpFailed) and isinstance(e.__cause__, KarmaError):
             return KarmaError(str(e.__cause__))
         return None
@@ -367,7 +367,7 @@ class Runtime:
         try:
             self.parts.close()
         finally:  # also after a failure: a process group left to the interpreter's exit aborts
-            distributed.leave(self.ranks)
+            process_group.leave(self.ranks)
 
     def __enter__(self) -> Runtime:
         return self

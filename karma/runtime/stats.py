@@ -22,11 +22,11 @@ class StepStats:
     trace: StepTrace | None = None  # this step's timeline, if trace_next_step() asked for it
     # when compute waited while an all-reduce ran, on the clock of `allreduce_intervals`: the
     # compute thread's waits on the CPU backend, the compute stream's waits for the net
-    # stream on CUDA (cuda_backend.py, CudaBackend.order_after)
+    # stream on CUDA (backends/cuda_backend.py, CudaBackend.order_after)
     allreduce_blocked: tuple[tuple[float, float], ...] = ()
 
     def wait_s_by_stream(self) -> dict[str, float]:
-        """Seconds the compute thread waited, per stream blamed (streams.py, [Note: which
+        """Seconds the compute thread waited, per stream blamed (replay/streams.py, [Note: which
         stream a wait is blamed on])."""
         total: dict[str, float] = {}
         for (start, end), stream in zip(self.blocked, self.blocked_on):

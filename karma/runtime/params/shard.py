@@ -8,16 +8,16 @@ the last ranks' parts are short or empty, a 0-dim parameter is one row). Rank r 
   AdamW, SGD and the like are elementwise, and step a part of a tensor as they step the whole
   of it, bit for bit). They are its rows of the whole weights, in place;
 - the gradients: the reduce-scatter leaves each rank the average of its rows
-  (exchange.py, [Note: the reduce-scatter's layout]), and only those are copied to the host.
-  Gradients added up over micro-batches are added up whole, as the plain loop adds them on
+  (distributed/exchange.py, [Note: the reduce-scatter's layout]), and only those are copied
+  to the host. Gradients added up over micro-batches are added up whole, as the plain loop adds them on
   every rank, and exchanged once at the end; the rank's rows of that sum are its shard.
 With clipping the exchange is an all-reduce instead, so that each gradient's norm is taken
 whole, as clip_grad_norm_ takes it; the shard is then cut from the whole average.
 
 After its host step a rank all-gathers the stepped masters (on the net stream, over the
 host group: gloo) into the whole weights, which the block's uploads or fetches copy to the
-device: one copy a node (nodecopy.py), padded to N x rows rows, its rank r's part being rank
-r's masters, so that the all-gather is in place (each rank's input is its own part of the
+device: one copy a node (host/nodecopy.py), padded to N x rows rows, its rank r's part
+being rank r's masters, so that the all-gather is in place (each rank's input is its own part of the
 output, which the collective leaves as it is). A rank then holds 12 bytes a parameter / N
 (gradients and AdamW's moments) and its share of the node's copy, 4 bytes a parameter / the
 node's ranks: on one node, 16 / N, 1/N of a rank with replicated state.
@@ -26,36 +26,16 @@ node's ranks: on one node, 16 / N, 1/N of a rank with replicated state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from karma.runtime.distributed import Ranks, lost
-from karma.runtime.host import BuildInTier, HostPool
-from karma.runtime.nodecopy import NodeCopy
-from karma.runtime.weights import BlockWeights, SharedStorage, zero_state_template
+from karma.runtime.distributed.cut import Cut, rows_of
+from karma.runtime.distributed.process_group import Ranks, lost
+from karma.runtime.host.nodecopy import NodeCopy
+from karma.runtime.host.tier import BuildInTier, HostPool
+from karma.runtime.params.weights import BlockWeights, SharedStorage, zero_state_template
 from karma.schedule import Schedule
-
-
-class Cut(NamedTuple):
-    """How a parameter is cut: `rows` rows of dim 0 a rank; this rank's are [start, stop)."""
-
-    rows: int
-    start: int
-    stop: int
-
-    @classmethod
-    def of(cls, shape: torch.Size, world_size: int, rank: int) -> Cut:
-        dim0 = shape[0] if len(shape) else 1
-        rows = max(1, -(-dim0 // world_size))
-        start = min(rank * rows, dim0)
-        return cls(rows, start, min(start + rows, dim0))
-
-
-def rows_of(t: torch.Tensor, cut: Cut) -> torch.Tensor:
-    """The rows of `t` a cut gives this rank (a view; a 0-dim tensor is one row)."""
-    return (t.view(1) if t.dim() == 0 else t).narrow(0, cut.start, cut.stop - cut.start)
 
 
 def sharded_params(schedule: Schedule) -> list[str]:

@@ -5,7 +5,7 @@ issued (their threading events), asks the backend to order its work after theirs
 the backend it is issued, and sets its own event. On the CPU backend the work runs on the
 worker itself, playing a CUDA copy stream, so swap-outs, prefetches and host optimizer steps
 really overlap with compute; on CUDA the worker enqueues the work on its CUDA stream. An
-operation may return a release: what to drop once its work has finished (backend.py). An
+operation may return a release: what to drop once its work has finished (backends/backend.py). An
 exception in a worker is kept and raised on the compute thread at its next wait.
 """
 
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
-from karma.runtime.chaos import Chaos, pause
+from karma.runtime.replay.chaos import Chaos, pause
 from karma.schedule import Op
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed
 
 from karma.errors import KarmaError
-from karma.runtime.backend import Backend
+from karma.runtime.backends.backend import Backend
 from karma.units import format_bytes
 
 
@@ -96,7 +96,7 @@ class CudaBackend(Backend):
         self._allocated: dict[int, torch.cuda.Event] = {}
         self._pending: list[PendingRelease] = []  # released once their copy is done
         self._lock = threading.Lock()
-        self.clock = CudaClock(self.device)  # the all-reduces' times (exchange.py)
+        self.clock = CudaClock(self.device)  # the all-reduces' times (distributed/exchange.py)
         # (start, end) stamps of compute's waits for an all-reduce, this step
         self._net_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -108,7 +108,7 @@ class CudaBackend(Backend):
 
     def begin_replay(self, op_ids) -> None:
         """Events for this iteration's ops (the engine's ids, unique across iterations);
-        the previous iteration's stay, for the updates it left running (update.py, [Note:
+        the previous iteration's stay, for the updates it left running (replay/update.py, [Note:
         updates overlapped with the next forward])."""
         op_ids = list(op_ids)
         floor = min(op_ids, default=0) - len(op_ids)
@@ -169,8 +169,8 @@ class CudaBackend(Backend):
 
     def collective(self, tensor: torch.Tensor, group, out: torch.Tensor | None = None) -> None:
         """Sum `tensor` over the ranks of `group`, in place, on the calling thread's current
-        stream (the net stream: exchange.py says how NCCL and gloo meet it); with `out`, into
-        `out` this rank's 1/N of the sum (a reduce-scatter)."""
+        stream (the net stream: distributed/exchange.py says how NCCL and gloo meet it); with
+        `out`, into `out` this rank's 1/N of the sum (a reduce-scatter)."""
         if out is None:
             torch.distributed.all_reduce(tensor, group=group)
         else:
@@ -227,7 +227,7 @@ class CudaBackend(Backend):
 
     def device_id(self) -> str:
         """This GPU's UUID: the same for every process that uses it, whatever the device
-        index each sees (distributed.py, [Note: choosing the collective backend])."""
+        index each sees (distributed/process_group.py, [Note: choosing the collective backend])."""
         props = torch.cuda.get_device_properties(self.device)
         return str(getattr(props, "uuid", f"{os.uname().nodename}:cuda{self.device.index}"))
 

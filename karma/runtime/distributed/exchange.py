@@ -22,7 +22,7 @@ copies the gradients in, runs the collective and copies the averages back. The a
 event (recorded when the op is issued) comes after all of it; the device step, the copy to
 the host and the host step wait for it through their dependencies, like any op. `reduce`
 returns the release of the buffer, which the backend runs once that event has completed or,
-at the latest, where the schedule frees the buffer (backend.py, [Note: released where the
+at the latest, where the schedule frees the buffer (backends/backend.py, [Note: released where the
 schedule frees]). Nothing calls record_stream: the buffer stays referenced until then.
 
 How each collective meets the net stream (PyTorch's ProcessGroupNCCL.cpp and
@@ -40,7 +40,7 @@ Either way the collective is complete, on the net stream, before the all-reduce'
 The counts of the ranks that had each gradient are read on the CPU (`tolist`), which waits
 for the collective on the net worker's thread; the compute thread does not wait for it.
 
-[Note: the reduce-scatter's layout] With sharded host state (shard.py) a host-stepped
+[Note: the reduce-scatter's layout] With sharded host state (params/shard.py) a host-stepped
 block's gradients are reduce-scattered: rank r needs the average of rows [r c, (r+1) c) of
 dim 0 of each gradient (c = dim 0 / N, rounded up). So the flat buffer is laid out rank by
 rank: rank r's chunk holds those rows of every gradient, each padded with zeros to c rows,
@@ -60,8 +60,8 @@ from typing import NamedTuple
 
 import torch
 
-from karma.runtime.distributed import Ranks, lost
-from karma.runtime.shard import Cut, rows_of
+from karma.runtime.distributed.cut import Cut, rows_of
+from karma.runtime.distributed.process_group import Ranks, lost
 
 
 class Flat(NamedTuple):
@@ -79,7 +79,7 @@ class GradientExchange:
 
     def __init__(self, ranks: Ranks, backend):
         """`backend`: where the buffers live, how the net stream's work is timed, how a
-        gradient a rank lacked is allocated, and the collective itself (backend.py)."""
+        gradient a rank lacked is allocated, and the collective itself (backends/backend.py)."""
         self.ranks = ranks
         self._backend = backend
         self._clock = backend.clock

@@ -8,14 +8,14 @@ point
 2. marks the previous compute operation done, which releases what the schedule frees there,
 3. issues every copy and host operation of the stages reached so far to its stream,
 4. waits for the operation's dependencies (the stage barrier: swap-ins and fetches it needs),
-   and releases what the side operations of the earlier stages held (backend.py, [Note:
+   and releases what the side operations of the earlier stages held (backends/backend.py, [Note:
    released where the schedule frees]).
 
 Copy streams, the all-reduces of several ranks (`net`) and the host optimizer are
 `StreamWorker`s; each of their operations waits for its own dependencies, and the backend
-(backend.py) orders the work on the device. The roles it calls: the replay tables
-(replay.py), the hooks (hooks.py), the update side of a step (update.py), each block's
-weights (weights.py) and swapped activations (swap.py), evaluation (evaluation.py).
+(backends/backend.py) orders the work on the device. The roles it calls: the replay tables
+(tables.py), the hooks (hooks.py), the update side of a step (update.py), each block's
+weights (params/weights.py) and swapped activations (swap.py), evaluation (evaluation.py).
 """
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ from functools import partial
 import torch
 
 from karma.errors import KarmaError
-from karma.runtime.backend import Backend, CpuBackend
-from karma.runtime.chaos import Chaos, pause
-from karma.runtime.evaluation import BlockByBlock
-from karma.runtime.exchange import GradientExchange
-from karma.runtime.hooks import BlockHooks
-from karma.runtime.host import BuildInTier, HostPool
-from karma.runtime.nodecopy import NodeCopy
-from karma.runtime.replay import DivergedError, ReplayTables
-from karma.runtime.shard import ShardedWeights
-from karma.runtime.streams import OpEvents, StreamWorker
-from karma.runtime.swap import SwapStore
-from karma.runtime.training_options import GradClip, MixedPrecision
-from karma.runtime.update import Updates
-from karma.runtime.weights import BlockWeights, SharedStorage
+from karma.runtime.backends.backend import Backend, CpuBackend
+from karma.runtime.distributed.exchange import GradientExchange
+from karma.runtime.host.nodecopy import NodeCopy
+from karma.runtime.host.tier import BuildInTier, HostPool
+from karma.runtime.params.shard import ShardedWeights
+from karma.runtime.params.weights import BlockWeights, SharedStorage
+from karma.runtime.replay.chaos import Chaos, pause
+from karma.runtime.replay.evaluation import BlockByBlock
+from karma.runtime.replay.hooks import BlockHooks
+from karma.runtime.replay.streams import OpEvents, StreamWorker
+from karma.runtime.replay.swap import SwapStore
+from karma.runtime.replay.tables import DivergedError, ReplayTables
+from karma.runtime.replay.training_options import GradClip, MixedPrecision
+from karma.runtime.replay.update import Updates
 from karma.schedule import EXCHANGE_KINDS, Op, Schedule
 from karma.schedule_check import check_model_names, validate
 
@@ -55,7 +55,7 @@ class Engine:
         """`model` is built on the CPU (its large tensors in the host tier when built under
         `tier`); the engine places it on the backend's device. `precision` and `clip` are the
         schedule's training options (training_options.py). `node`: where sharded host state
-        keeps the whole weights (nodecopy.py; the schedule's host_state says whether)."""
+        keeps the whole weights (host/nodecopy.py; the schedule's host_state says whether)."""
         if schedule.config.world_size > 1 and exchange is None:
             raise KarmaError(f"this schedule was planned for {schedule.config.world_size} ranks; "
                              "run it on that many (karma-run under torchrun)")
@@ -260,7 +260,7 @@ class Engine:
         deps = self.events.gids(op.deps) + self.updates.carried(op)
         self.events.wait(deps)
         # what the side ops of earlier stages hold is free from here on: [Note: released
-        # where the schedule frees] (backend.py)
+        # where the schedule frees] (backends/backend.py)
         self.backend.release_due(self.events.gids(self.tables.due[op.id]))
         gid = self.events.base + op.id
         self.backend.order_after(deps, "compute", gid)
@@ -342,7 +342,7 @@ class Engine:
             fresh = store.allocate()
             return partial(store.swap_in, fresh, self.backend), bool(fresh)
         if op.kind in EXCHANGE_KINDS and self.exchange is not None:
-            # exchange.py, [Note: the flat buffer's life]
+            # distributed/exchange.py, [Note: the flat buffer's life]
             cuts = w.cuts if op.kind == "reduce_scatter" else None
             if op.block in self.tables.reduce_on_host:
                 flats = self.exchange.prepare(w.exchange_holders, cuts)

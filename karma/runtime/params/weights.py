@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from karma.runtime.host import BuildInTier, HostPool
+from karma.runtime.host.tier import BuildInTier, HostPool
 
 
 class SharedStorage:
@@ -235,7 +235,7 @@ class BlockWeights:
 
 def _place(p: torch.nn.Parameter, device: torch.device | None, streamed: bool,
            tier: BuildInTier | None = None, pool: HostPool | None = None) -> None:
-    """Move a parameter built on the CPU (or in the host tier, host.BuildInTier) to the
+    """Move a parameter built on the CPU (or in the host tier: host/tier.py, BuildInTier) to the
     compute device; a streamed one gets no bytes there: its fetches fill it."""
     device = device or torch.device("cpu")
     built_in = tier.adopt(p) if tier is not None else None

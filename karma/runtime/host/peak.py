@@ -31,7 +31,7 @@ import os
 import subprocess
 import sys
 
-from karma.runtime.host import private_bytes
+from karma.runtime.host.tier import private_bytes
 
 SAMPLE_S = 0.001
 

@@ -2,7 +2,7 @@
 
 [Note: a caching allocator for the CPU backend]
 A memory cap only holds what the schedule planned if freed tensors go back to the system,
-so the runtime pins glibc's mmap threshold ([Note: glibc keeps freed memory] in host.py).
+so the runtime pins glibc's mmap threshold ([Note: glibc keeps freed memory] in tier.py).
 Then every tensor of 64 KiB or more is a fresh mapping, faulted in page by page, every step:
 measured on GPT-2 small, a keep_all schedule ran 1.32x the plain loop's step, all of it in
 the allocator. A step allocates the same sizes in the same order as the one before, which is
@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from karma.fileio import cache_dir, write_text_atomic
-from karma.runtime.host import private_bytes
+from karma.runtime.host.tier import private_bytes
 from karma.units import format_bytes
 
 _SOURCE = Path(__file__).with_name("cpu_cache.cpp")

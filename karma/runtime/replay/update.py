@@ -31,10 +31,10 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from karma.runtime.replay import ReplayTables
-from karma.runtime.streams import OpEvents, StreamWorker
-from karma.runtime.training_options import GradClip
-from karma.runtime.weights import BlockWeights
+from karma.runtime.params.weights import BlockWeights
+from karma.runtime.replay.streams import OpEvents, StreamWorker
+from karma.runtime.replay.tables import ReplayTables
+from karma.runtime.replay.training_options import GradClip
 from karma.schedule import LAST_MICRO_BATCH_KINDS, Op
 
 

@@ -23,7 +23,7 @@ import torch
 
 from karma.errors import KarmaError
 from karma.fileio import replaced_atomically
-from karma.runtime import checkpoint, dcp_state
+from karma.runtime.checkpoints import checkpoint, dcp_state
 
 FORMATS = ("torch", "safetensors")
 

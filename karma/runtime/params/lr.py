@@ -10,7 +10,7 @@ and e.g. momentum or betas for OneCycleLR) is copied into param group k of each 
 optimizer: they all see the values the plain loop's optimizer would, computed by the same
 code from the same numbers. The copy happens between iterations, when no host step of
 theirs runs: for optimizers whose host steps may still be running into the next iteration
-(update.py, [Note: updates overlapped with the next forward]) it is queued behind them.
+(replay/update.py, [Note: updates overlapped with the next forward]) it is queued behind them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ weight ("model.h.0.attn.c_attn.weight"; a tied weight once, under its first name
 ("model." too; rank 0's: BatchNorm statistics stay per rank) and optimizer state entry
 ("optim.h.0.attn.c_attn.weight.exp_avg"):
 - a sharded block's weights and per-element entries as DTensors, Shard(0) over the ranks: a
-  rank's rows are DTensor's own cut of dim 0 (shard.py cuts as torch.chunk does), so DCP
+  rank's rows are DTensor's own cut of dim 0 (params/shard.py cuts as torch.chunk does), so DCP
   writes each rank's rows from that rank, in parallel, and records the whole shape;
 - everything else (replicated state, a device optimizer's, AdamW's `step`) as plain tensors,
   the same on every rank, which DCP writes once, spread over the ranks.
@@ -33,10 +33,10 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from karma.runtime.distributed import Ranks
-from karma.runtime.host import _contiguous_strides
-from karma.runtime.shard import ShardedWeights, rows_of
-from karma.runtime.weights import BlockWeights
+from karma.runtime.distributed.process_group import Ranks
+from karma.runtime.host.tier import _contiguous_strides
+from karma.runtime.params.shard import ShardedWeights, rows_of
+from karma.runtime.params.weights import BlockWeights
 
 STATE_DIR = "state"  # the DCP checkpoint's directory inside step_N
 MODEL, OPTIM = "model.", "optim."

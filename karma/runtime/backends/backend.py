@@ -64,11 +64,11 @@ class Backend(Protocol):
       starts ([Note: released where the schedule frees]);
     - `allocated(op)` once, before the op's stream is ordered after it;
     - `issued(op)` once per op per iteration, every op by the end of its iteration or of the
-      next one for the updates left running into it (update.py); ops are known by the
+      next one for the updates left running into it (replay/update.py); ops are known by the
       engine's gids, unique across iterations ([Note: operation ids across iterations]);
     - each collective runs on a net stream already ordered after the event of the op that
       made its block's gradients final and after its flat buffer's allocation, and hands the
-      buffer's release to `release_after` (exchange.py).
+      buffer's release to `release_after` (distributed/exchange.py).
     """
 
     name: str  # "cpu" or "cuda"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from karma.errors import KarmaError
-from karma.runtime.host import HostPool
+from karma.runtime.host.tier import HostPool
 
 
 class DivergedError(KarmaError):

@@ -9,7 +9,7 @@ complete checkpoint or none, and the newest complete one is what --resume loads.
   the state through DCP]); it loads into any number of ranks. karma-export (export.py)
   writes the model's plain state_dict from it.
 - extras.pt: the model's state_dict keys, the optimizers' classes and hyperparameters
-  (param_groups), the LR schedule's state (lr.py), the RNG state and the world size it was
+  (param_groups), the LR schedule's state (params/lr.py), the RNG state and the world size it was
   written at; meta.json says what the checkpoint is.
 The ranks draw the same random numbers (one seed, the same draws: their streams are equal),
 so the RNG state is rank 0's, and a run resumed on another number of ranks goes on with it
@@ -29,8 +29,9 @@ import torch
 
 from karma.errors import KarmaError
 from karma.fileio import NO_ROOM, replaced_atomically, write_failure
-from karma.runtime import dcp_state, distributed
-from karma.runtime.distributed import SINGLE, Ranks
+from karma.runtime.checkpoints import dcp_state
+from karma.runtime.distributed import process_group
+from karma.runtime.distributed.process_group import SINGLE, Ranks
 
 FORMAT = "karma-checkpoint-2"
 FILES = ("extras.pt", "meta.json", f"{dcp_state.STATE_DIR}/.metadata")
@@ -160,7 +161,7 @@ def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: i
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
-        distributed.barrier(ranks, f"starting the checkpoint of step {step}", timeout_s)
+        process_group.barrier(ranks, f"starting the checkpoint of step {step}", timeout_s)
         scratch = tmp / f"scratch{ranks.rank}"
         scratch.mkdir()
         dcp_state.save(model, engine, ranks, tmp / dcp_state.STATE_DIR,
@@ -168,7 +169,7 @@ def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: i
         if ranks.main:
             _save(tmp / "extras.pt", _extras(model, engine, lr_schedule, ranks))
         scratch.rmdir()
-        distributed.barrier(ranks, f"writing the checkpoint of step {step}", timeout_s)
+        process_group.barrier(ranks, f"writing the checkpoint of step {step}", timeout_s)
         if ranks.main:
             meta = {"format": FORMAT, "step": step, "seed": seed,
                     "world_size": ranks.world_size,

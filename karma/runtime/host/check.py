@@ -16,7 +16,7 @@ this machine differs:
   refuse working setups.
 - CPU: the tier is a shared mapping of a file in /dev/shm where that is a tmpfs with room,
   else in the temporary directory ([Note: the CPU tier lives in memory where it can] in
-  fileio.py; `KARMA_TIER_DIR` chooses), whose blocks are taken as it grows (host.py,
+  fileio.py; `KARMA_TIER_DIR` chooses), whose blocks are taken as it grows (tier.py,
   [Note: the tier's disk is taken when it grows]). On a disk its pages are page cache that
   the kernel writes back and evicts, so they need room on that filesystem (statvfs), not
   memory; in a tmpfs or ramfs its pages are memory (shmem, not counted in MemAvailable once
@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass
 
 from karma.fileio import MEMORY_FILESYSTEMS, filesystem_type, free_bytes, tier_directory
-from karma.runtime.host import pool_bytes
+from karma.runtime.host.tier import pool_bytes
 from karma.schedule import Schedule
 from karma.units import format_bytes
 

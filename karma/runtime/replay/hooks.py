@@ -23,8 +23,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from karma.modelfile import output_tensors
-from karma.runtime.swap import SwapStore
-from karma.runtime.training_options import MixedPrecision
+from karma.runtime.replay.swap import SwapStore
+from karma.runtime.replay.training_options import MixedPrecision
 from karma.schedule import BlockEntry
 
 

@@ -43,7 +43,7 @@ class ReplayTables:
     # op id -> the weight buffers whose parameters are released when the op's work is done
     releases: Mapping[int, tuple[str, ...]]
     # compute op id -> the side ops on barrier streams whose stages end before its own that
-    # no earlier compute op was handed: what they hold is free when it starts (backend.py,
+    # no earlier compute op was handed: what they hold is free when it starts (backends/backend.py,
     # [Note: released where the schedule frees])
     due: Mapping[int, tuple[int, ...]]
     # weight buffer -> the names of the parameters it holds (a tied weight's share of the

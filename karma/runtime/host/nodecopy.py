@@ -2,12 +2,12 @@
 
 [Note: the node's copy of the weights] With sharded host state each rank keeps 1/N of the
 masters, gradients and optimizer state, but every rank's device copies are filled from the
-whole weights (shard.py). The ranks of one node would hold that copy once each, 4 bytes a
+whole weights (params/shard.py). The ranks of one node would hold that copy once each, 4 bytes a
 parameter times the ranks of the node; instead they map one file together (the planner
 counts it once a node: planner/host_state.py, [Note: host state per rank and per node]). The node's
 first rank (LOCAL_RANK 0; torchrun sets LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, the
 node's number) creates it in the host tier's directory, under a name every rank agrees on,
-and takes its blocks (posix_fallocate, as the tier does: host.py, [Note: the tier's disk is
+and takes its blocks (posix_fallocate, as the tier does: tier.py, [Note: the tier's disk is
 taken when it grows]); the others map it once it exists, and it is unlinked once all have
 (the mappings stay). On CUDA the mapping is registered as pinned memory (cudaHostRegister),
 so that copies from it are asynchronous, as the tier's pinned arenas are. The driver pins
@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 
 from karma.errors import KarmaError
-from karma.runtime import distributed
-from karma.runtime.distributed import Ranks
-from karma.runtime.host import ALIGN, _contiguous_strides, reserve_file
+from karma.runtime.distributed import process_group
+from karma.runtime.distributed.process_group import Ranks
+from karma.runtime.host.tier import ALIGN, _contiguous_strides, reserve_file
 
 
 class NodeCopy:
@@ -57,14 +57,14 @@ class NodeCopy:
         self.nbytes = max(nbytes, ALIGN)
         if local_rank == 0:
             reserve_file(path, self.nbytes, "the node's copy of the weights", mode="xb")
-        distributed.barrier(ranks, "creating the node's copy of the weights", timeout_s)
+        process_group.barrier(ranks, "creating the node's copy of the weights", timeout_s)
         try:
             self._arena = torch.from_file(str(path), shared=True, size=self.nbytes,
                                           dtype=torch.uint8)
         except RuntimeError as e:
             raise KarmaError(f"cannot map the node's copy of the weights {path}: {e}; every "
                              "rank of a node must see the same KARMA_TIER_DIR") from e
-        distributed.barrier(ranks, "mapping the node's copy of the weights", timeout_s)
+        process_group.barrier(ranks, "mapping the node's copy of the weights", timeout_s)
         if local_rank == 0:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -110,7 +110,7 @@ class NodeCopy:
 
 def whole_bytes(shapes: list[tuple[torch.Size, torch.dtype]], world_size: int) -> int:
     """What NodeCopy.empty takes for the whole weights of parameters of these shapes, each
-    padded to world_size equal parts of dim 0 (shard.py)."""
+    padded to world_size equal parts of dim 0 (params/shard.py)."""
     total = 0
     for shape, dtype in shapes:
         dim0 = shape[0] if len(shape) else 1

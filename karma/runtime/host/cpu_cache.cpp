@@ -1,5 +1,5 @@
 // karma's caching allocator for the CPU backend: see [Note: a caching allocator for the CPU
-// backend] in karma/runtime/cpu_cache.py, which builds this file and drives it through ctypes.
+// backend] in karma/runtime/host/cpu_cache.py, which builds this file and drives it through ctypes.
 //
 // Tensors of kMinCachedBytes or more get memory this file maps itself. When PyTorch frees one,
 // its pages are kept, as long as the bytes held (live and kept) stay within a limit: the

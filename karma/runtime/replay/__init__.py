@@ -1,0 +1,10 @@
+"""Replay: one training iteration run by the schedule's operations.
+
+The engine follows the model's own forward and backward through hooks and, at each point
+the schedule names, issues the copies, exchanges and host steps of the stages reached to
+their streams and waits for what the next compute operation needs. Here: the engine
+(engine.py), the tables it reads the schedule through (tables.py), the hooks (hooks.py), the
+streams and their events (streams.py), swapped activations (swap.py), the update side of a
+step (update.py), evaluation (evaluation.py), tracing (tracing.py), the training options
+(training_options.py) and chaos timing for tests (chaos.py).
+"""
