@@ -34,7 +34,7 @@ import torch
 
 from karma.reference import train_reference
 from karma.runtime.backends.cuda_backend import CudaBackend
-from karma.runtime.params.weights import SharedStorage
+from karma.runtime.params.streamed import SharedStorage
 from karma.runtime.replay.swap import SwapStore
 from karma.schedule import dump_schedule
 from tests.conftest import EXAMPLES

@@ -43,8 +43,8 @@ from karma.runtime.host.tier import (
     private_bytes,
     return_freed_memory_promptly,
 )
+from karma.runtime.params.layout import sharded_params
 from karma.runtime.params.lr import LRSchedule
-from karma.runtime.params.shard import sharded_params
 from karma.runtime.replay.engine import Engine
 from karma.runtime.replay.training_options import GradClip, MixedPrecision
 from karma.schedule import Schedule

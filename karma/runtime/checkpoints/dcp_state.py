@@ -7,7 +7,7 @@ weight ("model.h.0.attn.c_attn.weight"; a tied weight once, under its first name
 ("model." too; rank 0's: BatchNorm statistics stay per rank) and optimizer state entry
 ("optim.h.0.attn.c_attn.weight.exp_avg"):
 - a sharded block's weights and per-element entries as DTensors, Shard(0) over the ranks: a
-  rank's rows are DTensor's own cut of dim 0 (params/shard.py cuts as torch.chunk does), so DCP
+  rank's rows are DTensor's own cut of dim 0 (distributed/cut.py cuts as torch.chunk does), so DCP
   writes each rank's rows from that rank, in parallel, and records the whole shape;
 - everything else (replicated state, a device optimizer's, AdamW's `step`) as plain tensors,
   the same on every rank, which DCP writes once, spread over the ranks.
@@ -33,10 +33,10 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from karma.runtime.distributed.cut import rows_of
 from karma.runtime.distributed.process_group import Ranks
 from karma.runtime.host.tier import _contiguous_strides
-from karma.runtime.params.shard import ShardedWeights, rows_of
-from karma.runtime.params.weights import BlockWeights
+from karma.runtime.params.layout import ShardedLayout
 
 STATE_DIR = "state"  # the DCP checkpoint's directory inside step_N
 MODEL, OPTIM = "model.", "optim."
@@ -62,7 +62,7 @@ def save(model: torch.nn.Module, engine, ranks: Ranks, directory: Path,
         for key, v in w.optimizer.state.get(_holder(w, k), {}).items():
             if not isinstance(v, torch.Tensor):
                 continue
-            if isinstance(w, ShardedWeights) and shaped(key, v, w.masters[k].shape):
+            if _sharded(w) and shaped(key, v, w.layout.masters[k].shape):
                 v = _whole_scalar(v, ranks) if p.dim() == 0 else DTensor.from_local(
                     standalone(v), mesh, [Shard(0)], run_check=False, shape=p.shape,
                     stride=_contiguous_strides(p.shape))
@@ -81,9 +81,9 @@ def _model_tensors(model: torch.nn.Module, engine, ranks: Ranks, mesh: DeviceMes
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         w, k = owner[name]
-        if isinstance(w, ShardedWeights) and p.dim() > 0:  # its rows of the whole weights
+        if _sharded(w) and p.dim() > 0:  # its rows of the whole weights
             out[MODEL + name] = DTensor.from_local(
-                keep(w.masters[k].detach()), mesh, [Shard(0)], run_check=False,
+                keep(w.layout.masters[k].detach()), mesh, [Shard(0)], run_check=False,
                 shape=p.shape, stride=_contiguous_strides(p.shape))
         else:
             out[MODEL + name] = keep(w.current()[name])
@@ -116,8 +116,8 @@ def load(model: torch.nn.Module, engine, ranks: Ranks, directory: Path) -> None:
         for key in by_param.get(name, ()):
             md = saved[f"{OPTIM}{name}.{key}"]
             size, dtype = tuple(md.size), md.properties.dtype
-            if isinstance(w, ShardedWeights) and p.dim() > 0 and size == tuple(p.shape):
-                c = w.cuts[k]
+            if _sharded(w) and p.dim() > 0 and size == tuple(p.shape):
+                c = w.layout.cuts[k]
                 local = torch.zeros((c.stop - c.start, *size[1:]), dtype=dtype)
                 targets[f"{OPTIM}{name}.{key}"] = DTensor.from_local(
                     local, mesh, [Shard(0)], run_check=False, shape=torch.Size(size),
@@ -125,15 +125,15 @@ def load(model: torch.nn.Module, engine, ranks: Ranks, directory: Path) -> None:
             else:
                 local = torch.zeros(size, dtype=dtype)
                 targets[f"{OPTIM}{name}.{key}"] = local
-                if isinstance(w, ShardedWeights) and p.dim() == 0 \
-                        and shaped(key, local, w.masters[k].shape):
-                    local = rows_of(local, w.cuts[k])  # this rank's row of a 0-dim one
+                if _sharded(w) and p.dim() == 0 \
+                        and shaped(key, local, w.layout.masters[k].shape):
+                    local = rows_of(local, w.layout.cuts[k])  # this rank's row of a 0-dim one
             loaded.append((w, k, key, local))
     with torch.no_grad():
         dcp.load(targets, storage_reader=reader, no_dist=ranks.world_size == 1)
     for w in engine.weights:  # the weights: every rank's rows gathered, then on the device
-        if isinstance(w, ShardedWeights):
-            w.all_gather()
+        if _sharded(w):
+            w.layout.all_gather()
         w.load(w.current())
     # each optimizer loads its part as a state_dict: load_state_dict puts every entry where
     # its parameter's optimizer keeps it (the device's, or AdamW's step on the CPU)
@@ -145,8 +145,8 @@ def load(model: torch.nn.Module, engine, ranks: Ranks, directory: Path) -> None:
     for w in engine.weights:
         if w.optimizer is not None:
             sd = w.optimizer.state_dict()
-            BlockWeights.load_optimizer_state(w, {"state": states.get(id(w), {}),
-                                                  "param_groups": sd["param_groups"]})
+            w.load_own_optimizer_state({"state": states.get(id(w), {}),
+                                        "param_groups": sd["param_groups"]})
 
 
 def consolidated_model(directory: Path,
@@ -191,12 +191,16 @@ def _entries(engine) -> Iterator[tuple[str, object, int]]:
 
 def _holder(w, k: int) -> torch.Tensor:
     """The tensor the block's optimizer keys parameter k's state by."""
-    return w.masters[k] if w.optim == "host" else w.params[k]
+    return w.params[k] if w.layout is None else w.layout.masters[k]
+
+
+def _sharded(w) -> bool:
+    """Whether block weights `w` hold only this rank's rows of their host state."""
+    return isinstance(w.layout, ShardedLayout)
 
 
 def _per_element(w) -> Callable[[str, object, torch.Size], bool]:
-    return w.shaped_keys() if isinstance(w, ShardedWeights) else (
-        lambda key, v, shape: False)
+    return w.shaped_keys() if _sharded(w) else (lambda key, v, shape: False)
 
 
 def _mesh(ranks: Ranks) -> DeviceMesh | None:

@@ -2,7 +2,7 @@
 
 Rank r holds rows [r rows, (r + 1) rows) of dim 0, `rows` being dim 0 / N rounded up (the
 last ranks' parts are short or empty; a 0-dim tensor is one row): as torch.chunk and
-DTensor's Shard(0) cut. Sharded host state (params/shard.py), the exchange's
+DTensor's Shard(0) cut. Sharded host state (params/layout.py), the exchange's
 reduce-scatter (exchange.py) and the checkpoints (checkpoints/dcp_state.py) cut alike.
 """
 

@@ -40,7 +40,7 @@ Either way the collective is complete, on the net stream, before the all-reduce'
 The counts of the ranks that had each gradient are read on the CPU (`tolist`), which waits
 for the collective on the net worker's thread; the compute thread does not wait for it.
 
-[Note: the reduce-scatter's layout] With sharded host state (params/shard.py) a host-stepped
+[Note: the reduce-scatter's layout] With sharded host state (params/layout.py) a host-stepped
 block's gradients are reduce-scattered: rank r needs the average of rows [r c, (r+1) c) of
 dim 0 of each gradient (c = dim 0 / N, rounded up). So the flat buffer is laid out rank by
 rank: rank r's chunk holds those rows of every gradient, each padded with zeros to c rows,

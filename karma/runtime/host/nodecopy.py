@@ -2,7 +2,7 @@
 
 [Note: the node's copy of the weights] With sharded host state each rank keeps 1/N of the
 masters, gradients and optimizer state, but every rank's device copies are filled from the
-whole weights (params/shard.py). The ranks of one node would hold that copy once each, 4 bytes a
+whole weights (params/layout.py). The ranks of one node would hold that copy once each, 4 bytes a
 parameter times the ranks of the node; instead they map one file together (the planner
 counts it once a node: planner/host_state.py, [Note: host state per rank and per node]). The node's
 first rank (LOCAL_RANK 0; torchrun sets LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, the
@@ -110,7 +110,7 @@ class NodeCopy:
 
 def whole_bytes(shapes: list[tuple[torch.Size, torch.dtype]], world_size: int) -> int:
     """What NodeCopy.empty takes for the whole weights of parameters of these shapes, each
-    padded to world_size equal parts of dim 0 (params/shard.py)."""
+    padded to world_size equal parts of dim 0 (distributed/cut.py)."""
     total = 0
     for shape, dtype in shapes:
         dim0 = shape[0] if len(shape) else 1

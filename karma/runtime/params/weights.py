@@ -5,9 +5,10 @@
   host tier; gradients go to the host after the block's backward, the host steps the master
   weights, and the upload copies them back into the device weights.
 - streamed (always with the host optimizer): the device weights exist only between a fetch
-  and its release. [Note: weights released by storage resize] Release shrinks the parameter's
-  storage to zero bytes and fetch regrows and refills it, as FSDP does: the Parameter objects,
-  and the views of them that autograd saved in the forward, stay valid across the two.
+  and its release (streamed.py, [Note: weights released by storage resize]).
+
+Where a host-stepped block's masters, host gradients and optimizer state live, whole on every
+rank or 1/N on each, is its layout's (layout.py); the operations below are the same for both.
 
 Each block has its own optimizer, made by the model file's make_optimizer over the block's
 own parameters: per-parameter optimizers (SGD, Adam, AdamW, ...) then step exactly as one
@@ -16,99 +17,59 @@ optimizer over all parameters would.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
+from karma.errors import KarmaError
 from karma.runtime.host.tier import BuildInTier, HostPool
-
-
-class SharedStorage:
-    """Reference-counted materialisation of streamed parameters (shared by all blocks)."""
-
-    def __init__(self):
-        self._refs: dict[int, int] = {}  # id(param) -> fetches not yet released
-        self._masters: dict[int, torch.Tensor] = {}  # id(param) -> host master
-        self._lock = threading.Lock()
-
-    def register(self, param: torch.nn.Parameter, master: torch.Tensor) -> None:
-        self._masters[id(param)] = master
-        self._refs[id(param)] = 0
-        param.untyped_storage().resize_(0)
-
-    def is_streamed(self, param: torch.nn.Parameter) -> bool:
-        return id(param) in self._masters
-
-    def claim(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-        """Count a fetch of `params` (on the compute thread, when the fetch is issued) and give
-        storage back to those that had none: the ones `fill` must copy."""
-        fill = []
-        with self._lock:
-            for p in params:
-                self._refs[id(p)] += 1
-                if self._refs[id(p)] == 1:
-                    p.untyped_storage().resize_(p.numel() * p.element_size())
-                    fill.append(p)
-        return fill
-
-    def fill(self, params: list[torch.nn.Parameter]) -> None:
-        """Copy the host masters into the storage `claim` gave back (on the h2d stream)."""
-        for p in params:
-            # the refill must not look like an in-place change to the views autograd saved
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(p):
-                p.copy_(self._masters[id(p)], non_blocking=True)
-
-    def release(self, params: list[torch.nn.Parameter]) -> None:
-        with self._lock:
-            for p in params:
-                self._refs[id(p)] -= 1
-                if self._refs[id(p)] == 0:
-                    p.untyped_storage().resize_(0)
-
-    def master(self, p: torch.nn.Parameter) -> torch.Tensor | None:
-        return self._masters.get(id(p))
+from karma.runtime.params.layout import HostLayout, PerElement
+from karma.runtime.params.optimizer_state import StateTemplate, zero_state, zero_state_template
+from karma.runtime.params.placement import place_param
+from karma.runtime.params.streamed import SharedStorage
 
 
 class BlockWeights:
-    """One block's own parameters and its optimizer."""
+    """One block's own parameters and its optimizer; a host-stepped block's state where its
+    `layout` keeps it."""
 
     def __init__(self, name: str, params: list[tuple[str, torch.nn.Parameter]], weights: str,
                  optim: str, make_optimizer: Callable, pool: HostPool, shared: SharedStorage,
-                 device: torch.device | None = None, tier: BuildInTier | None = None):
+                 layout: HostLayout | None = None, device: torch.device | None = None,
+                 tier: BuildInTier | None = None):
+        """`layout`: where the masters, host gradients and optimizer state of a block stepped
+        on the host live (layout.py), built over `params`; None for one stepped on the device.
+        The parameters move to `device` here (placement.py); streamed ones are registered in
+        `shared`, their fetches filled from the layout's whole weights."""
+        if (optim == "host") != (layout is not None):
+            raise KarmaError(f"block {name}: optim {optim!r} needs "
+                             f"{'a host-state layout' if optim == 'host' else 'no layout'}; "
+                             "give a layout exactly to the blocks stepped on the host")
         self.name = name
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.weights, self.optim = weights, optim
+        self.layout = layout
         self._pool = pool
-        self._shared = shared
+        self._make_optimizer = make_optimizer
         self._state_in_pool = False
-        if optim == "host":
-            self.masters = [torch.nn.Parameter(pool.copy_of(p.detach())) for p in self.params]
-            self.host_grads = [pool.empty(p.shape, p.dtype) for p in self.params]
-            # whether each host gradient holds this step's gradient: a parameter that got
-            # none (unused, frozen) is skipped by the optimizer, as in plain PyTorch
-            self.has_grad = [False] * len(self.params)
-            self.optimizer = make_optimizer(self.masters) if self.params else None
-            self._host_setup(make_optimizer, self.masters, device, tier, pool, shared)
-        else:
-            self.masters, self.host_grads = [], []
+        # whether each host gradient holds this step's gradient: a parameter that got
+        # none (unused, frozen) is skipped by the optimizer, as in plain PyTorch
+        self.has_grad = [False] * len(self.params)
+        if layout is None:
             for p in self.params:
-                _place(p, device, False, tier, pool)
+                place_param(p, device, False, tier, pool)
             self.optimizer = make_optimizer(self.params) if self.params else None
-
-    def _host_setup(self, make_optimizer: Callable, sources: list[torch.Tensor],
-                    device: torch.device | None, tier: BuildInTier | None, pool: HostPool,
-                    shared: SharedStorage) -> None:
-        """A host-stepped block, its masters and optimizer made: the optimizer's state born
-        in the host tier, the parameters on the device (streamed: filled from `sources`)."""
+            return
+        self.optimizer = make_optimizer(layout.masters) if self.params else None
         template = zero_state_template(make_optimizer) if self.optimizer else None
         if template is not None:
             self._prefill_state(template)
+        streamed = weights == "streamed"
         for p in self.params:
-            _place(p, device, self.weights == "streamed", tier, pool)
-        if self.weights == "streamed":
-            for p, source in zip(self.params, sources):
+            place_param(p, device, streamed, tier, pool)
+        if streamed:
+            for p, source in zip(self.params, layout.whole):
                 shared.register(p, source)
 
     # --- the schedule's operations ---------------------------------------------------------
@@ -120,109 +81,125 @@ class BlockWeights:
                 p.grad = None
 
     def grads_to_host(self, add: bool = False):
-        """Copy the gradients into the host tier (`add`: add them to what earlier
-        micro-batches of the step left there, as autograd adds into .grad); the device
-        gradients are dropped once the copy has finished (the returned release)."""
+        """Copy the gradients, or the part of each the layout keeps, into the host tier (`add`:
+        add them to what earlier micro-batches of the step left there, as autograd adds into
+        .grad); the device gradients are dropped once the copy has finished (the returned
+        release)."""
         leaving = []
-        for k, (p, g) in enumerate(zip(self.params, self.host_grads)):
+        for k, p in enumerate(self.params):
             if p.grad is None:
                 self.has_grad[k] = self.has_grad[k] and add
-            elif add and self.has_grad[k]:
-                g.add_(p.grad.to(g.device))  # a blocking copy first on CUDA
-                leaving.append(p.grad)
+                continue
+            host, part = self.layout.landing(k, p.grad)
+            if add and self.has_grad[k]:
+                host.add_(part.to(host.device))  # a blocking copy first on CUDA
             else:
-                g.copy_(p.grad, non_blocking=True)
+                host.copy_(part, non_blocking=True)
                 self.has_grad[k] = True
-                leaving.append(p.grad)
+            leaving.append(p.grad)
             p.grad = None
         return leaving.clear
 
     def grad_holder(self, k: int) -> torch.Tensor:
         """The tensor whose .grad is parameter k's final gradient: the parameter (device
         optimizer) or its host master, lent the host gradient."""
-        if self.optim != "host":
+        if self.layout is None:
             return self.params[k]
-        self.masters[k].grad = self.host_grads[k] if self.has_grad[k] else None
-        return self.masters[k]
-
-    @property
-    def exchange_holders(self) -> list[torch.Tensor]:
-        """The host tensors whose .grad the exchange of gradients added up on the host
-        averages (reduce_host_grads lends them the host gradients)."""
-        return self.masters
+        master = self.layout.masters[k]
+        master.grad = self.layout.host_grads[k] if self.has_grad[k] else None
+        return master
 
     def whole_grads(self) -> list[torch.Tensor | None]:
-        """Each parameter's final gradient on the host, for the clipping norms (None: none)."""
-        return [g if has else None for g, has in zip(self.host_grads, self.has_grad)]
+        """Each parameter's final gradient whole, where the host holds it (the layout's sums),
+        for the clipping norms; None where it has none, or holds only this rank's rows."""
+        sums = self.layout.sums
+        if sums is None:
+            return [None] * len(self.params)
+        return [s if has else None for s, has in zip(sums, self.has_grad)]
 
-    def reduce_host_grads(self, allreduce):
-        """All-reduce the gradients accumulated on the host (`allreduce` of tensors' .grad,
-        the masters lent their host gradients); returns what `allreduce` returns."""
-        holders = [self.grad_holder(k) for k in range(len(self.params))]
-        release = allreduce(holders)
-        for k, m in enumerate(holders):
-            self.has_grad[k] = m.grad is not None
-            if m.grad is not None and m.grad is not self.host_grads[k]:
-                self.host_grads[k].copy_(m.grad)
-            m.grad = None
+    def reduce_host_grads(self, reduce):
+        """Exchange the gradients added up on the host: `reduce` of the layout's exchange
+        holders, each lent its sum as .grad; returns what `reduce` returns."""
+        holders, sums = self.layout.exchange_holders, self.layout.sums
+        for h, s, has in zip(holders, sums, self.has_grad):
+            h.grad = s if has else None
+        release = reduce(holders)
+        for k, (h, s) in enumerate(zip(holders, sums)):
+            self.has_grad[k] = h.grad is not None
+            if h.grad is not None and h.grad is not s:
+                s.copy_(h.grad)
+            h.grad = None
         return release
 
     def host_step(self) -> None:
         if self.optimizer is None:
             return
-        for k in range(len(self.masters)):
+        for k in range(len(self.params)):
             self.grad_holder(k)  # each master lent its host gradient, or None
         self.optimizer.step()
-        for m in self.masters:
+        for m in self.layout.masters:
             m.grad = None
         if not self._state_in_pool:
             self._move_state_to_pool()
 
     def upload(self) -> None:
         with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                p.copy_(m, non_blocking=True)
+            for p, w in zip(self.params, self.layout.whole):
+                p.copy_(w, non_blocking=True)
 
     # --- checkpoints ---------------------------------------------------------------------
 
     def current(self) -> dict[str, torch.Tensor]:
-        """Up-to-date values of the block's parameters (the masters when on the host)."""
-        source = self.masters if self.optim == "host" else self.params
+        """Up-to-date values of the block's parameters (the whole weights when on the host)."""
+        source = self.params if self.layout is None else self.layout.whole
         return {n: t.detach() for n, t in zip(self.names, source)}
 
     def load(self, values: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for n, p, m in zip(self.names, self.params, self.masters or [None] * len(self.params)):
-                if m is not None:
-                    m.copy_(values[n])
+            for k, (n, p) in enumerate(zip(self.names, self.params)):
+                if self.layout is not None:  # sharded: the masters with it (they are its rows)
+                    self.layout.whole[k].copy_(values[n])
                 if self.weights == "resident":
                     p.copy_(values[n])
 
-    def _prefill_state(self, template: StateTemplate) -> None:
-        """Create the optimizer's state in the host tier before its first step.
-
-        [Note: optimizer state born in the host tier] Left to itself the optimizer makes its
-        state at the first step in private memory (twice the weights for AdamW) and only then
-        could it move: a one-off spike that a memory cap would not survive. Where a state of
-        zeros is exactly what the optimizer would make (checked once by
-        zero_state_template), it is made in the host tier up front instead.
-        """
-        for m in self.masters:
-            self.optimizer.state[m] = _zero_state(
-                template, lambda dtype, m=m: self._pool.empty(m.shape, dtype).zero_())
-        self._state_in_pool = True
-
     def optimizer_state(self) -> dict | None:
-        """The optimizer's state_dict (None: no optimizer)."""
-        return None if self.optimizer is None else self.optimizer.state_dict()
+        """The optimizer's state_dict as one optimizer over the block's whole parameters would
+        hold it (None: no optimizer). With sharded state it is gathered from every rank, so
+        every rank calls it, in the same order (checkpoints: loop.py; Runtime.state_dict)."""
+        if self.optimizer is None:
+            return None
+        sd = self.optimizer.state_dict()
+        return sd if self.layout is None else self.layout.whole_state(sd, self.shaped_keys())
 
     def load_optimizer_state(self, sd: dict) -> None:
-        self.optimizer.load_state_dict(sd)
-        self.reset_state_placement()
+        """Load a state_dict whose states are whole (optimizer_state's)."""
+        if self.layout is not None:
+            sd = self.layout.own_state(sd, self.shaped_keys())
+        self.load_own_optimizer_state(sd)
 
-    def reset_state_placement(self) -> None:
-        """After loading optimizer state: move it into the host tier at the next host step."""
+    def load_own_optimizer_state(self, sd: dict) -> None:
+        """Load a state_dict of what this rank holds (a sharded block's rows already cut);
+        the state moves into the host tier at the next host step."""
+        self.optimizer.load_state_dict(sd)
         self._state_in_pool = False
+
+    def shaped_keys(self) -> PerElement:
+        """Whether a state entry is per element of its parameter (cut as the parameter is):
+        as zero_state_template found for the optimizer, else by shape."""
+        template = zero_state_template(self._make_optimizer)
+        if template is not None:
+            return lambda key, v, shape: isinstance(v, torch.Tensor) and template.get(
+                key, (False,))[0]
+        return lambda key, v, shape: isinstance(v, torch.Tensor) and v.dim() > 0 \
+            and v.shape == shape
+
+    def _prefill_state(self, template: StateTemplate) -> None:
+        """Create the optimizer's state in the host tier before its first step
+        (optimizer_state.py, [Note: optimizer state born in the host tier])."""
+        for m in self.layout.masters:
+            self.optimizer.state[m] = zero_state(
+                template, lambda dtype, m=m: self._pool.empty(m.shape, dtype).zero_())
+        self._state_in_pool = True
 
     def _move_state_to_pool(self) -> None:
         """After the first step, optimizer state tensors move into the host tier."""
@@ -231,66 +208,3 @@ class BlockWeights:
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
                     state[key] = self._pool.copy_of(value)
         self._state_in_pool = True
-
-
-def _place(p: torch.nn.Parameter, device: torch.device | None, streamed: bool,
-           tier: BuildInTier | None = None, pool: HostPool | None = None) -> None:
-    """Move a parameter built on the CPU (or in the host tier: host/tier.py, BuildInTier) to the
-    compute device; a streamed one gets no bytes there: its fetches fill it."""
-    device = device or torch.device("cpu")
-    built_in = tier.adopt(p) if tier is not None else None
-    if built_in is None and p.device == device:
-        return
-    if streamed:  # the host master already holds its values; storage of its own, emptied
-        p.data = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device)
-    else:
-        p.data = p.data.to(device, copy=True)
-    if built_in is not None:
-        pool.free(built_in)
-
-
-StateTemplate = dict[str, tuple[bool, torch.dtype]]  # key -> (parameter-shaped?, dtype)
-_TEMPLATES: dict[Callable, StateTemplate | None] = {}  # keeps each make_optimizer alive
-
-
-def zero_state_template(make_optimizer) -> StateTemplate | None:
-    """The optimizer's per-parameter state layout, if a state of zeros steps exactly as the
-    state it makes itself (checked once per make_optimizer on a small parameter); else None."""
-    if make_optimizer not in _TEMPLATES:
-        try:
-            template = _state_template(make_optimizer)
-            p1, s1 = _probe_step(make_optimizer, None)
-            p2, s2 = _probe_step(make_optimizer, template)
-            exact = torch.equal(p1, p2) and s1.keys() == s2.keys() and all(
-                isinstance(v, torch.Tensor) and torch.equal(v, s2[k]) for k, v in s1.items())
-        except Exception:  # noqa: BLE001 - any surprise: let the optimizer make its own state
-            exact = False
-        _TEMPLATES[make_optimizer] = template if exact else None
-    return _TEMPLATES[make_optimizer]
-
-
-def _zero_state(template: StateTemplate, like_param: Callable[[torch.dtype], torch.Tensor]):
-    return {key: like_param(dtype) if shaped else torch.zeros((), dtype=dtype)
-            for key, (shaped, dtype) in template.items()}
-
-
-def _probe_step(make_optimizer, template: StateTemplate | None):
-    """Two steps on a small parameter, from the optimizer's own state or from zeros."""
-    g = torch.Generator().manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(5, 3, generator=g))
-    opt = make_optimizer([p])
-    if template is not None:
-        opt.state[p] = _zero_state(template, lambda dtype: torch.zeros(p.shape, dtype=dtype))
-    for step in range(2):
-        p.grad = torch.randn(5, 3, generator=g) + step
-        opt.step()
-    return p.detach(), opt.state[p]
-
-
-def _state_template(make_optimizer) -> StateTemplate:
-    p = torch.nn.Parameter(torch.zeros(5, 3))
-    opt = make_optimizer([p])
-    p.grad = torch.zeros(5, 3)
-    opt.step()
-    return {k: (v.shape == p.shape, v.dtype) for k, v in opt.state[p].items()
-            if isinstance(v, torch.Tensor)}

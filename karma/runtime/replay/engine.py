@@ -30,8 +30,10 @@ from karma.runtime.backends.backend import Backend, CpuBackend
 from karma.runtime.distributed.exchange import GradientExchange
 from karma.runtime.host.nodecopy import NodeCopy
 from karma.runtime.host.tier import BuildInTier, HostPool
-from karma.runtime.params.shard import ShardedWeights
-from karma.runtime.params.weights import BlockWeights, SharedStorage
+from karma.runtime.params.layout import ReplicatedLayout, ShardedLayout
+from karma.runtime.params.placement import place_buffers
+from karma.runtime.params.streamed import SharedStorage
+from karma.runtime.params.weights import BlockWeights
 from karma.runtime.replay.chaos import Chaos, pause
 from karma.runtime.replay.evaluation import BlockByBlock
 from karma.runtime.replay.hooks import BlockHooks
@@ -70,16 +72,16 @@ class Engine:
         check_model_names(schedule, named, {name for name, _ in model.named_modules()})
         device = self.backend.device
         self.shared = SharedStorage()
-        self.weights = [
-            ShardedWeights(b.name, [(n, named[n]) for n in b.params], b.weights,
-                           make_optimizer, pool, node, self.shared, exchange.ranks,
-                           schedule.config.accumulate, device, tier)
-            if schedule.config.sharded and b.optim == "host" else
-            BlockWeights(b.name, [(n, named[n]) for n in b.params], b.weights, b.optim,
-                         make_optimizer, pool, self.shared, device, tier)
-            for b in self.blocks
-        ]
-        _place_buffers(model, device, tier, pool)
+        self.weights = []
+        for b in self.blocks:
+            params = [named[n] for n in b.params]
+            layout = None if b.optim != "host" else ShardedLayout(
+                params, pool, node, exchange.ranks, schedule.config.accumulate) \
+                if schedule.config.sharded else ReplicatedLayout(params, pool)
+            self.weights.append(BlockWeights(
+                b.name, [(n, named[n]) for n in b.params], b.weights, b.optim, make_optimizer,
+                pool, self.shared, layout, device, tier))
+        place_buffers(model, device, tier, pool)
         # after placement: a parameter's storage is the one on the device
         param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
         self.swaps = {b.index: SwapStore(b.name, pool, param_storages, device)
@@ -343,15 +345,15 @@ class Engine:
             return partial(store.swap_in, fresh, self.backend), bool(fresh)
         if op.kind in EXCHANGE_KINDS and self.exchange is not None:
             # distributed/exchange.py, [Note: the flat buffer's life]
-            cuts = w.cuts if op.kind == "reduce_scatter" else None
+            cuts = w.layout.cuts if op.kind == "reduce_scatter" else None
             if op.block in self.tables.reduce_on_host:
-                flats = self.exchange.prepare(w.exchange_holders, cuts)
+                flats = self.exchange.prepare(w.layout.exchange_holders, cuts)
                 reduce = partial(self.exchange.reduce, flats)
                 return partial(self.updates.reduce_host_grads, w, reduce), bool(flats)
             flats = self.exchange.prepare(w.params, cuts)
             return partial(self.exchange.reduce, flats), bool(flats)
         if op.kind == "all_gather":
-            return w.all_gather, False
+            return w.layout.all_gather, False
         if op.kind == "swap_out":
             return self.swaps[op.block].swap_out, False
         if op.kind == "grads_to_host":
@@ -362,16 +364,3 @@ class Engine:
             return w.upload, False
         raise DivergedError(f"operation {op.id} ({op.kind}) is not supported by this runtime")
 
-
-def _place_buffers(model: torch.nn.Module, device: torch.device, tier: BuildInTier | None,
-                   pool: HostPool) -> None:
-    """Module buffers (BatchNorm statistics, masks) live on the compute device."""
-    for module in model.modules():
-        for name, buf in module._buffers.items():  # noqa: SLF001 - as Module._apply does
-            if buf is None:
-                continue
-            built_in = tier.adopt(buf) if tier is not None else None
-            if built_in is not None or buf.device != device:
-                module._buffers[name] = buf.to(device, copy=True)  # noqa: SLF001
-            if built_in is not None:
-                pool.free(built_in)

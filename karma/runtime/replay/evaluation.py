@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from karma.runtime.params.weights import SharedStorage
+from karma.runtime.params.streamed import SharedStorage
 from karma.schedule import BlockEntry
 
 
