@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import karma.runtime.replay.engine
+import karma.runtime.bringup
 import karma.runtime.runtime
 from karma.runtime.loop import RunOptions, open_model_file, train
 from karma.schedule import Schedule
@@ -46,14 +46,14 @@ def main(job_path: str) -> None:
         torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo")
     make_backend = karma.runtime.runtime.make_backend
-    validate = karma.runtime.replay.engine.validate
+    validate = karma.runtime.bringup.validate
     for spec in job["runs"]:
         schedule = load_schedule(Path(spec["schedule"]))
         mf = open_model_file(schedule, Path(spec["schedule"]))
-        karma.runtime.replay.engine.validate = validate
+        karma.runtime.bringup.validate = validate
         if "drop_dep" in spec:
             schedule = without_dep(schedule, *spec["drop_dep"])
-            karma.runtime.replay.engine.validate = lambda schedule: None  # it would refuse it
+            karma.runtime.bringup.validate = lambda schedule: None  # it would refuse it
         out = Path(spec["out"])
         backend = None
         if dict(schedule.hardware).get("device_kind", "cpu") == "cpu":

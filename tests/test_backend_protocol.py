@@ -77,7 +77,7 @@ def test_a_misplaced_collective_is_caught(gpt_two_ranks, monkeypatch):
     broken = misplace_allreduce(gpt_two_ranks, block)
     # the validator refuses such a schedule before it runs; the checker is the second line,
     # for an engine that would misplace it by itself
-    monkeypatch.setattr("karma.runtime.replay.engine.validate", lambda schedule: None)
+    monkeypatch.setattr("karma.runtime.bringup.validate", lambda schedule: None)
     run(broken, load_small("gpt"), 1)
     caught = [v for v in backend.violations if "before its gradients' event" in v]
     assert caught and f"all-reduce of block {block})" in caught[0], backend.violations[:5]

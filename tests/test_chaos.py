@@ -234,7 +234,7 @@ def test_a_missing_wait_is_caught_under_chaos(gpt_reference, tmp_path, monkeypat
     broken = without_wait(plan(mf, "offload_all", 1.0), "host_step", on="grads_to_host")
     with pytest.raises(KarmaError, match="rule: dependencies"):  # what a user's run would see
         run(broken, mf, STEPS, checkpoint_dir=tmp_path / "checked")
-    monkeypatch.setattr("karma.runtime.replay.engine.validate", lambda schedule: None)  # to run it
+    monkeypatch.setattr("karma.runtime.bringup.validate", lambda schedule: None)  # to run it
     caught = []
     for seed in SEEDS:
         monkeypatch.setenv("KARMA_CHAOS", f"{seed}:20")

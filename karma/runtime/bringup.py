@@ -7,8 +7,11 @@
 
 In order: the host-memory check, the CPU backend's cache, the baseline the peak is measured
 above, the peak meter, the device cap, the host tier, the model (built in the tier on the
-CPU backend), the gradient exchange, the engine, the optimizers and the LR schedule. Each
-piece that must be closed is pushed on one `contextlib.ExitStack` as it is made, so a failure
+CPU backend), the node's copy of the weights (sharded host state), the gradient exchange,
+the engine's parts (build_engine_parts: the schedule checked against the model, each
+block's weights with its host-state layout, the storage of streamed parameters, the model
+placed on the device, the swap stores), the engine, which wires the replay over them, the
+optimizers and the LR schedule. Each piece that must be closed is pushed on one `contextlib.ExitStack` as it is made, so a failure
 halfway closes what was made, newest first, and `Parts.close` does the same for a whole run.
 """
 
@@ -32,7 +35,7 @@ from karma.runtime.distributed import process_group
 from karma.runtime.distributed.exchange import GradientExchange
 from karma.runtime.distributed.process_group import Ranks
 from karma.runtime.host import cpu_cache
-from karma.runtime.host.check import host_memory_problem, measure_host_memory
+from karma.runtime.host.check import HostMemory, host_memory_problem, measure_host_memory
 from karma.runtime.host.nodecopy import NodeCopy, whole_bytes
 from karma.runtime.host.peak import DevicePeak, PrivatePeak
 from karma.runtime.host.tier import (
@@ -43,11 +46,21 @@ from karma.runtime.host.tier import (
     private_bytes,
     return_freed_memory_promptly,
 )
-from karma.runtime.params.layout import sharded_params
+from karma.runtime.params.layout import (
+    HostLayout,
+    ReplicatedLayout,
+    ShardedLayout,
+    sharded_params,
+)
 from karma.runtime.params.lr import LRSchedule
-from karma.runtime.replay.engine import Engine
+from karma.runtime.params.placement import place_buffers
+from karma.runtime.params.streamed import SharedStorage
+from karma.runtime.params.weights import BlockWeights
+from karma.runtime.replay.engine import Engine, EngineParts
+from karma.runtime.replay.swap import SwapStore
 from karma.runtime.replay.training_options import GradClip, MixedPrecision
-from karma.schedule import Schedule
+from karma.schedule import BlockEntry, Schedule
+from karma.schedule_check import check_model_names, validate
 from karma.units import format_bytes
 
 # On the CPU backend, factory tensors of at least this size are built in the host tier.
@@ -95,57 +108,21 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
     """Everything `schedule` trains with, in the reference's order: torch.manual_seed(seed),
     build_model() on the CPU, the optimizers, the model file's LR scheduler."""
     with contextlib.ExitStack() as stack:
-        # before anything is allocated: [Note: where the host tier's bytes live]
-        host_memory = measure_host_memory(schedule, backend.name)
-        problem = host_memory_problem(host_memory)
-        if problem is not None:
-            raise KarmaError(problem)
-        return_freed_memory_promptly()
-        cache = cpu_cache.load(log) if backend.name == "cpu" else None
-        if cache is not None:  # [Note: a caching allocator for the CPU backend]
-            cache.start(1 << 62)  # bounded below, once the baseline is known
-            stack.callback(_stop_cache, cache, log)
-        baseline_private, baseline_data = _baseline(mf, schedule, log)
-        bound = None if cache is None else cpu_cache.PlannedBound(
-            cache, baseline_private, schedule.predicted.peak_device_bytes)
-        meter = PrivatePeak(baseline_private) if backend.name == "cpu" else DevicePeak(backend)
-        stack.callback(meter.close)
-        if cap_device_memory:
-            _cap(backend, schedule.config.capacity_bytes if cap_device_memory is True
-                 else int(cap_device_memory), log)
-
+        start = _before_the_model(schedule, mf, backend, log, cap_device_memory, stack)
         built = time.perf_counter()
-        pool = HostPool(pool_bytes(_pool_bytes(schedule)), kind=backend.pool_kind,
-                        directory=host_memory.tier_dir)
-        stack.callback(pool.close)
-        if backend.name == "cpu" and schedule.predicted.host_bytes:
-            log(f"host tier: {format_bytes(schedule.predicted.host_bytes)} in "
-                f"{pool.directory} " + (
-                    "(memory: a tmpfs)" if host_memory.tier_in_memory else
-                    "(a file on disk, whose pages the kernel writes back: slower than a "
-                    "tmpfs; set KARMA_TIER_DIR to one with room)"))
-        # on the CPU backend the model is built in the host tier (host/tier.py, BuildInTier): its
-        # weights need not fit in the memory the schedule allows
-        tier = BuildInTier(pool, TIER_MIN_BYTES) if backend.name == "cpu" else None
+        pool, tier = _host_tier(schedule, backend, start.host_memory, log, stack)
         torch.manual_seed(seed)
         with tier or contextlib.nullcontext():
             model = mf.build(log)  # on the CPU: initial values do not depend on it
         model.train()
-        node = None
-        if schedule.config.sharded:  # [Note: the node's copy of the weights]
-            named = dict(model.named_parameters(remove_duplicate=False))
-            shapes = [(named[n].shape, named[n].dtype) for n in sharded_params(schedule)]
-            pinned = backend.pool_kind == "pinned"
-            # pinned, in shared memory, where the driver can pin it (host/nodecopy.py)
-            node_dir = tier_directory() if pinned else host_memory.tier_dir
-            node = NodeCopy(whole_bytes(shapes, ranks.world_size), ranks, node_dir, pinned,
-                            timeout_s, log)
-            stack.callback(node.close)
+        node = _node_copy(schedule, model, backend, ranks, start.host_memory.tier_dir,
+                          timeout_s, log, stack)
         exchange = GradientExchange(ranks, backend) if ranks.world_size > 1 else None
-        precision = MixedPrecision.of(schedule, backend.device.type)
         clip = schedule.config.clip_grad_norm
-        engine = Engine(schedule, model, mf.make_optimizer, pool, backend, exchange, tier,
-                        precision, GradClip(clip) if clip is not None else None, node)
+        parts = build_engine_parts(schedule, model, mf.make_optimizer, pool, backend, exchange,
+                                   tier, node, MixedPrecision.of(schedule, backend.device.type),
+                                   GradClip(clip) if clip is not None else None)
+        engine = Engine(schedule, model, parts)
         stack.callback(engine.close)
         if tier is not None:
             tier.release_unused()
@@ -157,13 +134,128 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
         lr_schedule = None if mf.make_scheduler is None else LRSchedule(
             mf.make_optimizer, mf.make_scheduler, list(model.parameters()),
             optimizer.optimizers, mf.path)
-        if bound is not None:
-            bound.bound(0)
+        if start.bound is not None:
+            start.bound.bound(0)
         # every rank has built its model (ranks that build slower than the timeout get longer)
         process_group.barrier(ranks, "before the first step",
                               timeout_s + time.perf_counter() - built)
-        return Parts(model, engine, pool, meter, exchange, precision, optimizer, lr_schedule,
-                     bound, baseline_private, baseline_data, stack.pop_all(), node)
+        return Parts(model, engine, pool, start.meter, exchange, parts.precision, optimizer,
+                     lr_schedule, start.bound, start.baseline_private_bytes,
+                     start.baseline_data_bytes, stack.pop_all(), node)
+
+
+@dataclass(frozen=True)
+class Start:
+    """What bring-up measures and starts before the model exists."""
+
+    host_memory: HostMemory  # what the schedule needs of the host, and where the tier goes
+    meter: PrivatePeak | DevicePeak  # each step's peak memory
+    bound: cpu_cache.PlannedBound | None  # the CPU backend's cache, where it runs
+    baseline_private_bytes: int  # what the peak is measured above
+    baseline_data_bytes: int  # VmData: the process's fixed cost under prlimit --data
+
+
+def _before_the_model(schedule: Schedule, mf: ModelFile, backend: Backend,
+                      log: Callable[[str], None], cap_device_memory: bool | int,
+                      stack: contextlib.ExitStack) -> Start:
+    """The host-memory check, the CPU backend's cache, the baseline the peak is measured
+    above, the peak meter and the device cap."""
+    # before anything is allocated: [Note: where the host tier's bytes live]
+    host_memory = measure_host_memory(schedule, backend.name)
+    problem = host_memory_problem(host_memory)
+    if problem is not None:
+        raise KarmaError(problem)
+    return_freed_memory_promptly()
+    cache = cpu_cache.load(log) if backend.name == "cpu" else None
+    if cache is not None:  # [Note: a caching allocator for the CPU backend]
+        cache.start(1 << 62)  # bounded below, once the baseline is known
+        stack.callback(_stop_cache, cache, log)
+    baseline_private, baseline_data = _baseline(mf, schedule, log)
+    bound = None if cache is None else cpu_cache.PlannedBound(
+        cache, baseline_private, schedule.predicted.peak_device_bytes)
+    meter = PrivatePeak(baseline_private) if backend.name == "cpu" else DevicePeak(backend)
+    stack.callback(meter.close)
+    if cap_device_memory:
+        _cap(backend, schedule.config.capacity_bytes if cap_device_memory is True
+             else int(cap_device_memory), log)
+    return Start(host_memory, meter, bound, baseline_private, baseline_data)
+
+
+def _host_tier(schedule: Schedule, backend: Backend, host_memory: HostMemory,
+               log: Callable[[str], None],
+               stack: contextlib.ExitStack) -> tuple[HostPool, BuildInTier | None]:
+    """The host tier's pool, and on the CPU backend the mode that builds the model in it
+    (host/tier.py, BuildInTier): its weights need not fit in the memory the schedule allows."""
+    pool = HostPool(pool_bytes(_pool_bytes(schedule)), kind=backend.pool_kind,
+                    directory=host_memory.tier_dir)
+    stack.callback(pool.close)
+    if backend.name == "cpu" and schedule.predicted.host_bytes:
+        log(f"host tier: {format_bytes(schedule.predicted.host_bytes)} in "
+            f"{pool.directory} " + (
+                "(memory: a tmpfs)" if host_memory.tier_in_memory else
+                "(a file on disk, whose pages the kernel writes back: slower than a "
+                "tmpfs; set KARMA_TIER_DIR to one with room)"))
+    return pool, (BuildInTier(pool, TIER_MIN_BYTES) if backend.name == "cpu" else None)
+
+
+def _node_copy(schedule: Schedule, model: torch.nn.Module, backend: Backend, ranks: Ranks,
+               tier_dir: str, timeout_s: float, log: Callable[[str], None],
+               stack: contextlib.ExitStack) -> NodeCopy | None:
+    """With sharded host state, the node's copy of the whole weights ([Note: the node's
+    copy of the weights]); else None."""
+    if not schedule.config.sharded:
+        return None
+    named = dict(model.named_parameters(remove_duplicate=False))
+    shapes = [(named[n].shape, named[n].dtype) for n in sharded_params(schedule)]
+    pinned = backend.pool_kind == "pinned"
+    # pinned, in shared memory, where the driver can pin it (host/nodecopy.py)
+    node_dir = tier_directory() if pinned else tier_dir
+    node = NodeCopy(whole_bytes(shapes, ranks.world_size), ranks, node_dir, pinned, timeout_s,
+                    log)
+    stack.callback(node.close)
+    return node
+
+
+def build_engine_parts(schedule: Schedule, model: torch.nn.Module, make_optimizer: Callable,
+                       pool: HostPool, backend: Backend, exchange: GradientExchange | None,
+                       tier: BuildInTier | None, node: NodeCopy | None,
+                       precision: MixedPrecision, clip: GradClip | None) -> EngineParts:
+    """What the engine replays over: each block's weights with its host-state layout, the
+    storage of streamed parameters and the swap stores; the model (built on the CPU, its
+    large tensors in the host tier when built under `tier`) placed on the backend's device
+    on the way. `node`: where sharded host state keeps the whole weights (host/nodecopy.py;
+    the schedule's host_state says whether)."""
+    if schedule.config.world_size > 1 and exchange is None:
+        raise KarmaError(f"this schedule was planned for {schedule.config.world_size} ranks; "
+                         "run it on that many (karma-run under torchrun)")
+    validate(schedule)  # a Schedule made in memory was never loaded (and checked)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    check_model_names(schedule, named, {name for name, _ in model.named_modules()})
+    shared = SharedStorage()
+    weights = []
+    for b in schedule.blocks:
+        params = [(n, named[n]) for n in b.params]
+        layout = _layout(schedule, b, [p for _, p in params], pool, node, exchange)
+        weights.append(BlockWeights(b.name, params, b.weights, b.optim, make_optimizer, pool,
+                                    shared, layout, backend.device, tier))
+    place_buffers(model, backend.device, tier, pool)
+    # after placement: a parameter's storage is the one on the device
+    param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    swaps = {b.index: SwapStore(b.name, pool, param_storages, backend.device)
+             for b in schedule.blocks if b.act == "swap"}
+    return EngineParts(weights, shared, swaps, backend, precision, exchange, clip)
+
+
+def _layout(schedule: Schedule, block: BlockEntry, params: list[torch.nn.Parameter],
+            pool: HostPool, node: NodeCopy | None,
+            exchange: GradientExchange | None) -> HostLayout | None:
+    """Where `block`'s host state lives (params/layout.py): None for a block stepped on the
+    device; else whole on this rank, or its rows of it with sharded host state."""
+    if block.optim != "host":
+        return None
+    if schedule.config.sharded:
+        return ShardedLayout(params, pool, node, exchange.ranks, schedule.config.accumulate)
+    return ReplicatedLayout(params, pool)
 
 
 def _pool_bytes(schedule: Schedule) -> int:

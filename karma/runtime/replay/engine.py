@@ -16,22 +16,21 @@ Copy streams, the all-reduces of several ranks (`net`) and the host optimizer ar
 (backends/backend.py) orders the work on the device. The roles it calls: the replay tables
 (tables.py), the hooks (hooks.py), the update side of a step (update.py), each block's
 weights (params/weights.py) and swapped activations (swap.py), evaluation (evaluation.py).
+Bring-up builds the weights, the storage of streamed parameters and the swap stores and
+hands them over (EngineParts, bringup.py); the engine wires the replay over them.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from karma.errors import KarmaError
-from karma.runtime.backends.backend import Backend, CpuBackend
+from karma.runtime.backends.backend import Backend
 from karma.runtime.distributed.exchange import GradientExchange
-from karma.runtime.host.nodecopy import NodeCopy
-from karma.runtime.host.tier import BuildInTier, HostPool
-from karma.runtime.params.layout import ReplicatedLayout, ShardedLayout
-from karma.runtime.params.placement import place_buffers
 from karma.runtime.params.streamed import SharedStorage
 from karma.runtime.params.weights import BlockWeights
 from karma.runtime.replay.chaos import Chaos, pause
@@ -43,50 +42,39 @@ from karma.runtime.replay.tables import DivergedError, ReplayTables
 from karma.runtime.replay.training_options import GradClip, MixedPrecision
 from karma.runtime.replay.update import Updates
 from karma.schedule import EXCHANGE_KINDS, Op, Schedule
-from karma.schedule_check import check_model_names, validate
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What bring-up builds for the engine (bringup.py, build_engine_parts), the model's
+    tensors already on the backend's device."""
+
+    weights: list[BlockWeights]  # each block's, in the schedule's order
+    shared: SharedStorage  # the storage of streamed parameters, which fetches fill
+    swaps: dict[int, SwapStore]  # block index -> where its swapped activations go
+    backend: Backend
+    precision: MixedPrecision  # the schedule's dtype (training_options.py)
+    exchange: GradientExchange | None = None  # on several ranks
+    clip: GradClip | None = None  # the schedule's clip_grad_norm
 
 
 class Engine:
     """Hooks a model so that each training iteration follows `schedule`."""
 
-    def __init__(self, schedule: Schedule, model: torch.nn.Module, make_optimizer,
-                 pool: HostPool, backend: Backend | None = None,
-                 exchange: GradientExchange | None = None, tier: BuildInTier | None = None,
-                 precision: MixedPrecision | None = None, clip: GradClip | None = None,
-                 node: NodeCopy | None = None):
-        """`model` is built on the CPU (its large tensors in the host tier when built under
-        `tier`); the engine places it on the backend's device. `precision` and `clip` are the
-        schedule's training options (training_options.py). `node`: where sharded host state
-        keeps the whole weights (host/nodecopy.py; the schedule's host_state says whether)."""
-        if schedule.config.world_size > 1 and exchange is None:
-            raise KarmaError(f"this schedule was planned for {schedule.config.world_size} ranks; "
-                             "run it on that many (karma-run under torchrun)")
-        validate(schedule)  # a Schedule made in memory was never loaded (and checked)
+    def __init__(self, schedule: Schedule, model: torch.nn.Module, parts: EngineParts):
+        """Wire the replay of `schedule` over `model` and the `parts` bring-up built for it:
+        the tables, the streams and their events, the hooks and the update side."""
         self.schedule = schedule
         self.model = model
-        self.backend = backend or CpuBackend()
         self.blocks = schedule.blocks
-        self.exchange = exchange
-        self.precision = precision or MixedPrecision(self.backend.device.type, None)
-        named = dict(model.named_parameters(remove_duplicate=False))
-        check_model_names(schedule, named, {name for name, _ in model.named_modules()})
-        device = self.backend.device
-        self.shared = SharedStorage()
-        self.weights = []
-        for b in self.blocks:
-            params = [named[n] for n in b.params]
-            layout = None if b.optim != "host" else ShardedLayout(
-                params, pool, node, exchange.ranks, schedule.config.accumulate) \
-                if schedule.config.sharded else ReplicatedLayout(params, pool)
-            self.weights.append(BlockWeights(
-                b.name, [(n, named[n]) for n in b.params], b.weights, b.optim, make_optimizer,
-                pool, self.shared, layout, device, tier))
-        place_buffers(model, device, tier, pool)
-        # after placement: a parameter's storage is the one on the device
-        param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
-        self.swaps = {b.index: SwapStore(b.name, pool, param_storages, device)
-                      for b in self.blocks if b.act == "swap"}
+        self.backend = parts.backend
+        self.exchange = parts.exchange
+        self.precision = parts.precision
+        self.weights = parts.weights
+        self.shared = parts.shared
+        self.swaps = parts.swaps
         self.tables = ReplayTables.of(schedule)
+        named = dict(model.named_parameters(remove_duplicate=False))
         # weight buffer -> its parameters; op id -> the parameters it releases when done
         self._params = {buf: [named[n] for n in names]
                         for buf, names in self.tables.weight_params.items()}
@@ -97,7 +85,7 @@ class Engine:
         self.streams = {name: StreamWorker(name, self.events.events, self.events.errors,
                                            self.backend, self.chaos)
                         for name in ("h2d", "d2h", "net", "host")}
-        self.updates = Updates(self.tables, self.weights, model, clip, self.events,
+        self.updates = Updates(self.tables, self.weights, model, parts.clip, self.events,
                                self.backend, self.streams["host"])
         self.hooks = BlockHooks(model, self.blocks, self.swaps, self.precision)
         self._evaluation = BlockByBlock(self.blocks, named, self.shared)
