@@ -129,6 +129,16 @@ class Backend(Protocol):
         """Emulate a device of `nbytes` (--cap-device-memory)."""
 
 
+def sum_over_ranks(tensor: torch.Tensor, group, out: torch.Tensor | None = None) -> None:
+    """Sum `tensor` over the ranks of `group`, in place (an all-reduce); with `out`, into
+    `out` this rank's 1/N of the sum (a reduce-scatter): `Backend.collective` on both
+    backends, on the calling thread's current stream."""
+    if out is None:
+        torch.distributed.all_reduce(tensor, group=group)
+    else:
+        torch.distributed.reduce_scatter_tensor(out, tensor, group=group)
+
+
 class WallClock:
     """Stamps on the CPU's clock: where work runs on the thread that stamps it (the CPU
     backend), a stamp before and one after the work bound it."""
@@ -175,12 +185,7 @@ class CpuBackend(Backend):
         return make()
 
     def collective(self, tensor: torch.Tensor, group, out: torch.Tensor | None = None) -> None:
-        """Sum `tensor` over the ranks of `group`, in place (the exchange's all-reduce); with
-        `out`, into `out` this rank's 1/N of the sum (a reduce-scatter)."""
-        if out is None:
-            torch.distributed.all_reduce(tensor, group=group)
-        else:
-            torch.distributed.reduce_scatter_tensor(out, tensor, group=group)
+        sum_over_ranks(tensor, group, out)  # on the net stream's worker, which waits for it
 
     def marker(self) -> Callable[[], None] | None:
         return None  # work on the CPU is done when it returns: nothing to wait for

@@ -23,10 +23,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.distributed
 
 from karma.errors import KarmaError
-from karma.runtime.backends.backend import Backend
+from karma.runtime.backends.backend import Backend, sum_over_ranks
 from karma.units import format_bytes
 
 
@@ -171,10 +170,7 @@ class CudaBackend(Backend):
         """Sum `tensor` over the ranks of `group`, in place, on the calling thread's current
         stream (the net stream: distributed/exchange.py says how NCCL and gloo meet it); with
         `out`, into `out` this rank's 1/N of the sum (a reduce-scatter)."""
-        if out is None:
-            torch.distributed.all_reduce(tensor, group=group)
-        else:
-            torch.distributed.reduce_scatter_tensor(out, tensor, group=group)
+        sum_over_ranks(tensor, group, out)
 
     def marker(self) -> Callable[[], None]:
         """A point on the calling thread's stream; calling the result makes the then-current

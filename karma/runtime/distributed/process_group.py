@@ -182,11 +182,7 @@ def _give_up(message: str) -> None:
 def _check_same(ranks: Ranks, what: str, value: str, fix: str) -> None:
     """Every rank must hold the same `value` (a string); else an error naming the ranks and
     what each holds."""
-    values: list = [None] * ranks.world_size
-    try:
-        dist.all_gather_object(values, value)
-    except RuntimeError as e:
-        raise lost(ranks, f"while comparing their {what}", e) from e
+    values = _every_rank(ranks, value, f"while comparing their {what}")
     if any(v != values[0] for v in values):
         groups: dict[str, list[int]] = {}
         for r, v in enumerate(values):
@@ -198,12 +194,7 @@ def _check_same(ranks: Ranks, what: str, value: str, fix: str) -> None:
 
 def _check_own_gpus(ranks: Ranks, device_id: str | None) -> None:
     """NCCL needs a GPU per rank: refuse, on every rank alike, ranks that share one."""
-    ids: list = [None] * ranks.world_size
-    try:
-        dist.all_gather_object(ids, device_id)
-    except RuntimeError as e:
-        raise lost(ranks, "while comparing their GPUs", e) from e
-    shared = shared_gpus(ids)
+    shared = shared_gpus(_every_rank(ranks, device_id, "while comparing their GPUs"))
     if shared:
         device, rs = next(iter(shared.items()))
         raise KarmaError(
@@ -222,6 +213,12 @@ def gather(ranks: Ranks, value, where: str) -> list:
     """Every rank's `value` (picklable), in rank order, on every rank."""
     if ranks.world_size == 1:
         return [value]
+    return _every_rank(ranks, value, where)
+
+
+def _every_rank(ranks: Ranks, value, where: str) -> list:
+    """Every rank's `value` (picklable), in rank order, over the default group; a rank lost
+    meanwhile is reported as lost `where`."""
     values: list = [None] * ranks.world_size
     try:
         dist.all_gather_object(values, value)
