@@ -11,8 +11,9 @@ CPU backend), the node's copy of the weights (sharded host state), the gradient 
 the engine's parts (build_engine_parts: the schedule checked against the model, each
 block's weights with its host-state layout, the storage of streamed parameters, the model
 placed on the device, the swap stores), the engine, which wires the replay over them, the
-optimizers and the LR schedule. Each piece that must be closed is pushed on one `contextlib.ExitStack` as it is made, so a failure
-halfway closes what was made, newest first, and `Parts.close` does the same for a whole run.
+optimizers and the LR schedule. Each piece that must be closed is pushed on one
+`contextlib.ExitStack` as it is made, so a failure halfway closes what was made, newest
+first, and `Parts.close` does the same for a whole run.
 """
 
 from __future__ import annotations
