@@ -72,16 +72,10 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     """
     autocast = partial(torch.autocast, torch.device(device).type, dtype=torch.bfloat16,
                        enabled=dtype == "bf16")
-    torch.manual_seed(seed)
-    model = mf.build()  # build_model(), a Hugging Face KV cache turned off as karma-run does
-    model.to(device)
-    model.train()
-    opt = mf.make_optimizer(model.parameters())
-    sched = mf.make_scheduler(opt) if mf.make_scheduler is not None else None
+    model, opt, sched = _built(mf, seed, device)
     host = HostStepped(model, mf.make_optimizer, host_params) if host_params else None
     data = [mf.checked_batches(batch_size, r, world_size) for r in range(world_size)]
     rng = [_rng_state(device)] * world_size
-    params = list(model.parameters())
     losses: list[list[float]] = [[] for _ in range(world_size)]
     lrs: list[float] = []
     grad_norms: list[float] = []
@@ -92,21 +86,8 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
         if resize is not None and step == resize[0] + 1:
             world_size, data, rng, losses = _resized(mf, batch_size, resize, accumulate,
                                                      world_size, rng, losses, device)
-        summed: list[torch.Tensor | None] = [None] * len(params)
-        for r in range(world_size):
-            if world_size > 1:
-                _set_rng_state(rng[r], device)
-            micro = _micro_batches(mf, model, data[r], accumulate, autocast, to_device)
-            losses[r].append(sum(micro) / len(micro))
-            if world_size == 1:
-                break  # the plain loop: the gradients stay where backward left them
-            rng[r] = _rng_state(device)
-            summed = [g if s is None else s if g is None else s + g
-                      for s, g in zip(summed, (p.grad for p in params))]
-            opt.zero_grad()
-        if world_size > 1:
-            for p, g in zip(params, summed):
-                p.grad = None if g is None else g / world_size
+        _backward_ranks(mf, model, opt, data, rng, losses, accumulate, autocast, to_device,
+                        device)
         lrs.append(float(opt.param_groups[0]["lr"]))
         norm = _step(model, opt, sched, host, clip_grad_norm, accumulate)
         if norm is not None:
@@ -117,6 +98,42 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
             evals.append({"step": step, "loss": _eval_loss(mf, model, held_out, autocast,
                                                            to_device)})
     return ReferenceRun(model, losses, lrs=lrs, grad_norms=grad_norms, evals=evals)
+
+
+def _built(mf: ModelFile, seed: int, device: str):
+    """build_model() after torch.manual_seed(seed), moved to `device`, in training mode; its
+    optimizer and the model file's LR scheduler (None without make_scheduler)."""
+    torch.manual_seed(seed)
+    model = mf.build()  # build_model(), a Hugging Face KV cache turned off as karma-run does
+    model.to(device)
+    model.train()
+    opt = mf.make_optimizer(model.parameters())
+    sched = mf.make_scheduler(opt) if mf.make_scheduler is not None else None
+    return model, opt, sched
+
+
+def _backward_ranks(mf: ModelFile, model: torch.nn.Module, opt, data: list, rng: list,
+                    losses: list[list[float]], accumulate: int, autocast, to_device,
+                    device: str) -> None:
+    """Each rank's micro-batches of a step (rank r: `data[r]`, from its random streams
+    `rng[r]`), its mean loss added to `losses[r]`; with several ranks their gradients are
+    summed in rank order and divided by their number."""
+    world_size = len(data)
+    params = list(model.parameters())
+    summed: list[torch.Tensor | None] = [None] * len(params)
+    for r in range(world_size):
+        if world_size > 1:
+            _set_rng_state(rng[r], device)
+        micro = _micro_batches(mf, model, data[r], accumulate, autocast, to_device)
+        losses[r].append(sum(micro) / len(micro))
+        if world_size == 1:
+            return  # the plain loop: the gradients stay where backward left them
+        rng[r] = _rng_state(device)
+        summed = [g if s is None else s if g is None else s + g
+                  for s, g in zip(summed, (p.grad for p in params))]
+        opt.zero_grad()
+    for p, g in zip(params, summed):
+        p.grad = None if g is None else g / world_size
 
 
 def _micro_batches(mf: ModelFile, model: torch.nn.Module, data, accumulate: int, autocast,
