@@ -174,8 +174,9 @@ def main() -> None:
     if args.one:
         print(json.dumps(contender(args.one, args.steps, args.batch_size, cap, args.device)))
         return
-    # every contender with expandable segments, the CUDA backend's default (cuda_backend.py,
-    # [Note: expandable segments]), so that the allocator is not what separates them
+    # every contender with expandable segments, the CUDA backend's default
+    # (runtime/backends/cuda_backend.py, [Note: expandable segments]), so that the allocator
+    # is not what separates them
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **os.environ,
            "KARMA_GPT": args.size, "KARMA_SEQ": args.seq,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

@@ -10,16 +10,16 @@ on the CPU and records the first call that would be wrong on CUDA, against the r
 - `order_after(deps, ...)`: every dependency has been issued (its event recorded);
 - `release_after(op, ...)`: the op has been issued; the release is then held, as on a GPU
   that is behind, until the engine says the schedule frees it (`release_due`) or the
-  iteration ends, and a compute op that starts while a release of an earlier stage's op on
-  a barrier stream is still held is a violation (backend.py, [Note: released where the
-  schedule frees]);
+  replay ends, and a compute op that starts while a release of an earlier stage's op on a
+  barrier stream is still held is a violation (runtime/backends/backend.py, [Note:
+  released where the schedule frees]);
 - `allocated(op)`: called once, before the op's stream orders itself after it;
-- `issued(op)`: once per op per iteration, and every op by the end of the iteration, or of
-  the next one for the updates that the engine leaves running into it (update.py, [Note:
-  updates overlapped with the next forward]); ops are known by the engine's ids, unique
-  across iterations;
-- the `net` stream (several ranks, exchange.py): each collective runs on a net stream
-  already ordered after the event of the op that made its block's gradients final (the
+- `issued(op)`: once per op per replay, and every op by the end of the replay, or of the
+  next one for the updates that the engine leaves running into it (runtime/replay/update.py,
+  [Note: updates overlapped with the next forward]); ops are known by the engine's ids,
+  unique across replays;
+- the `net` stream (several ranks, runtime/distributed/exchange.py): each collective runs on
+  a net stream already ordered after the event of the op that made its block's gradients final (the
   block's backward, or its gradients' copy to the host where they are all-reduced there)
   and after its flat buffer's allocation; and every all-reduce that ran a collective hands
   its buffer's release to `release_after`, after its issue.

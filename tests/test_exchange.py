@@ -1,4 +1,5 @@
-"""The gradient exchange's own logic (exchange.py), one rank in one process, no GPU needed.
+"""The gradient exchange's own logic (runtime/distributed/exchange.py), one rank in one
+process, no GPU needed.
 
 Two ranks' sums are played by a backend whose collective adds what "the other rank" sent;
 the CUDA backend's bookkeeping of compute's waits for the net stream runs on fake streams,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from karma.fileio import filesystem_type
 from karma.runtime.host.check import HostMemory, host_memory_problem, mem_available_bytes
+from karma.storage import filesystem_type
 
 GIB = 1 << 30
 
@@ -85,15 +85,15 @@ def test_the_cpu_tier_goes_to_a_tmpfs_with_room(tmp_path, monkeypatch):
     chooses."""
     import tempfile
 
-    import karma.fileio
-    from karma.fileio import tier_directory
+    import karma.storage
+    from karma.storage import tier_directory
 
     monkeypatch.delenv("KARMA_TIER_DIR", raising=False)
     shm = tmp_path / "shm"
     shm.mkdir()
     kinds = {str(shm): "tmpfs"}
-    monkeypatch.setattr(karma.fileio, "filesystem_type", lambda p: kinds.get(p, "ext4"))
-    room = karma.fileio.free_bytes(shm)
+    monkeypatch.setattr(karma.storage, "filesystem_type", lambda p: kinds.get(p, "ext4"))
+    room = karma.storage.free_bytes(shm)
     assert tier_directory(GIB, shm=str(shm)) == str(shm)
     assert tier_directory(room + 1, shm=str(shm)) == tempfile.gettempdir()  # no room
     assert tier_directory(GIB, memory_bytes=GIB - 1, shm=str(shm)) == tempfile.gettempdir()

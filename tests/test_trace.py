@@ -35,8 +35,8 @@ from tests.schedule_fixtures import tiny_schedule
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # (strategy, fraction of keep_all's peak, clip_grad_norm): with clipping the host steps and
-# uploads of the traced step run on after it (update.py, [Note: updates overlapped with the
-# next forward]) and must be in its trace all the same
+# uploads of the traced step run on after it (runtime/replay/update.py, [Note: updates
+# overlapped with the next forward]) and must be in its trace all the same
 CASES = {"keep_all": ("keep_all", 1.0, None), "swap_all": ("swap_all", 1.0, None),
          "offload_all": ("offload_all", 1.0, None),
          "offload_all_clipped": ("offload_all", 1.0, 1.0)}

@@ -22,7 +22,6 @@ import torch
 from karma.calibrate.cache import cache_path, read, write
 from karma.calibrate.measure_hw import measure_local
 from karma.errors import KarmaError
-from karma.fileio import filesystem_type, tier_directory
 from karma.planner.hardware import (
     Hardware,
     builtin_names,
@@ -32,6 +31,7 @@ from karma.planner.hardware import (
 )
 from karma.runtime.host import cpu_cache
 from karma.runtime.host.tier import return_freed_memory_promptly
+from karma.storage import filesystem_type, tier_directory
 
 _RATE_FIELDS = ("flops_per_s", "mem_bytes_per_s", "h2d_bytes_per_s", "d2h_bytes_per_s",
                 "host_optim_bytes_per_s",

@@ -14,7 +14,7 @@ What is and is not measured:
 - device memory bandwidth from a large copy, counting bytes read plus bytes written;
 - copy bandwidth: on CUDA pinned host <-> device; on the CPU, RAM <-> a file-backed tensor
   (`torch.from_file(shared=True)`) where the runtime keeps its offload tier (/dev/shm where
-  it is a tmpfs, else the temporary directory: fileio.tier_directory), fp32 on a worker
+  it is a tmpfs, else the temporary directory: storage.tier_directory), fp32 on a worker
   thread ([Note: copies as the streams run them]);
 - host optimizer rate: torch.optim.AdamW(foreach=True).step() on fp32 parameters;
 - on the CPU, contention between streams (see [Note: measuring contention]);
@@ -38,9 +38,9 @@ from typing import NamedTuple
 import torch
 
 from karma.errors import KarmaError
-from karma.fileio import tier_directory
 from karma.planner.hardware import Hardware
 from karma.runtime.host.check import mem_available_bytes as meminfo_available_bytes
+from karma.storage import tier_directory
 
 _GiB = 1024**3
 _MiB = 1024**2

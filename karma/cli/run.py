@@ -86,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     # [Note: a file past ulimit -f is an error, not a kill] Writing past RLIMIT_FSIZE sends
     # SIGXFSZ, whose default action ends the process with a core dump and no word of which
     # file; ignored, the write fails with EFBIG instead, and the checkpoint or host tier that
-    # wrote it stops the run with the path and the limit (fileio.write_failure). karma-run
+    # wrote it stops the run with the path and the limit (storage.write_failure). karma-run
     # owns its process; the Runtime library leaves signals to its caller.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     cap = args.cap_device_memory

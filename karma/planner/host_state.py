@@ -46,7 +46,7 @@ def add_host_state(f: Fragment, problem: Problem, b: BlockCost, sharded: bool,
     of gradients (pinned: the gradients' copies land there) and optimizer state, plus all of
     the gradients where they add up over micro-batches before the exchange (the shard is
     then part of them); the whole weights are gathered into one copy per node, which its
-    ranks share, and a rank's masters are its rows of it (runtime/shard.py)."""
+    ranks share, and a rank's masters are its rows of it (runtime/params/layout.py)."""
     if not sharded:
         f.host_bytes += b.optim_bytes + 2 * b.param_bytes
         f.pinned_bytes += b.param_bytes

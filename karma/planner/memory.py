@@ -49,9 +49,9 @@ def host_temp_bytes(f: Fragment) -> int:
     the host (to_host(i)) and may run on through any later stage. So the stage model counts,
     in each stage from to_host(i) on, the largest temporary among the blocks whose host step
     may have started (host_temp_by_stage), rather than each in its own stage. With
-    clipping the host steps run on into the next step's forward (the runtime overlaps
-    them: runtime/update.py, [Note: updates overlapped with the next forward]), so the largest of
-    them counts in every stage."""
+    clipping the host steps run on into the next step's forward (the runtime overlaps them:
+    runtime/replay/update.py, [Note: updates overlapped with the next forward]), so the
+    largest of them counts in every stage."""
     return max((b.bytes for b in f.buffers if b.name.startswith(HOST_TEMP)), default=0)
 
 

@@ -146,8 +146,8 @@ class SimResult:
     @property
     def step_s(self) -> float:
         """One optimizer step as the runtime runs it: with clipping the host updates overlap
-        the next step's forward (runtime/update.py, [Note: updates overlapped with the next
-        forward]), so the overlapped figure; else serial_step_s."""
+        the next step's forward (runtime/replay/update.py, [Note: updates overlapped with the
+        next forward]), so the overlapped figure; else serial_step_s."""
         overlapped = self.overlapped_step_s
         return overlapped if overlapped is not None else self.serial_step_s
 

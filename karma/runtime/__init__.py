@@ -7,7 +7,7 @@ role; each sub-package imports only those listed before it:
 - backends/: where compute runs and how streams order work (CPU, CUDA);
 - host/: host memory: the host tier, its check, the node's copy, the meters;
 - params/: each block's weights and optimizer state, and where they live;
-- replay/: the engine and what it drives through one iteration;
+- replay/: the engine and what it drives through one replay;
 - checkpoints/: the training state saved, loaded and exported.
 
 At the top: `Runtime` (runtime.py), bringing a run up and down (bringup.py), karma-run's

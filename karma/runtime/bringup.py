@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from karma.errors import KarmaError
-from karma.fileio import tier_directory
 from karma.modelfile import ModelFile
 from karma.runtime.backends.backend import Backend, CpuBackend
 from karma.runtime.backends.cuda_backend import CudaBackend
@@ -62,6 +61,7 @@ from karma.runtime.replay.swap import SwapStore
 from karma.runtime.replay.training_options import GradClip, MixedPrecision
 from karma.schedule import BlockEntry, Schedule
 from karma.schedule_check import check_model_names, validate
+from karma.storage import tier_directory
 from karma.units import format_bytes
 
 # On the CPU backend, factory tensors of at least this size are built in the host tier.
@@ -94,7 +94,7 @@ class Parts:
     @property
     def host_optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers of host-stepped blocks, whose steps may run on into the next
-        iteration (replay/update.py)."""
+        step (replay/update.py)."""
         return [w.optimizer for w in self.engine.weights
                 if w.optim == "host" and w.optimizer is not None]
 

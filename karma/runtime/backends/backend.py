@@ -63,9 +63,9 @@ class Backend(Protocol):
       a barrier stream is forced by `release_due` before any compute op of a later stage
       starts ([Note: released where the schedule frees]);
     - `allocated(op)` once, before the op's stream is ordered after it;
-    - `issued(op)` once per op per iteration, every op by the end of its iteration or of the
+    - `issued(op)` once per op per replay, every op by the end of its replay or of the
       next one for the updates left running into it (replay/update.py); ops are known by the
-      engine's gids, unique across iterations ([Note: operation ids across iterations]);
+      engine's gids, unique across replays ([Note: operation ids across replays]);
     - each collective runs on a net stream already ordered after the event of the op that
       made its block's gradients final and after its flat buffer's allocation, and hands the
       buffer's release to `release_after` (distributed/exchange.py).
@@ -80,7 +80,7 @@ class Backend(Protocol):
         """Entered by stream `name`'s worker thread for its whole life."""
 
     def begin_replay(self, op_ids: Iterable[int]) -> None:
-        """An iteration starts; its ops have these gids."""
+        """A replay starts; its ops have these gids."""
 
     def issued(self, op_id: int, stream: str) -> None:
         """Op `op_id`'s work has been handed to `stream`: its end is marked."""
@@ -117,7 +117,7 @@ class Backend(Protocol):
         thread's own waits say it)."""
 
     def end_replay(self) -> None:
-        """Every stream's work of the iteration has been issued: finish it."""
+        """Every stream's work of the replay has been issued: finish it."""
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A batch's tensor on the compute device."""

@@ -106,8 +106,8 @@ class CudaBackend(Backend):
         return torch.cuda.device(self.device)  # host: CPU work, on a thread of this GPU
 
     def begin_replay(self, op_ids) -> None:
-        """Events for this iteration's ops (the engine's ids, unique across iterations);
-        the previous iteration's stay, for the updates it left running (replay/update.py, [Note:
+        """Events for this replay's ops (the engine's ids, unique across replays);
+        the previous replay's stay, for the updates it left running (replay/update.py, [Note:
         updates overlapped with the next forward])."""
         op_ids = list(op_ids)
         floor = min(op_ids, default=0) - len(op_ids)

@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 
 from karma.errors import KarmaError
-from karma.fileio import NO_ROOM, replaced_atomically, write_failure
+from karma.fileio import replaced_atomically
 from karma.runtime.checkpoints import dcp_state
 from karma.runtime.distributed import process_group
 from karma.runtime.distributed.process_group import SINGLE, Ranks
+from karma.storage import NO_ROOM, write_failure
 
 FORMAT = "karma-checkpoint-2"
 FILES = ("extras.pt", "meta.json", f"{dcp_state.STATE_DIR}/.metadata")

@@ -16,7 +16,7 @@ this machine differs:
   refuse working setups.
 - CPU: the tier is a shared mapping of a file in /dev/shm where that is a tmpfs with room,
   else in the temporary directory ([Note: the CPU tier lives in memory where it can] in
-  fileio.py; `KARMA_TIER_DIR` chooses), whose blocks are taken as it grows (tier.py,
+  storage.py; `KARMA_TIER_DIR` chooses), whose blocks are taken as it grows (tier.py,
   [Note: the tier's disk is taken when it grows]). On a disk its pages are page cache that
   the kernel writes back and evicts, so they need room on that filesystem (statvfs), not
   memory; in a tmpfs or ramfs its pages are memory (shmem, not counted in MemAvailable once
@@ -35,9 +35,9 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from karma.fileio import MEMORY_FILESYSTEMS, filesystem_type, free_bytes, tier_directory
 from karma.runtime.host.tier import pool_bytes
 from karma.schedule import Schedule
+from karma.storage import MEMORY_FILESYSTEMS, filesystem_type, free_bytes, tier_directory
 from karma.units import format_bytes
 
 
@@ -90,7 +90,7 @@ def host_memory_problem(m: HostMemory) -> str | None:
 def measure_host_memory(schedule: Schedule, backend: str,
                         tier_dir: str | None = None) -> HostMemory:
     """`schedule`'s needs and this machine's memory and tier space, for host_memory_problem.
-    `tier_dir`: where the tier file goes (default: fileio.tier_directory's choice for this
+    `tier_dir`: where the tier file goes (default: storage.tier_directory's choice for this
     schedule: [Note: the CPU tier lives in memory where it can]); HostPool is given the
     same (HostMemory.tier_dir)."""
     p = schedule.predicted

@@ -21,7 +21,7 @@ Every rank of the node writes the same values into it: each all-gathers every sh
 the whole copy itself, so none depends on another's write having landed, and what they
 write at once is bit for bit the same. No rank reads a block's weights while another writes
 them: a block's all-gather completes on no rank before every rank has entered it, after
-its last read of the block's weights in the iteration (the backward of the block, and of
+its last read of the block's weights in the replay (the backward of the block, and of
 any block sharing its weights, comes first), and a rank's next read waits for its own
 all-gather (engine: fetch_waits, forward_waits).
 """

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from karma.errors import KarmaError
-from karma.fileio import write_failure
+from karma.storage import write_failure
 
 ALIGN = 64  # bytes
 

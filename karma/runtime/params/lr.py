@@ -4,12 +4,12 @@
 parameters and one scheduler stepping it; karma has one optimizer per block. A "driver"
 optimizer, made by the model file's make_optimizer over all the model's parameters exactly as
 the plain loop makes its own, is handed to make_scheduler and never stepped (optimizers such
-as SGD and AdamW make their state at the first step, so it holds none). After each iteration
+as SGD and AdamW make their state at the first step, so it holds none). After each step
 the scheduler steps the driver, and every hyperparameter of the driver's param group k (lr,
 and e.g. momentum or betas for OneCycleLR) is copied into param group k of each block's
 optimizer: they all see the values the plain loop's optimizer would, computed by the same
-code from the same numbers. The copy happens between iterations, when no host step of
-theirs runs: for optimizers whose host steps may still be running into the next iteration
+code from the same numbers. The copy happens between steps, when no host step of
+theirs runs: for optimizers whose host steps may still be running into the next step
 (replay/update.py, [Note: updates overlapped with the next forward]) it is queued behind them.
 """
 

@@ -1,4 +1,5 @@
-"""Replay: one training iteration run by the schedule's operations.
+"""Replay: the schedule's operations run around the model's own forward and backward, one
+micro-batch a replay.
 
 The engine follows the model's own forward and backward through hooks and, at each point
 the schedule names, issues the copies, exchanges and host steps of the stages reached to

@@ -59,7 +59,7 @@ class EngineParts:
 
 
 class Engine:
-    """Hooks a model so that each training iteration follows `schedule`."""
+    """Hooks a model so that each replay follows `schedule`."""
 
     def __init__(self, schedule: Schedule, model: torch.nn.Module, parts: EngineParts):
         """Wire the replay of `schedule` over `model` and the `parts` bring-up built for it:
@@ -90,12 +90,12 @@ class Engine:
         self.hooks = BlockHooks(model, self.blocks, self.swaps, self.precision)
         self._evaluation = BlockByBlock(self.blocks, named, self.shared)
         self.recorder = None  # a tracing.TraceRecorder while a step is traced (trace())
-        self._active = False  # inside a training iteration
+        self._active = False  # inside a replay
         self._cursor = 0  # the next compute op's index in tables.compute_ops
         self._issued = 0  # side ops issued so far (they are issued in list order)
         self._last_compute: int | None = None  # the compute op running now
 
-    # --- one iteration -------------------------------------------------------------------
+    # --- one replay -------------------------------------------------------------------
 
     def begin_replay(self, update: bool = True, first: bool = True) -> None:
         """Start replaying the schedule for one micro-batch. `update`: the last micro-batch of
@@ -133,7 +133,7 @@ class Engine:
     @property
     def blocked(self) -> list[tuple[float, float]]:
         """(start, end) of each time the compute thread waited for another stream, this
-        iteration ([Note: which stream a wait is blamed on], streams.py)."""
+        replay ([Note: which stream a wait is blamed on], streams.py)."""
         return self.events.blocked
 
     @property
@@ -147,7 +147,7 @@ class Engine:
         return self.updates.grad_norm
 
     def settle(self) -> None:
-        """Wait for the updates the last iteration left running (update.py)."""
+        """Wait for the updates the last replay left running (update.py)."""
         self.updates.settle()
 
     def after_host_updates(self, fn) -> None:
@@ -158,7 +158,7 @@ class Engine:
     def evaluating(self):
         """A forward without gradients (evaluation.py), after the last step's updates."""
         if self._active:
-            raise KarmaError("evaluate() was called inside a training iteration")
+            raise KarmaError("evaluate() was called inside a replay")
         self.settle()
         self.hooks.follow(self._evaluation.enter)
         try:
@@ -168,7 +168,7 @@ class Engine:
             self.hooks.stop()
 
     def trace(self, recorder) -> None:
-        """Record the next iteration's operations in `recorder` (tracing.TraceRecorder) on
+        """Record the next replay's operations in `recorder` (tracing.TraceRecorder) on
         every stream; None stops recording."""
         self.recorder = recorder
         for s in self.streams.values():
@@ -182,7 +182,7 @@ class Engine:
         self.hooks.stop()
         self._active = False
         if not self.events.errors:
-            self.events.errors.append(("compute", -1, RuntimeError("the iteration was abandoned")))
+            self.events.errors.append(("compute", -1, RuntimeError("the replay was abandoned")))
 
     def close(self) -> None:
         """Remove the hooks and stop the streams, once each has run what is queued (after

@@ -90,10 +90,10 @@ class StreamWorker:
 class OpEvents:
     """Each op's *issued* event, for the ops in flight, and the compute thread's waits.
 
-    [Note: operation ids across iterations] Events and the backend know an op by
-    `gid = generation * len(ops) + op.id`, the generation counting iterations: an update
-    deferred into the next iteration (update.py) keeps its own events while the next
-    iteration's ops get theirs. Events of the last two generations are kept. Work queued
+    [Note: operation ids across replays] Events and the backend know an op by
+    `gid = generation * len(ops) + op.id`, the generation counting replays: an update
+    deferred into the next replay (update.py) keeps its own events while the next
+    replay's ops get theirs. Events of the last two generations are kept. Work queued
     behind the deferred updates has keys of its own, `("after", generation, n)`.
     """
 
@@ -106,13 +106,13 @@ class OpEvents:
         self.generation = -1
         self.base = 0  # gid of this generation's op 0
         # (start, end) of each time the compute thread waited for another stream, this
-        # iteration, and the stream each wait is blamed on ([Note: which stream a wait is
+        # replay, and the stream each wait is blamed on ([Note: which stream a wait is
         # blamed on])
         self.blocked: list[tuple[float, float]] = []
         self.blocked_on: list[str] = []
 
     def next_generation(self) -> list[int]:
-        """Start an iteration: drop the events of generations before the previous one (once
+        """Start a replay: drop the events of generations before the previous one (once
         done) and make this one's; returns its gids, in op order."""
         self.generation += 1
         self.base = self.generation * self._n_ops

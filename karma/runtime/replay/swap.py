@@ -120,7 +120,7 @@ class SwapStore:
         return release
 
     def reset(self) -> None:
-        """End of the iteration: forget every entry (all have been unpacked)."""
+        """End of the replay: forget every entry (all have been unpacked)."""
         for e in self._entries:
             if e.host is not None:
                 self._pool.free(e.host)

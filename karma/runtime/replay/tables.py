@@ -53,7 +53,7 @@ class ReplayTables:
     # blocks whose gradients are all-reduced on the host, after their copy there ([Note:
     # gradients accumulate where the block steps], update.py)
     reduce_on_host: frozenset[int]
-    # ops that may run on into the next iteration: the host steps and uploads, with clipping
+    # ops that may run on into the next replay: the host steps and uploads, with clipping
     # ([Note: updates overlapped with the next forward], update.py); empty without
     deferred: frozenset[int]
     # block -> the uploads of the weights its forward reads (its own and a tied owner's)

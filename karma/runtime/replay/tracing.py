@@ -1,8 +1,8 @@
-"""Recording one iteration's timeline: when each operation started and ended on its stream.
+"""Recording one replay's timeline: when each operation started and ended on its stream.
 
-The engine calls `began` and `ended` around every operation of the traced iteration (compute
+The engine calls `began` and `ended` around every operation of the traced replay (compute
 ops on the compute thread, the others on their stream's worker), and nothing at all when no
-step is traced. The result is a `timeline.StepTrace`, relative to the iteration's start.
+step is traced. The result is a `timeline.StepTrace`, relative to the replay's start.
 
 A compute op runs from when the compute thread has its dependencies (Engine._start) to when
 the next compute op arrives (Engine._finish_previous). A recompute has no boundary of its own
@@ -14,10 +14,10 @@ backward's span holds both.
 so `time.perf_counter()` at the start and end of an op is when it ran. On CUDA an op only
 enqueues work: each stamp on a device stream (compute, h2d, d2h, net) is a timing event
 recorded there, resolved after the work has finished; host work (the host optimizer) keeps
-perf_counter. To put both on one axis the traced iteration starts with a device
+perf_counter. To put both on one axis the traced replay starts with a device
 synchronize, then records the origin event: with the device idle, the origin event's time
 is the perf_counter origin's, to within the launch latency (microseconds). The synchronize
-costs the traced iteration the overlap with what the previous one left running, once.
+costs the traced replay the overlap with what the previous one left running, once.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from karma.timeline import ComputeWait, OpSpan, StepTrace
 
 
 class TraceRecorder:
-    """Collects the stamps of one iteration's ops (by gid, the engine's id across
-    iterations: streams.py, [Note: operation ids across iterations])."""
+    """Collects the stamps of one replay's ops (by gid, the engine's id across
+    replays: streams.py, [Note: operation ids across replays])."""
 
     def __init__(self, schedule: Schedule, backend, kept: Callable[[], int] | None = None):
         """`kept`: the bytes the CPU cache keeps now (cpu_cache.CPUCache), read at each compute
@@ -46,14 +46,14 @@ class TraceRecorder:
         self._device_streams: dict = getattr(backend, "streams", {}) if backend.name == "cuda" \
             else {}
         self._n_ops = len(schedule.ops)
-        self._base = -1  # gid of the traced iteration's op 0, once started
+        self._base = -1  # gid of the traced replay's op 0, once started
         self._began: dict[int, object] = {}  # gid -> a perf_counter time or a CUDA event
         self._ended: dict[int, object] = {}
         self._origin_s = 0.0
         self._origin_event = None
 
     def start(self, base: int) -> None:
-        """The traced iteration begins; its ops have gids base .. base + len(ops) - 1."""
+        """The traced replay begins; its ops have gids base .. base + len(ops) - 1."""
         if self._device_streams:  # [Note: two clocks, one origin]
             torch.cuda.synchronize()
             self._origin_event = self._stamp("compute")
@@ -73,7 +73,7 @@ class TraceRecorder:
                 self._kept.append((time.perf_counter(), self._kept_now()))
 
     def _traced(self, gid) -> bool:
-        # other keys: the previous iteration's deferred updates, work queued behind them
+        # other keys: the previous replay's deferred updates, work queued behind them
         return type(gid) is int and self._base <= gid < self._base + self._n_ops
 
     def _stamp(self, stream: str):
@@ -85,7 +85,7 @@ class TraceRecorder:
         return event
 
     def _seconds(self, stamp) -> float:
-        """A stamp as seconds since the iteration's origin."""
+        """A stamp as seconds since the replay's origin."""
         if isinstance(stamp, float):
             return stamp - self._origin_s
         self._origin_event.synchronize()  # elapsed_time needs both events completed
@@ -95,7 +95,7 @@ class TraceRecorder:
     def finish(self, step: int, step_s: float, blocked, blocked_on,
                memory: list[tuple[float, int]] = ()) -> StepTrace:
         """The trace, once every traced op has run (after engine.settle()). `blocked` and
-        `blocked_on`: the engine's compute waits of the iteration and their streams;
+        `blocked_on`: the engine's compute waits of the replay and their streams;
         `memory`: the peak meter's samples (perf_counter seconds, bytes above the
         baseline), where it records them (the CPU backend's private memory)."""
         spans = []

@@ -6,7 +6,7 @@
 - Clipping (config.clip_grad_norm X): before the step's first optimizer step, every gradient
   is final and they are all clipped together (`before_step`), as
   `clip_grad_norm_(model.parameters(), X)` would.
-- With clipping, the host steps and uploads may run on into the next iteration (`carried`,
+- With clipping, the host steps and uploads may run on into the next replay (`carried`,
   `settle`, `after_host_updates`).
 
 [Note: gradients accumulate where the block steps] Over the micro-batches of one optimizer
@@ -17,7 +17,7 @@ block's all-reduce after its grads_to_host (ReplayTables.reduce_on_host).
 
 [Note: updates overlapped with the next forward] With clipping no optimizer steps before the
 backward ends, so the host steps and the uploads after them are left running when the
-iteration returns, and the next iteration waits for each block's update where it first needs
+replay returns, and the next replay waits for each block's update where it first needs
 it: a block's forward waits for the uploads of the weights it uses, a fetch for the host step
 of the weights it copies. Everything that reads weights or optimizer state from outside
 (checkpoints, evaluation, the LR schedule's copy into host optimizers) waits for them all
@@ -40,7 +40,7 @@ from karma.schedule import LAST_MICRO_BATCH_KINDS, Op
 
 class Updates:
     """Which micro-batch runs, the clipping of the step's gradients, and the updates that the
-    previous iteration left running."""
+    previous replay left running."""
 
     def __init__(self, tables: ReplayTables, weights: list[BlockWeights],
                  model: torch.nn.Module, clip: GradClip | None, events: OpEvents, backend,
@@ -77,7 +77,7 @@ class Updates:
     # --- updates left running --------------------------------------------------------------
 
     def carried(self, op: Op) -> list[int]:
-        """The gids of the previous iteration's updates, still in flight, that `op` waits for:
+        """The gids of the previous replay's updates, still in flight, that `op` waits for:
         a forward the uploads of the weights it reads, a fetch the host step that updates the
         masters it copies."""
         if not self._carried:
@@ -91,15 +91,15 @@ class Updates:
         return [self._carried[i] for i in ids if i in self._carried]
 
     def left_running(self) -> frozenset[int]:
-        """The ops of this iteration that the engine does not wait for at its end."""
+        """The ops of this replay that the engine does not wait for at its end."""
         return self._tables.deferred if self.updating else frozenset()
 
     def carry(self, ids: frozenset[int]) -> None:
-        """The iteration has ended, leaving ops `ids` (local) running into the next one."""
+        """The replay has ended, leaving ops `ids` (local) running into the next one."""
         self._carried = {i: self._events.base + i for i in ids}
 
     def settle(self) -> None:
-        """Wait for the updates left running by the last iteration (and what was queued
+        """Wait for the updates left running by the last replay (and what was queued
         behind them): after this, weights, optimizer states and learning rates are final."""
         self._events.wait([*self._carried.values(), *self._after])
         self._carried = {}
