@@ -5,7 +5,7 @@
     .venv/bin/python bench/fuzz.py --count 3000 --seed 2 --chaos 1   # timing shaken too
 
 Plans small models with several strategies (--bases), then draws --count mutants with a
-seeded generator, each one to three mutations of one base (tests/schedule_fuzz.py: decision
+seeded generator, each one to three mutations of one base (karma/testing/mutations.py: decision
 words, numbers, lines deleted, duplicated and moved, keys reordered, ops deleted, duplicated
 and moved, dependencies dropped and added, buffers' alloc and free moved), and judges each
 as karma-run would: refused (exit 2: by validation, or when run), ran bitwise equal to plain
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 # model, strategy, fraction of keep_all's peak, training options
 BASES = {
-    "gpt mixed": ("gpt", "mixed", 1.0, {}),  # every decision (schedule_fuzz.mixed_gpt)
+    "gpt mixed": ("gpt", "mixed", 1.0, {}),  # every decision (karma.testing.fuzz.mixed_gpt)
     "mlp ilp 0.6": ("mlp", "ilp", 0.6, {}),
     "mlp offload_all 1": ("mlp", "offload_all", 1.0, {}),
     "mlp swap_all 1 accumulate 2": ("mlp", "swap_all", 1.0, {"accumulate": 2}),
@@ -44,7 +44,7 @@ BASES = {
 
 def draw(rng: random.Random) -> list[tuple[str, int, int]]:
     """One to three mutations (as hypothesis draws them in tests/test_fuzz.py)."""
-    from tests.schedule_fuzz import KINDS
+    from karma.testing.mutations import KINDS
 
     return [(rng.choice(KINDS), rng.randrange(1 << 20), rng.randrange(1 << 20))
             for _ in range(rng.choice((1, 1, 2, 3)))]
@@ -65,7 +65,8 @@ def main() -> None:
     if args.chaos is not None:
         os.environ["KARMA_CHAOS"] = args.chaos  # read when each run's engine is built
 
-    from tests.schedule_fuzz import Base, Tally, judge, mutate
+    from karma.testing.exactness import SMALL_ENV, load_with_env
+    from karma.testing.fuzz import Base, Tally, judge, mutate
 
     start = time.perf_counter()
     names = [n.strip() for n in args.bases.split(",") if n.strip()]
@@ -75,7 +76,8 @@ def main() -> None:
     bases = []
     for name in names:
         model, strategy, fraction, training = BASES[name]
-        base = Base.of(model, strategy, fraction, **training)
+        mf = load_with_env(ROOT / "examples" / f"{model}.py", SMALL_ENV[model])
+        base = Base.of(mf, model, strategy, fraction, **training)
         base.name = name
         bases.append(base)
         print(f"{name}: {len(base.schedule.ops)} ops, {len(base.text.splitlines())} lines, "

@@ -31,13 +31,7 @@ from karma.ir.autograd_saved import (  # noqa: E402
 )
 from karma.ir.build import build_block_graph  # noqa: E402
 from karma.modelfile import load_model_file  # noqa: E402
-
-# the examples at their tests' small sizes
-SMALL_ENV = {
-    "mlp": {"KARMA_MLP_WIDTH": "64", "KARMA_MLP_DEPTH": "4", "KARMA_MLP_IN": "32"},
-    "gpt": {"KARMA_GPT": "tiny"},
-    "resnet": {"KARMA_RESNET": "tiny"},
-}
+from karma.testing.exactness import SMALL_ENV  # noqa: E402
 
 # (label, model file, environment, batch size)
 WHOLE_MODEL_CASES = [

@@ -28,7 +28,7 @@ KIB = 1024
 
 def main() -> None:
     from karma.planner.plan import InfeasiblePlan
-    from tests.runtime_helpers import load_with_env, plan, reference_train
+    from karma.testing.exactness import load_with_env, plan, reference_train
 
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=3)
@@ -55,9 +55,8 @@ def main() -> None:
 
 
 def _row(name: str, strategy: str, mf, schedule, reference, steps: int) -> str:
-    import torch
-
-    from tests.runtime_helpers import assert_bitwise_equal, keep_all_peak_bytes, run
+    from karma.runtime.checkpoints.export import model_state_dict
+    from karma.testing.exactness import assert_bitwise_equal, keep_all_peak_bytes, run
 
     ref_sd, ref_losses = reference
     acts = [b.act for b in schedule.blocks]
@@ -68,7 +67,7 @@ def _row(name: str, strategy: str, mf, schedule, reference, steps: int) -> str:
         t0 = time.perf_counter()
         report = run(schedule, mf, steps, checkpoint_dir=Path(d))
         wall = time.perf_counter() - t0
-        state = torch.load(Path(d) / f"step_{steps}" / "model.pt", weights_only=True)
+        state = model_state_dict(Path(d) / f"step_{steps}")
     try:
         assert_bitwise_equal(state, ref_sd)
         bitwise = "yes" if report.losses == ref_losses else "params"

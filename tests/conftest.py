@@ -10,18 +10,12 @@ from pathlib import Path
 import pytest
 
 from karma.modelfile import ModelFile, load_model_file
+from karma.testing.exactness import SMALL_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 MODELS = Path(__file__).resolve().parent / "models"
 
-# Small sizes of the examples, for real CPU runs in tests.
-SMALL_ENV = {
-    "mlp": {"KARMA_MLP_WIDTH": "64", "KARMA_MLP_DEPTH": "4", "KARMA_MLP_IN": "32"},
-    "gpt": {"KARMA_GPT": "tiny"},
-    "resnet": {"KARMA_RESNET": "tiny"},
-    "hf_gpt2": {"KARMA_HF_GPT2": "tiny"},
-}
 
 
 def load_example(name: str, monkeypatch: pytest.MonkeyPatch, **env: str) -> ModelFile:

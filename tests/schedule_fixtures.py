@@ -14,19 +14,15 @@ from __future__ import annotations
 import hashlib
 from functools import cache
 
-from karma.planner.lowering import Choice
 from karma.schedule import ModelRef, Schedule, dump_schedule
 from karma.schedule_load import load_schedule
+from karma.testing.fuzz import MIXED  # every decision on the tiny GPT
 from tests.conftest import EXAMPLES, ROOT, environment
 
 TINY_ENV = (("KARMA_GPT", "tiny"),)
 TINY_BATCH = 2
 TINY_CAPACITY_BYTES = 480 * 1024  # under the 800 KiB keep-all needs: the ILP mixes choices
 HARDWARE = "v100-16g"
-# block 0 swaps and steps on the host (an upload), block 1 recomputes and streams, block 2
-# keeps everything on the device, the last block keeps and streams
-MIXED = tuple(Choice(*c) for c in [("swap", "resident", "host"), ("recompute", "streamed", "host"),
-                                   ("keep", "resident", "device"), ("keep", "streamed", "host")])
 
 
 @cache

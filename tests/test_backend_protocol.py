@@ -15,9 +15,10 @@ import pytest
 
 from karma.runtime.backends.cuda_backend import CudaBackend, allocator_settings
 from karma.runtime.distributed.process_group import Ranks
+from karma.testing.exactness import plan, run
 from tests.matrix import MODELS, STRATEGIES, cells
 from tests.protocol import CheckingBackend
-from tests.runtime_helpers import load_small, plan, run
+from tests.runtime_helpers import load_small
 
 
 @pytest.mark.parametrize("name,strategy,fraction", cells(MODELS, STRATEGIES))

@@ -26,14 +26,9 @@ from karma.errors import KarmaError
 from karma.reference import train_reference
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.replay.chaos import Chaos
+from karma.testing.exactness import assert_bitwise_equal, plan, reference_train, run
 from tests.matrix import strategy_cells
-from tests.runtime_helpers import (
-    assert_bitwise_equal,
-    load_small,
-    plan,
-    reference_train,
-    run,
-)
+from tests.runtime_helpers import load_small
 from tests.test_training_options import CLIP, OPTIONS, model_file
 from tests.test_training_options import STEPS as OPTION_STEPS
 from tests.test_training_options import reference as option_reference

@@ -17,7 +17,8 @@ from karma.cli.run import main as run_main
 from karma.runtime.checkpoints.dcp_state import consolidated_optimizer
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.schedule import dump_schedule
-from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, run
+from karma.testing.exactness import assert_bitwise_equal, plan, run
+from tests.runtime_helpers import load_small
 
 pytestmark = pytest.mark.usefixtures("restore_environment_and_signals")  # tests/conftest.py
 
@@ -168,8 +169,8 @@ def test_an_exported_hugging_face_model_round_trips_through_from_pretrained(tmp_
     pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
+    from karma.testing.exactness import load_with_env
     from tests.conftest import EXAMPLES
-    from tests.runtime_helpers import load_with_env
 
     mf = load_with_env(EXAMPLES / "hf_gpt2.py", {"KARMA_HF": "tiny"})
     run(plan(mf, "offload_all"), mf, 1, checkpoint_dir=tmp_path / "ckpt")

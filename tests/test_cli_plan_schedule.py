@@ -11,7 +11,8 @@ import pytest
 from karma.cli.plan import main
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import dump_hardware, load_hardware
-from tests.conftest import EXAMPLES, SMALL_ENV
+from karma.testing.exactness import SMALL_ENV
+from tests.conftest import EXAMPLES
 
 GPT = str(EXAMPLES / "gpt.py")
 MLP = str(EXAMPLES / "mlp.py")

@@ -20,16 +20,10 @@ from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.loop import open_model_file
 from karma.schedule import dump_schedule
 from karma.schedule_load import load_schedule
+from karma.testing.exactness import assert_bitwise_equal, load_with_env, plan, reference_train
 from karma.units import format_bytes
 from tests.conftest import EXAMPLES, ROOT
-from tests.runtime_helpers import (
-    LAYERS_MODEL,
-    assert_bitwise_equal,
-    load_small,
-    load_with_env,
-    plan,
-    reference_train,
-)
+from tests.runtime_helpers import LAYERS_MODEL, load_small
 from tests.schedule_fixtures import tiny_schedule
 
 BIN = Path(sys.executable).parent

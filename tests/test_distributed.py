@@ -31,9 +31,10 @@ import torch
 from karma.reference import train_reference
 from karma.runtime.checkpoints.checkpoint import latest_checkpoint
 from karma.schedule import EXCHANGE_KINDS, dump_schedule
+from karma.testing.exactness import assert_bitwise_equal, block_graph, plan
 from tests.dist_helpers import ROOT, finish, free_port, start_ranks, wait_for_line
 from tests.matrix import MODELS, OPTIONS, STRATEGIES, cell_id, cells
-from tests.runtime_helpers import assert_bitwise_equal, block_graph, load_small, plan
+from tests.runtime_helpers import load_small
 from tests.test_runtime import STEPS, load_model_pt
 
 RANKS = 2

@@ -13,7 +13,8 @@ from karma.planner.options import PlanOptions
 from karma.planner.pipeline import probe_schedule
 from karma.planner.simulate import Contention, simulate
 from karma.schedule import ModelRef
-from tests.runtime_helpers import block_graph, load_small
+from karma.testing.exactness import block_graph
+from tests.runtime_helpers import load_small
 
 PROFILE = {"compute_slowdown_copy": 0.3, "copy_slowdown_compute": 0.2,
            "compute_slowdown_host": 0.3, "host_slowdown_compute": 0.1}

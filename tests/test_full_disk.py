@@ -27,8 +27,9 @@ from karma.runtime.checkpoints.checkpoint import latest_checkpoint
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.host.tier import HostPool
 from karma.schedule import dump_schedule
+from karma.testing.exactness import assert_bitwise_equal, plan, reference_train
 from tests.conftest import ROOT
-from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, reference_train
+from tests.runtime_helpers import load_small
 
 NO_SPACE = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

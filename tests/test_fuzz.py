@@ -1,6 +1,6 @@
 """Fuzzing schedules: a mutated schedule is refused, or trains bitwise equal.
 
-Hypothesis draws one to three mutations of a valid schedule (tests/schedule_fuzz.py: decision
+Hypothesis draws one to three mutations of a valid schedule (karma/testing/mutations.py: decision
 words, numbers, lines deleted, duplicated and moved, keys reordered, ops deleted, duplicated
 and moved, dependencies dropped and added, buffers' alloc and free moved), and each mutant
 must be refused as karma-run refuses (a KarmaError: exit 2, no traceback) or train, in two
@@ -28,9 +28,11 @@ from hypothesis import strategies as st
 
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.schedule_load import load_schedule
-from tests import schedule_fuzz
+from karma.testing import fuzz
+from karma.testing.fuzz import Base, Tally, Verdict, judge, mutate, training_options
+from karma.testing.mutations import KINDS
 from tests.conftest import ROOT
-from tests.schedule_fuzz import KINDS, Base, Tally, Verdict, judge, mutate, training_options
+from tests.runtime_helpers import load_small
 
 # (model, strategy, fraction of keep_all's peak, training options): between them every
 # decision (keep, swap, recompute; resident, streamed; device, host), tied weights, gradient
@@ -49,7 +51,7 @@ MUTATIONS = st.lists(MUTATION, min_size=1, max_size=3)
 
 @cache
 def base(model: str, strategy: str, fraction: float, training: tuple = ()) -> Base:
-    return Base.of(model, strategy, fraction, **dict(training))
+    return Base.of(load_small(model), model, strategy, fraction, **dict(training))
 
 
 def base_of(case) -> Base:
@@ -122,7 +124,7 @@ def test_a_run_that_does_not_end_is_a_hang(monkeypatch):
     b = base_of(BASES[1])
     fresh = Base(b.name, b.mf, b.schedule, b.text, b.result)  # nothing judged yet
     release = threading.Event()
-    monkeypatch.setattr(schedule_fuzz, "run_schedule", lambda s, mf: release.wait())
+    monkeypatch.setattr(fuzz, "run_schedule", lambda s, mf: release.wait())
     try:
         verdict = judge(fresh, reseeded(b), timeout_s=0.2)
     finally:

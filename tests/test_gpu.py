@@ -37,18 +37,18 @@ from karma.runtime.backends.cuda_backend import CudaBackend
 from karma.runtime.params.streamed import SharedStorage
 from karma.runtime.replay.swap import SwapStore
 from karma.schedule import dump_schedule
-from tests.conftest import EXAMPLES
-from tests.dist_helpers import finish, start_ranks
-from tests.matrix import MODELS, STRATEGIES, cells
-from tests.runtime_helpers import (
+from karma.testing.exactness import (
     assert_bitwise_equal,
     block_graph,
     keep_all_peak_bytes,
-    load_small,
     load_with_env,
     plan,
     run,
 )
+from tests.conftest import EXAMPLES
+from tests.dist_helpers import finish, start_ranks
+from tests.matrix import MODELS, STRATEGIES, cells
+from tests.runtime_helpers import load_small
 from tests.test_runtime import STEPS, load_model_pt
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA (conftest.py)

@@ -10,8 +10,8 @@ from karma.cli.plan import main as plan_main
 from karma.cli.run import main as run_main
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.schedule_load import load_schedule
+from karma.testing.exactness import assert_bitwise_equal
 from tests.conftest import EXAMPLES, environment
-from tests.runtime_helpers import assert_bitwise_equal
 
 GPT = str(EXAMPLES / "gpt.py")
 TINY = {"KARMA_GPT": "tiny"}

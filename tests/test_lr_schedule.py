@@ -19,16 +19,10 @@ from karma.cli.plan import main as plan_main
 from karma.cli.run import main as run_main
 from karma.reference import train_reference
 from karma.runtime.checkpoints.export import model_state_dict
+from karma.testing.exactness import assert_bitwise_equal, load_with_env, plan, reference_train, run
 from tests.conftest import MODELS, environment
 from tests.matrix import ONE_BUDGET, strategy_cells
-from tests.runtime_helpers import (
-    assert_bitwise_equal,
-    load_small,
-    load_with_env,
-    plan,
-    reference_train,
-    run,
-)
+from tests.runtime_helpers import load_small
 
 MODEL = MODELS / "mlp_schedule.py"
 STEPS = 4

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from karma.planner.plan import InfeasiblePlan
+from karma.testing.exactness import plan
 from tests.matrix import INFEASIBLE, MODELS, STRATEGIES, cells
-from tests.runtime_helpers import load_small, plan
+from tests.runtime_helpers import load_small
 
 
 @pytest.mark.parametrize("cell", sorted(INFEASIBLE), ids=lambda c: "-".join(map(str, c)))

@@ -26,17 +26,17 @@ from karma.modelfile import (
     output_tensors,
 )
 from karma.runtime.checkpoints.export import model_state_dict
-from tests.conftest import MODELS, environment
-from tests.matrix import ONE_BUDGET, strategy_cells
-from tests.runtime_helpers import (
+from karma.testing.exactness import (
     assert_bitwise_equal,
     block_graph,
-    load_small,
     load_with_env,
     plan,
     reference_train,
     run,
 )
+from tests.conftest import MODELS, environment
+from tests.matrix import ONE_BUDGET, strategy_cells
+from tests.runtime_helpers import load_small
 
 # --- the protocol's pieces ---------------------------------------------------------------
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from karma.reference import train_reference
-from tests.runtime_helpers import assert_bitwise_equal, block_graph, load_small
+from karma.testing.exactness import assert_bitwise_equal, block_graph
+from tests.runtime_helpers import load_small
 
 STEPS = 3
 OPTIONS = [{}, {"accumulate": 2, "clip_grad_norm": 0.05}, {"clip_grad_norm": 0.05}]

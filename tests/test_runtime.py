@@ -22,17 +22,16 @@ from karma.runtime.checkpoints.dcp_state import consolidated_optimizer
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.host.tier import ALIGN
 from karma.runtime.replay.tables import DivergedError
-from tests.matrix import MODELS, STRATEGIES, cells, first_fast, strategy_cells
-from tests.runtime_helpers import (
-    LAYERS_MODEL,
+from karma.testing.exactness import (
     assert_bitwise_equal,
     block_graph,
-    load_small,
     load_with_env,
     plan,
     reference_train,
     run,
 )
+from tests.matrix import MODELS, STRATEGIES, cells, first_fast, strategy_cells
+from tests.runtime_helpers import LAYERS_MODEL, load_small
 
 STEPS = 3
 

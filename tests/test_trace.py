@@ -18,6 +18,7 @@ from karma.runtime.host import cpu_cache
 from karma.runtime.replay.streams import wait_for
 from karma.schedule import STREAMS, dump_schedule, schedule_sha256
 from karma.schedule_load import load_schedule
+from karma.testing.exactness import plan, run
 from karma.timeline import (
     MEMORY_ROWS,
     StepTrace,
@@ -29,7 +30,7 @@ from karma.timeline import (
     write_trace,
 )
 from tests.matrix import first_fast
-from tests.runtime_helpers import load_small, plan, run
+from tests.runtime_helpers import load_small
 from tests.schedule_fixtures import tiny_schedule
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

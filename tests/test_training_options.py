@@ -19,10 +19,11 @@ from karma.errors import KarmaError
 from karma.reference import train_reference
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.runtime import Runtime
-from tests.conftest import EXAMPLES, SMALL_ENV
+from karma.testing.exactness import SMALL_ENV, assert_bitwise_equal, plan, run
+from tests.conftest import EXAMPLES
 from tests.matrix import FAST, MODELS, ONE_BUDGET, cell_id, first_fast, strategy_cells
 from tests.matrix import OPTIONS as PLANNED
-from tests.runtime_helpers import assert_bitwise_equal, load_small, plan, run
+from tests.runtime_helpers import load_small
 
 STEPS = 2
 CLIP = PLANNED["clip"]["clip_grad_norm"]

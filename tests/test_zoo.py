@@ -11,14 +11,8 @@ import functools
 import pytest
 
 from karma.runtime.checkpoints.export import model_state_dict
+from karma.testing.exactness import assert_bitwise_equal, load_with_env, plan, reference_train, run
 from tests.conftest import EXAMPLES
-from tests.runtime_helpers import (
-    assert_bitwise_equal,
-    load_with_env,
-    plan,
-    reference_train,
-    run,
-)
 
 pytest.importorskip("transformers")
 
