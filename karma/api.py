@@ -39,7 +39,7 @@ from karma.schedule import ModelRef, Schedule
 Log = Callable[[str], None]
 
 
-def plan(model_file: str | Path, gpu_mem: str | int = "16G", hardware: str | object = "v100-16g",
+def plan(model_file: str | Path, gpu_mem: str | int = "16G", hardware: str | Hardware = "v100-16g",
          batch_size: int | None = None, *, log: Log | None = None, **options) -> Schedule:
     """Plan training of a model file within `gpu_mem` bytes of device memory ("16G" or an
     int) on `hardware` (a built-in profile's name, a karma-profile file, or a Hardware). The

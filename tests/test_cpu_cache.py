@@ -173,7 +173,8 @@ def test_karma_cpu_cache_0_turns_it_off(monkeypatch):
 
 
 def test_the_runtime_reuses_memory_step_after_step_within_its_plan():
-    from karma.testing.exactness import EXAMPLES, load_with_env, plan, run
+    from karma.testing.exactness import load_with_env, plan, run
+    from tests.conftest import EXAMPLES
 
     # wide enough that its activations and weights are tensors of 64 KiB or more
     mf = load_with_env(EXAMPLES / "mlp.py", {"KARMA_MLP_WIDTH": "512", "KARMA_MLP_DEPTH": "4",
