@@ -140,7 +140,8 @@ def formulate(problem: Problem, limits: Limits, training: Training,
     st = Stages(n, problem.world_size)
     # copies one stage ahead here; a pass after the solve considers two (prefetch.py)
     options = {i: [c for c in lowering.valid_choices(problem, i) if c.ahead == 1] for i in range(n)}
-    frags = {(i, c): lowering.fragment(problem, i, c, training) for i in range(n) for c in options[i]}
+    frags = {(i, c): lowering.fragment(problem, i, c, training)
+             for i in range(n) for c in options[i]}
     micro = training.accumulate > 1
     temps = any(host_temp_bytes(f) > 0 for f in frags.values())
     lp = pulp.LpProblem("karma_plan", pulp.LpMinimize)

@@ -98,8 +98,8 @@ PLAIN = Training()  # one micro-batch per step, no clipping: the default everywh
 
 
 # [Note: accumulation] With accumulate N the runtime replays the op list N times per step
-# and skips the ops of LAST_MICRO_BATCH_KINDS (schedule.py: all-reduces, steps, uploads) in the first
-# N-1. Gradients add up between replays: a host-stepped block's on the host (each
+# and skips the ops of LAST_MICRO_BATCH_KINDS (schedule.py: all-reduces, steps, uploads) in
+# the first N-1. Gradients add up between replays: a host-stepped block's on the host (each
 # grads_to_host adds), a device-stepped block's in its grad buffer, which then lives through
 # the whole step (allocated before the replay, never freed). On several ranks a
 # host-stepped block's gradients are all-reduced once, on the host: its all-reduce follows

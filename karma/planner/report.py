@@ -79,7 +79,8 @@ class PlanReport:
             + (f", solved in {ev.plan.solve_s:.2f} s" if ev.plan.strategy == "ilp" else "") + ")"
             + (f"; {ev.plan.note}" if ev.plan.status == "fallback" else ""),
             f"decisions: {c['keep']} keep, {c['swap']} swap, {c['recompute']} recompute; "
-            f"{c['streamed_weights']} streamed weights; {c['host_optimizer']} on the host optimizer",
+            f"{c['streamed_weights']} streamed weights; {c['host_optimizer']} on the host "
+            "optimizer",
             f"block times: {self.block_times}",
             f"predicted step {format_seconds(ev.step_s)}: "
             f"{s.predicted.price_of_budget:.2f}x the ideal {format_seconds(s.predicted.ideal_s)} "

@@ -8,8 +8,8 @@ the device memory timeline. The simulation also checks the schedule: every buffe
 operation uses must be filled and not yet freed when the operation starts.
 
 An optimizer step of `accumulate` micro-batches replays the op list that many times, the
-first accumulate-1 without the ops of LAST_MICRO_BATCH_KINDS (see [Note: accumulation] in lowering.py):
-the step takes (accumulate-1) replays without them plus one full replay, each simulated.
+first accumulate-1 without the ops of LAST_MICRO_BATCH_KINDS (see [Note: accumulation] in
+lowering.py): the step takes (accumulate-1) replays without them plus one full replay, each simulated.
 With clipping, the updates run after the whole backward; `overlapped_step_s` is what
 a step would take if they overlapped the next step's forward instead (see
 overlapped_step_s below).
