@@ -395,9 +395,14 @@ def _plan_lines(s: Schedule) -> list[str]:
     return lines
 
 
+def _section(key: str, entries: tuple, comment: str) -> list[str]:
+    """A list's comment line and its key (`key: []` when it is empty)."""
+    return [f"# {key}: {comment}", f"{key}:" + ("" if entries else " []")]
+
+
 def _block_lines(blocks: tuple[BlockEntry, ...]) -> list[str]:
-    lines = ["# blocks: each block's decisions (act: keep | swap | recompute; weights: "
-             "resident | streamed; optim: device | host)", "blocks:" + ("" if blocks else " []")]
+    lines = _section("blocks", blocks, "each block's decisions (act: keep | swap | recompute; "
+                     "weights: resident | streamed; optim: device | host)")
     for b in blocks:
         lines.append(f"  - {{index: {yaml_int(b.index)}, name: {yaml_str(b.name)}, "
                      f"act: {yaml_str(b.act)}, weights: {yaml_str(b.weights)}, "
@@ -410,8 +415,8 @@ def _block_lines(blocks: tuple[BlockEntry, ...]) -> list[str]:
 
 
 def _op_lines(ops: tuple[Op, ...]) -> list[str]:
-    lines = ["# ops: in issue order; an op starts when its stream is free and its deps have "
-             "finished", "ops:" + ("" if ops else " []")]
+    lines = _section("ops", ops, "in issue order; an op starts when its stream is free and "
+                     "its deps have finished")
     for o in ops:
         lines.append(f"  - {{id: {yaml_int(o.id)}, kind: {yaml_str(o.kind)}, "
                      f"block: {yaml_int(o.block)}, stage: {yaml_int(o.stage)}, "
@@ -423,9 +428,8 @@ def _op_lines(ops: tuple[Op, ...]) -> list[str]:
 
 
 def _buffer_lines(buffers: tuple[Buffer, ...]) -> list[str]:
-    lines = ["# buffers: device memory allocated when op `alloc` starts (null: before the "
-             "replay) and freed when op `free` ends (null: never)",
-             "buffers:" + ("" if buffers else " []")]
+    lines = _section("buffers", buffers, "device memory allocated when op `alloc` starts "
+                     "(null: before the replay) and freed when op `free` ends (null: never)")
     for b in buffers:
         lines.append(f"  - {{name: {yaml_str(b.name)}, block: {yaml_int(b.block)}, "
                      f"bytes: {yaml_int(b.bytes)}, alloc: {yaml_value(b.alloc, None)}, "
