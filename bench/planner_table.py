@@ -6,12 +6,13 @@ For GPT-2 XL (batch 8) and ResNet-152 (batch 32), fp32, one rank, on the v100-16
 profiles, at 30%, 50% and 70% of the keep_all plan's stage peak (the memory in-core training
 needs): the pipeline's steps (build the block graph once per model, build the problem,
 evaluate every baseline, solve the ILP from the best feasible baseline at the default gap,
-0.01) and one markdown row each. "lower bound" is the ILP plan's own bound: its busiest
+0.01, then the passes after the solve) and one markdown row each. "lower bound" is the ILP plan's own bound: its busiest
 stream's busy time, which no schedule of its operations can beat.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -22,11 +23,11 @@ sys.path.insert(0, str(ROOT))
 from karma.ir.build import build_block_graph  # noqa: E402
 from karma.ir.optimizer import optimizer_profile  # noqa: E402
 from karma.modelfile import load_model_file  # noqa: E402
-from karma.planner.baselines import BASELINES, keep_all  # noqa: E402
-from karma.planner.hardware import load_hardware  # noqa: E402
-from karma.planner.ilp import solve_ilp  # noqa: E402
-from karma.planner.plan import InfeasiblePlan, Plan, evaluate  # noqa: E402
-from karma.planner.problem import Problem, build_problem  # noqa: E402
+from karma.planner.options import PlanOptions  # noqa: E402
+from karma.planner.passes import PASSES, Planning  # noqa: E402
+from karma.planner.pipeline import first_choice  # noqa: E402
+from karma.planner.plan import InfeasiblePlan  # noqa: E402
+from karma.planner.problem import ESTIMATED  # noqa: E402
 
 COMMAND = ".venv/bin/python bench/planner_table.py"
 GIB = 2**30
@@ -43,25 +44,24 @@ COLUMNS = ("model", "hardware", "budget", "ILP step s", "status", "solve s",
            "streamed/host-opt", "feasible baselines")
 
 
-def row(label: str, hw_name: str, problem: Problem, fraction: float) -> list[str]:
-    """One table row: the baselines and the ILP at `fraction` of keep_all's stage peak."""
-    cap = int(fraction * evaluate(problem, keep_all(problem, HUGE), HUGE).stage_peak_bytes)
+def row(label: str, p: Planning, fraction: float) -> list[str]:
+    """One table row: the baselines, and the plan the pipeline chooses (the ILP, then the
+    passes after the solve: karma/planner/passes.py), at `p`'s budget, `fraction` of
+    keep_all's stage peak."""
+    cap, hw_name = p.capacity_bytes, p.options.profile.name
     budget = f"{fraction:.0%} ({cap / GIB:.1f} GiB)"
-    baselines = {name: evaluate(problem, fn(problem, cap), cap) for name, fn in BASELINES.items()}
-    feasible = {name: ev for name, ev in baselines.items() if ev.feasible}
-    best_name = min(feasible, key=lambda name: feasible[name].step_s, default=None)
-    best = feasible[best_name] if best_name else None
+    feasible = {name: ev for name, ev in p.baselines.items() if ev.feasible}
+    best = p.best_baseline
     fits = ", ".join(feasible) or "none"
-    best_text = f"{best_name} {best.step_s:.3f}" if best else "none"
+    best_text = f"{best.plan.strategy} {best.step_s:.3f}" if best else "none"
     try:
-        plan = solve_ilp(problem, cap, start=best.plan if best else None)
+        ev = first_choice(p)
     except InfeasiblePlan as e:
         return [label, hw_name, budget, f"infeasible (needs {e.min_capacity_bytes / GIB:.1f} "
                 "GiB)", "infeasible", "", "", "", best_text, "", "", fits]
-    if not plan.choices:  # no incumbent in time: the pipeline falls back to the best baseline
-        plan = Plan(best.plan.strategy, best.plan.choices, status="fallback",
-                    solve_s=plan.solve_s)
-    ev = evaluate(problem, plan, cap)
+    for improve in PASSES:
+        ev = improve(p, ev)
+    plan = ev.plan
     c = plan.counts()
     counts = "/".join(str(c[k]) for k in ("keep", "swap", "recompute", "streamed_weights",
                                            "host_optimizer"))
@@ -82,13 +82,16 @@ def main() -> None:
         os.environ.update(env)  # the example files read their size at import
         mf = load_model_file(ROOT / path)
         graph = build_block_graph(mf, batch_size)
-        factor = optimizer_profile(mf)
+        optimizer = optimizer_profile(mf)
         for hw_name in HARDWARE:
-            problem = build_problem(graph, load_hardware(hw_name), "fp32", 1, factor)
-            name = f"{label} ({len(problem.blocks)} blocks, batch {batch_size})"
+            unlimited = Planning(graph, PlanOptions(gpu_mem=HUGE, hardware=hw_name,
+                                                    batch_size=batch_size), ESTIMATED, optimizer)
+            peak = unlimited.baselines["keep_all"].stage_peak_bytes
+            name = f"{label} ({len(graph.blocks)} blocks, batch {batch_size})"
             for fraction in BUDGET_FRACTIONS:
-                print("| " + " | ".join(row(name, hw_name, problem, fraction)) + " |",
-                      flush=True)
+                p = dataclasses.replace(unlimited, options=dataclasses.replace(
+                    unlimited.options, gpu_mem=int(fraction * peak)))
+                print("| " + " | ".join(row(name, p, fraction)) + " |", flush=True)
 
 
 if __name__ == "__main__":

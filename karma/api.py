@@ -29,7 +29,7 @@ from karma.ir.graph import BlockGraph, OptimizerProfile
 from karma.ir.optimizer import optimizer_profile
 from karma.modelfile import ModelFile, load_model_file
 from karma.planner.fit_contention import fit_side_streams
-from karma.planner.hardware import Hardware, load_hardware
+from karma.planner.hardware import Hardware
 from karma.planner.options import BATCH_CHOICES, PlanOptions
 from karma.planner.pipeline import PlanReport, make_schedule, probe_schedule
 from karma.planner.plan import InfeasiblePlan
@@ -113,16 +113,15 @@ def _solve(prepared: _Prepared, options: PlanOptions) -> PlanReport:
     return replace(report, block_times=cal.summary)
 
 
-SWEEPS = ("gpu-mem", "batch-size", "hardware")
-_FIELD = {"gpu-mem": "gpu_mem", "batch-size": "batch_size", "hardware": "hardware"}
+SWEEPS = {"gpu-mem": "gpu_mem", "batch-size": "batch_size"}  # the quantity -> its option
 
 
-def sweep(model_file: str | Path, quantity: str, values: Sequence,
+def sweep(model_file: str | Path, quantity: str, values: Sequence[int],
           options: PlanOptions, log: Log | None = None) -> list[dict]:
     """Plan at every value of `quantity` ("gpu-mem": device memory budgets in bytes;
-    "batch-size"; "hardware": profiles, each at its own device memory unless the options
-    give a budget), the other options as given; one record per point, an infeasible one
-    naming why. A budget sweep traces and calibrates once: each point is a solve."""
+    "batch-size"), the other options as given; one record per point, an infeasible one
+    naming the resource that ran out. A budget sweep traces and calibrates once: each point
+    is a solve."""
     if quantity not in SWEEPS:
         raise KarmaError(f"--sweep {quantity}=...: karma sweeps {' or '.join(SWEEPS)}")
     if options.searches_batch and quantity != "batch-size":
@@ -131,16 +130,7 @@ def sweep(model_file: str | Path, quantity: str, values: Sequence,
     points = []
     prepared = None
     for value in values:
-        try:
-            point = replace(options, **{_FIELD[quantity]: value})
-        except KarmaError as e:  # a profile that cannot hold the ranks (--nproc-per-node)
-            hw = value if isinstance(value, Hardware) else load_hardware(value)
-            points.append({"hardware": hw.name, "world_size": options.world_size,
-                           "gpu_mem_bytes": options.gpu_mem or hw.device_mem_bytes,
-                           "feasible": False, "reason": str(e)})
-            continue
-        if point.gpu_mem is None and quantity == "hardware":
-            point = replace(point, gpu_mem=point.profile.device_mem_bytes)
+        point = replace(options, **{SWEEPS[quantity]: value})
         if prepared is None or quantity != "gpu-mem":
             prepared = _prepare(model_file, point, log)
         points.append(_point(prepared, point))
@@ -169,8 +159,8 @@ def choose_batch(model_file: str | Path, how: str, options: PlanOptions,
         return tried[batch]
 
     if not point(1)["feasible"]:
-        raise InfeasiblePlan(f"no batch fits: {point(1)['reason']}", 0,
-                             resource=point(1)["resource"])
+        raise InfeasiblePlan(f"no batch fits: {point(1)['reason']}",
+                             point(1)["min_capacity_bytes"], resource=point(1)["resource"])
     fits = 1
     while 2 * fits <= MAX_BATCH and point(2 * fits)["feasible"]:
         fits *= 2
@@ -203,7 +193,8 @@ def _point(prepared: _Prepared, options: PlanOptions) -> dict:
         report = _solve(prepared, options)
     except InfeasiblePlan as e:
         return {**point, "feasible": False, "resource": e.resource, "reason": str(e),
-                "step_s": None, "samples_per_s": None, "baselines": {}}
+                "min_capacity_bytes": e.min_capacity_bytes, "step_s": None,
+                "samples_per_s": None, "baselines": {}}
     ev, p = report.chosen, report.schedule.predicted
     return {**point, "feasible": True, "strategy": ev.plan.strategy,
             "step_s": ev.step_s, "samples_per_s": samples / ev.step_s,

@@ -8,8 +8,7 @@ import dataclasses
 import pytest
 
 from karma.api import plan_options
-from karma.cli.plan import _parser
-from karma.cli.plan import plan_options as cli_plan_options
+from karma.cli.plan import _parser, options_from
 from karma.errors import KarmaError
 from karma.planner.hardware import load_hardware
 from karma.planner.options import PlanOptions
@@ -27,7 +26,7 @@ def test_the_cli_and_the_api_make_the_same_options():
                             dtype="bf16", accumulate=2, clip_grad_norm=1.0, strategy="greedy",
                             seed=3, time_limit_s=9.0, gap=0.02, blocks="h\\.\\d+",
                             measure="fresh")
-    assert cli_plan_options(args) == from_api
+    assert options_from(args) == from_api
     assert from_api.gpu_mem == 6 << 30 and from_api.host_mem == 512 << 30  # parsed once
     assert from_api.profile == load_hardware("h100-80g") and from_api.nproc == 4
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from dataclasses import replace
 
 from karma.cli.common import positive_int
 from karma.errors import KarmaError
@@ -24,17 +25,33 @@ from karma.units import parse_size
 Log = Callable[[str], None]
 
 
-def compare_hardware(args: argparse.Namespace, options: PlanOptions, log: Log) -> int:
-    """--hardware A,B,C: the same model planned on each profile (a sweep of hardware), at
-    its own device memory unless --gpu-mem is given; one row each (--json: a list)."""
+def compare_hardware(args: argparse.Namespace, options_on: Callable[[str], PlanOptions],
+                     log: Log) -> int:
+    """--hardware A,B,C: the same model planned on each profile (`options_on(name)`: the
+    flags' options there), at its own device memory unless --gpu-mem is given; one row each
+    (--json: a list). A profile the options do not fit (its node holds fewer ranks than
+    --nproc-per-node, say) is a row that says why."""
     from karma.api import sweep as plan_sweep
 
-    if args.output or args.print_ir or args.batch_size in BATCH_CHOICES:
+    if args.output or args.print_ir or args.batch_size in BATCH_CHOICES or args.sweep:
         raise KarmaError("--hardware A,B,... compares plans and writes no schedule: leave out "
-                         "-o, --print-ir and --batch-size max|best, and plan on the profile "
-                         "you choose")
-    profiles = [load_hardware(name) for name in args.hardware.split(",")]
-    rows = plan_sweep(args.model, "hardware", profiles, options, log)
+                         "-o, --print-ir, --sweep and --batch-size max|best, and plan on the "
+                         "profile you choose")
+    names = args.hardware.split(",")
+    for name in names:
+        load_hardware(name)  # an unknown name is bad input, before anything is planned
+    rows = []
+    for name in names:
+        try:
+            options = options_on(name)
+        except KarmaError as e:
+            hw = load_hardware(name)
+            rows.append({"hardware": hw.name, "gpu_mem_bytes": hw.device_mem_bytes,
+                         "world_size": args.world_size, "feasible": False, "reason": str(e)})
+            continue
+        if options.gpu_mem is None:
+            options = replace(options, gpu_mem=options.profile.device_mem_bytes)
+        rows += plan_sweep(args.model, "gpu-mem", [options.gpu_mem], options, log)
     print(json.dumps(rows, indent=2) if args.json else hardware_table(rows))
     return 0
 

@@ -111,12 +111,12 @@ def _batch_size(text: str) -> int | str:
     return text if text in BATCH_CHOICES else positive_int(text)
 
 
-def plan_options(args: argparse.Namespace) -> PlanOptions:
+def options_from(args: argparse.Namespace, hardware: str | None = None) -> PlanOptions:
     """karma-plan's flags as the one PlanOptions every command path plans with (checked
-    here, once: a bad value is one line before anything is traced). With --hardware A,B,C
-    the first profile (capacity.compare_hardware plans on each)."""
+    here, once: a bad value is one line before anything is traced); `hardware`: one of the
+    profiles of --hardware A,B,C (capacity.compare_hardware plans on each)."""
     return PlanOptions(
-        gpu_mem=args.gpu_mem, hardware=args.hardware.split(",")[0],
+        gpu_mem=args.gpu_mem, hardware=hardware or args.hardware,
         batch_size=args.batch_size,
         world_size=args.world_size, nproc_per_node=args.nproc_per_node,
         host_mem=args.host_mem, host_state=args.host_state, dtype=args.dtype,
@@ -126,12 +126,12 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    options = plan_options(args)
     if args.plot and not args.sweep:
         raise KarmaError("--plot draws a sweep: give --sweep too (karma-inspect --plot draws "
                          "one schedule)")
-    if "," in args.hardware and not args.sweep:
-        return capacity.compare_hardware(args, options, _notes)
+    if "," in args.hardware:
+        return capacity.compare_hardware(args, lambda name: options_from(args, name), _notes)
+    options = options_from(args)
     if args.sweep:
         return capacity.sweep(args, options, _notes)
     if args.print_ir:

@@ -78,8 +78,8 @@ class Formulation:
     u: dict[int, pulp.LpVariable]
     # m[k]: device memory live in stage k                                            (GiB)
     m: list[pulp.LpVariable]
-    # host_temp[k]: host step temporaries counted in stage k, where a plan has any     (GiB)
-    host_temp: list[pulp.LpVariable | int]
+    # host_temp[k]: host step temporaries counted in stage k (0 where a plan has none) (GiB)
+    host_temp: list[pulp.LpVariable]
     # replay: the end of the replay that steps; accumulate - 1 others add their stages (s)
     replay: pulp.LpVariable
     # cap: the device memory budget, a variable only when minimising it              (GiB)
@@ -143,7 +143,6 @@ def formulate(problem: Problem, limits: Limits, training: Training,
     frags = {(i, c): lowering.fragment(problem, i, c, training)
              for i in range(n) for c in options[i]}
     micro = training.accumulate > 1
-    temps = any(host_temp_bytes(f) > 0 for f in frags.values())
     lp = pulp.LpProblem("karma_plan", pulp.LpMinimize)
 
     def variables(name: str, count: int) -> list[pulp.LpVariable]:
@@ -160,7 +159,7 @@ def formulate(problem: Problem, limits: Limits, training: Training,
         h=dict(enumerate(variables("h", n))),
         u=dict(enumerate(variables("u", n))),
         m=variables("m", st.count),
-        host_temp=variables("host_temp", st.count) if temps else [0] * st.count,
+        host_temp=variables("host_temp", st.count),
         replay=lp.add_variable("replay_s", lowBound=0),
         cap=lp.add_variable("cap", lowBound=0) if minimize_capacity
         else limits.device_bytes / GIB,
@@ -280,8 +279,7 @@ def device_memory_within_capacity(f: Formulation) -> None:
             delta[first].append((nbytes / GIB, key))
             delta[last + 1].append((-nbytes / GIB, key))
     temps = f.host_temp
-    for k in range(1, f.st.count) if any(isinstance(v, pulp.LpVariable) for v in temps) \
-            else ():
+    for k in range(1, f.st.count):
         f.lp += temps[k] >= temps[k - 1], f"host_temp_grows_{k}"
     for (i, c), frag in f.frags.items():
         if (nbytes := host_temp_bytes(frag)) > 0:
