@@ -25,12 +25,12 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from karma.ir.autograd_saved import (  # noqa: E402
+from karma.ir.build import build_block_graph  # noqa: E402
+from karma.modelfile import load_model_file  # noqa: E402
+from karma.testing.autograd_saved import (  # noqa: E402
     real_saved_bytes_per_block,
     whole_model_saved_bytes,
 )
-from karma.ir.build import build_block_graph  # noqa: E402
-from karma.modelfile import load_model_file  # noqa: E402
 from karma.testing.exactness import SMALL_ENV  # noqa: E402
 
 # (label, model file, environment, batch size)

@@ -5,7 +5,7 @@
     KARMA_GPT=small python examples/own_loop.py --gpu-mem 800M --batch-size 2 --steps 50
 
 The loop, the data, the logging and the evaluation are yours; karma plans the memory
-(`karma.plan`, what karma-plan does) and runs each training iteration as planned
+(`karma.plan`, what karma-plan does) and runs each training step as planned
 (`karma.Runtime.step`, what karma-run does on every step). With the model file's own data,
 as here, the parameters come out bitwise those of `karma-run` on the same schedule.
 """

@@ -19,11 +19,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["InfeasiblePlan", "KarmaError", "Runtime", "Schedule", "load_schedule", "plan"]
+__all__ = ["InfeasiblePlan", "KarmaError", "PlanOptions", "Runtime", "Schedule", "load_schedule",
+           "plan"]
 
 if TYPE_CHECKING:
     from karma.api import plan
     from karma.errors import KarmaError
+    from karma.planner.options import PlanOptions
     from karma.planner.plan import InfeasiblePlan
     from karma.runtime.runtime import Runtime
     from karma.schedule import Schedule
@@ -34,6 +36,7 @@ _LAZY = {
     "plan": "karma.api",
     "KarmaError": "karma.errors",
     "InfeasiblePlan": "karma.planner.plan",
+    "PlanOptions": "karma.planner.options",
     "Runtime": "karma.runtime.runtime",
     "Schedule": "karma.schedule",
     "load_schedule": "karma.schedule_load",

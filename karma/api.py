@@ -188,7 +188,7 @@ def _point(prepared: _Prepared, options: PlanOptions) -> dict:
     samples = batch * options.world_size * options.accumulate
     point = {"hardware": options.profile.name, "gpu_mem_bytes": options.capacity_bytes,
              "batch_size": batch, "world_size": options.world_size,
-             "nproc_per_node": options.nproc}
+             "nproc_per_node": options.ranks_per_node}
     try:
         report = _solve(prepared, options)
     except InfeasiblePlan as e:

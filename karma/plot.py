@@ -1,4 +1,4 @@
-"""A schedule as a picture: device memory over one step above a per-stream Gantt chart.
+"""A schedule as a picture: device memory over one replay above a per-stream Gantt chart.
 
     karma-inspect schedule.yaml --plot schedule.png
     karma-inspect schedule.yaml --trace trace.json --plot timeline.png   # measured under it
@@ -207,7 +207,7 @@ def _title(schedule: Schedule) -> str:
 
 def _memory_panel(ax, schedule: Schedule, sim: SimResult, end_s: float, t_scale: float,
                   Line2D) -> None:
-    """(a) allocated device memory over the step, the predicted peak and the capacity."""
+    """(a) allocated device memory over the replay, the predicted peak and the capacity."""
     capacity, peak = schedule.config.capacity_bytes, schedule.predicted.peak_device_bytes
     capacity_drawn = capacity <= _CAPACITY_OFF_SCALE * max(peak, 1)
     top = max(peak, capacity if capacity_drawn else 0, 1)

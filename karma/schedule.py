@@ -128,6 +128,8 @@ def is_sharded(host_state: str, world_size: int) -> bool:
 # names, and the runtime finds the parameters behind it by its name.
 
 FETCH_PHASES = ("fwd", "bwd")  # which of the user's passes a fetch of weights is for
+# a host optimizer step's temporaries in private memory (CPU backend): hoststep.BLOCK
+HOST_TEMP_PREFIX = "hoststep."
 _WEIGHTS = re.compile(r"w\.(\d+)@([fb])(\d*)$")
 _RESIDENT = re.compile(r"w\.(\d+)$")
 
@@ -211,10 +213,13 @@ class ModelRef:
     env: tuple[tuple[str, str], ...]  # KARMA_* environment variables the model file read
 
     @classmethod
-    def now(cls, path: str, sha256: str, ir_json: str) -> ModelRef:
+    def now(cls, path: str, sha256: str, ir_json: str,
+            env: tuple[tuple[str, str], ...] | None = None) -> ModelRef:
         """The reference a plan made in this process records: the model file, its hash, its
-        block graph's JSON hashed, and the KARMA_* environment now (model_env)."""
-        return cls(path, sha256, hashlib.sha256(ir_json.encode()).hexdigest(), model_env())
+        block graph's JSON hashed, and the KARMA_* environment the model file was loaded
+        with (`env`; default: now, model_env)."""
+        return cls(path, sha256, hashlib.sha256(ir_json.encode()).hexdigest(),
+                   model_env() if env is None else env)
 
 
 # karma's own settings, read by the runtime where it runs: not the model's, so not recorded
@@ -273,13 +278,13 @@ class Predicted:
     busy_s: tuple[tuple[str, float], ...]  # (stream, seconds busy)
     scaling_efficiency: float  # one rank's step time over this one's (1.0 on one rank)
     # the ideal: the same training with unlimited device memory (keep_all: nothing moved,
-    # recomputed or offloaded); step_s / ideal_s is the price of the budget. None in
-    # schedules from before it.
+    # recomputed or offloaded); step_s / ideal_s is the price of the budget. None: not
+    # recorded (the key is optional).
     ideal_s: float | None = None
     # "measured": the block times were measured on the planning machine (karma/calibrate);
-    # None (the key left out): the roofline estimate, as in schedules from before it
+    # None (the key left out): the roofline estimate
     calibration: str | None = None
-    # per node: what its nproc_per_node ranks hold together (None in schedules from before)
+    # per node: what its nproc_per_node ranks hold together (None: not recorded; optional)
     node_host_bytes: int | None = None
     node_pinned_bytes: int | None = None
 

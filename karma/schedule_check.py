@@ -423,8 +423,8 @@ class _Checker:
         ([Note: the training options' contract]). Fetched weights freed by one of them would
         still be held when the next step fetches the same weights, and a fetch finds
         weights it can reuse when it is issued: it would not fill them again, and the
-        forward would read them from before their update. (Found by fuzzing: w.0@b freed by
-        block 0's host step trained different weights, in two runs out of three.)"""
+        forward would read them from before their update: w.0@b freed by block 0's host step
+        trains different weights in two runs out of three (tests/test_schedule_check.py)."""
         if self.s.config.clip_grad_norm is None:
             return
         for k, b in enumerate(self.s.buffers):

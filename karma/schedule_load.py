@@ -282,7 +282,7 @@ _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_sche
         "accumulate": _integer(1), "clip_grad_norm": _clip_norm,
         "host_state": _text(HOST_STATES, "a host state"), "nproc_per_node": _integer(1),
     }, "config", optional=("accumulate", "clip_grad_norm", "host_state",
-                           "nproc_per_node")),  # schedules from before them
+                           "nproc_per_node")),  # optional keys
     "hardware": _pairs(_text(), _hardware_value),
     "strategy": _text(),
     "status": _text(STATUSES, "a solver status"),

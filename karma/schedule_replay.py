@@ -34,7 +34,7 @@ def walk_peak_bytes(schedule: Schedule) -> tuple[int, int]:
     last = max((op.stage for op in schedule.ops), default=0)
     # live bytes change only at the stages where a buffer starts or after one it ends: kept
     # by stage, not in a list as long as the largest stage number (a stage edited to 2**62
-    # took all memory: found by fuzzing)
+    # would take all memory: tests/test_fuzz.py edits numbers so)
     delta: dict[int, int] = defaultdict(int)
     # an op's own temporaries (allocated and freed by that op): one op of a stream runs at
     # a time, so per stage and stream only the largest of them is live at once

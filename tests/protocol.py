@@ -48,9 +48,9 @@ class CheckingBackend(CpuBackend):
         self.violations: list[str] = []
         self.calls = 0
         self.collectives = 0
-        self._issued: set = set()  # every op issued so far, of every iteration
+        self._issued: set = set()  # every op issued so far, of every replay
         self._allocated: set = set()
-        self._owed: set = set()  # ops of the previous iteration not yet issued at its end
+        self._owed: set = set()  # ops of the previous replay not yet issued at its end
         self._waited: dict[str, set] = {}  # stream -> every op it was ordered after so far
         self._running: dict[str, int | None] = {}  # stream -> the op its worker runs now
         self._ran_collective: set = set()  # net ops that ran a collective
@@ -88,7 +88,7 @@ class CheckingBackend(CpuBackend):
             op = self.op(op_id)
             if stream == "compute" and op is not None:
                 late = [h for h in self._held if isinstance(h, int)
-                        and h // self._n == op_id // self._n  # this iteration's
+                        and h // self._n == op_id // self._n  # this replay's
                         and self.op(h).stream in BARRIER_STREAMS
                         and self.op(h).stage < op.stage]
                 if late:
@@ -161,7 +161,7 @@ class CheckingBackend(CpuBackend):
         with self._lock:
             missing = sorted(self._owed - self._issued)
             if missing:
-                self._flag(f"ops {missing[:5]} never issued by the end of the iteration after "
+                self._flag(f"ops {missing[:5]} never issued by the end of the replay after "
                            "theirs")
             self._owed = self._ops - self._issued
             owed = self._owed_release

@@ -46,7 +46,7 @@ LAYERS_MODEL = textwrap.dedent('''
 
 @cache
 def load_small(name: str) -> ModelFile:
-    """examples/NAME.py at its small test size (tests/conftest.py SMALL_ENV), or
+    """examples/NAME.py at its small test size (karma.testing.exactness.SMALL_ENV), or
     tests/models/NAME.py, loaded once."""
     path = EXAMPLES / f"{name}.py"
     if not path.exists():

@@ -11,7 +11,6 @@ Graphs and schedules are cached: tracing costs about two seconds once per test p
 
 from __future__ import annotations
 
-import hashlib
 from functools import cache
 
 from karma.schedule import ModelRef, Schedule, dump_schedule
@@ -65,12 +64,10 @@ def tiny_schedule(strategy: str = "ilp", capacity_bytes: int = TINY_CAPACITY_BYT
 
     mf, graph = tiny_graph()
     ev = tiny_evaluation(strategy, capacity_bytes, world_size, host_state)
-    model = ModelRef(path=graph.model, sha256=mf.sha256,
-                     ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
-                     env=TINY_ENV)
+    model = ModelRef.now(graph.model, mf.sha256, graph.to_json(), TINY_ENV)
     options = PlanOptions(gpu_mem=capacity_bytes, hardware=load_hardware(HARDWARE),
                           batch_size=graph.batch_size, world_size=world_size)
-    return schedule_from(graph, model, options, ev, single_rank_s=ev.serial_step_s)
+    return schedule_from(graph, model, options, ev, single_rank_s=ev.step_s)
 
 
 def rounded(s: Schedule) -> Schedule:

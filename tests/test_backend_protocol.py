@@ -138,7 +138,7 @@ class FakeStream:
 
 def test_cuda_releases_wait_for_their_copy():
     """CudaBackend's bookkeeping (no GPU needed): a release runs only once its op's event has
-    finished, each exactly once, and all of them by the end of the iteration."""
+    finished, each exactly once, and all of them by the end of the replay."""
     events = [FakeEvent(), FakeEvent(), FakeEvent()]
     backend = fake_cuda_backend(events)
     released: list[int] = []

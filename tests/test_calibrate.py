@@ -207,7 +207,7 @@ def test_measured_steps_replace_the_estimate_in_the_plan(own_cache):
 @pytest.mark.slow
 def test_the_process_outside_its_tensors_is_measured_and_planned_in_every_stage(own_cache):
     # [Note: the process's own memory]: the keep_all steps measure it, the cache keeps it,
-    # and the plan counts it all iteration; the roofline (nothing measured) does not
+    # and the plan counts it all step; the roofline (nothing measured) does not
     with environment(TINY):
         measured = planned(BUDGET, "cpu", strategy="keep_all",
                                log=lambda note: None)

@@ -36,7 +36,7 @@ from tests.runtime_helpers import load_small
 
 # (model, strategy, fraction of keep_all's peak, training options): between them every
 # decision (keep, swap, recompute; resident, streamed; device, host), tied weights, gradient
-# accumulation, and clipping with updates left running into the next iteration
+# accumulation, and clipping with updates left running into the next step
 BASES = [
     ("gpt", "mixed", 1.0, {}),
     ("mlp", "ilp", 0.6, {}),

@@ -15,7 +15,7 @@
   and mixed schedules must still train to the reference's bits, must have moved what their
   schedules move through the host tier, and must stay within the planner's bound on device
   memory. A backend that drops compute's waits for the fetches, and one that releases only at
-  the end of each iteration, show that these checks fail when the ordering is wrong.
+  the end of each replay, show that these checks fail when the ordering is wrong.
 - Capacity: GPT-2 small planned for half of what it needs trains on a GPU of that budget,
   emulated (`--cap-device-memory`), with its measured peak inside the budget, while the plain
   loop runs out of memory there.
@@ -165,7 +165,7 @@ class SkipsFetchWaits(LateCopies):
 
 
 class ReleasesLate(LateCopies):
-    """Broken on purpose: what copies hold is released only when the iteration ends."""
+    """Broken on purpose: what copies hold is released only when the replay ends."""
 
     def release_due(self, op_ids):
         pass

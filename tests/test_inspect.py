@@ -106,7 +106,7 @@ def _edited(text: str, old: str, new: str) -> str:
 
 
 @pytest.mark.parametrize("edit, says", [
-    # a longer backward: the iteration ends later than predicted
+    # a longer backward: the step ends later than predicted
     (lambda t: re.sub(r"(kind: backward, block: 1, .*?dur_s: )[^,]+", r"\g<1>0.001", t),
      "predicted.step_s is"),
     # a duration off the critical path: only the stream's busy time gives it away

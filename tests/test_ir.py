@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from karma.ir.autograd_saved import real_saved_bytes_per_block
 from karma.ir.build import build_block_graph
 from karma.modelfile import load_model_file
+from karma.testing.autograd_saved import real_saved_bytes_per_block
 from tests.conftest import MODELS
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import karma.api
-from karma.ir.autograd_saved import real_saved_bytes_per_block
 from karma.ir.build import build_block_graph
 from karma.planner.hardware import load_hardware
 from karma.planner.problem import build_problem
+from karma.testing.autograd_saved import real_saved_bytes_per_block
 from tests.conftest import EXAMPLES, environment
 
 

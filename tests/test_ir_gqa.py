@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from karma.ir.autograd_saved import whole_model_saved_bytes
 from karma.ir.measure import _fused_sdpa
 from karma.modelfile import load_model_file
+from karma.testing.autograd_saved import whole_model_saved_bytes
 from tests.test_ir_shared import ir_saved_bytes
 
 ROOT = Path(__file__).parent.parent

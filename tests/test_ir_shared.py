@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from karma.ir.autograd_saved import whole_model_saved_bytes
 from karma.ir.build import build_block_graph
 from karma.modelfile import ModelFile, load_model_file
+from karma.testing.autograd_saved import whole_model_saved_bytes
 
 MODELS = Path(__file__).parent / "models"
 

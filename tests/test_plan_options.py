@@ -28,13 +28,13 @@ def test_the_cli_and_the_api_make_the_same_options():
                             measure="fresh")
     assert options_from(args) == from_api
     assert from_api.gpu_mem == 6 << 30 and from_api.host_mem == 512 << 30  # parsed once
-    assert from_api.profile == load_hardware("h100-80g") and from_api.nproc == 4
+    assert from_api.profile == load_hardware("h100-80g") and from_api.ranks_per_node == 4
 
 
 def test_defaults_resolve_from_the_profile():
     o = PlanOptions(gpu_mem=1 << 30, hardware="h100-80g", world_size=16)
-    assert o.nproc == 8  # the profile's devices per node
-    assert PlanOptions(hardware="cpu", world_size=3).nproc == 3  # every rank on one machine
+    assert o.ranks_per_node == 8  # the profile's devices per node
+    assert PlanOptions(hardware="cpu", world_size=3).ranks_per_node == 3  # every rank on one machine
     assert PlanOptions().measure == "cached" and PlanOptions().gpu_mem is None
 
 

@@ -163,7 +163,7 @@ def objective_s(plan: Plan) -> float:
 
 def test_ample_memory_keeps_everything():
     # 3 blocks of 1 GB activations, 0.1 GB weights (0.2 GB AdamW state), a 0.5 GB/s link.
-    # With memory to spare, nothing a choice adds can make the iteration shorter:
+    # With memory to spare, nothing a choice adds can make the step shorter:
     #   swap of block 0 or 1: 1 GB at 0.5 GB/s = 2 s on d2h next to a 1 s forward: +1 s;
     #   recompute: +1 s (a forward) in the block's backward stage;
     #   host optimizer (needed by streamed weights): a 1000 s host step after the backward.
@@ -302,7 +302,7 @@ def test_ilp_equals_brute_force_on_three_blocks(seed):
         assert ev.serial_step_s == pytest.approx(best.serial_step_s, rel=1e-7, abs=1e-9)
 
 
-def test_objective_is_the_simulated_iteration_time():
+def test_objective_is_the_simulated_step_time():
     problem = random_problem(random.Random(8), 8)
     low, high = min_capacity_bytes(problem), keep_all_peak(problem)
     for cap in (low, (2 * low + high) // 3, (low + 2 * high) // 3):

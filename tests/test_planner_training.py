@@ -12,7 +12,6 @@ The runtime's contract, which these tests pin down on synthetic chains and the t
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import random
 
 import pytest
@@ -111,7 +110,7 @@ def test_stage_memory_is_never_below_the_simulated_peak(training, world_size):
 
 def test_overlapped_updates_are_hidden_under_the_next_forward_by_hand():
     # 2 blocks, forward 1 s, backward 2 s, 1 GB of weights each, stepped on the host in
-    # 0.5 s and uploaded at 2 GB/s (0.5 s). Clipped, the iteration is
+    # 0.5 s and uploaded at 2 GB/s (0.5 s). Clipped, the step is
     #   stages: prologue 0, fwd 1, fwd 1, bwd 2, bwd 2, epilogue (block 0's gradients to
     #   the host, 0.5 s): 6.5 s; then host step 0 (0.5), host step 1 (0.5), upload 1 (0.5)
     #   after its step: 8 s.
@@ -132,7 +131,7 @@ def test_overlapped_updates_that_take_longer_than_the_forward_show_in_the_step()
     problem = chain(3, param_bytes=GB, act_bytes=0, host_step_s=10.0)
     ev = evaluate(problem, Plan("x", (Choice("keep", "streamed", "host"),) * 3), HUGE, CLIP)
     assert 30.0 <= ev.overlapped_step_s < ev.serial_step_s
-    # hidden completely when they are instant: the step is the iteration without them
+    # hidden completely when they are instant: the step is the serial step without them
     quick = chain(3, param_bytes=GB, act_bytes=0, host_step_s=0.0)
     ev = evaluate(quick, Plan("x", (Choice("keep", "streamed", "host"),) * 3), HUGE, CLIP)
     assert ev.overlapped_step_s == pytest.approx(ev.serial_step_s)
@@ -256,8 +255,7 @@ def test_inspect_re_simulates_training_schedules(tmp_path, capsys, accumulate, c
     capacity = 1 << 20  # with these options MIXED needs more than TINY_CAPACITY_BYTES
     ev = evaluate(problem, Plan("ilp", MIXED, status="optimal"), capacity, training)
     assert ev.feasible  # else karma-inspect refuses it on load (rule: peak within capacity)
-    model = ModelRef(path=graph.model, sha256=mf.sha256,
-                     ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(), env=TINY_ENV)
+    model = ModelRef.now(graph.model, mf.sha256, graph.to_json(), TINY_ENV)
     options = PlanOptions(gpu_mem=capacity, hardware=load_hardware(HARDWARE),
                           batch_size=graph.batch_size, accumulate=accumulate,
                           clip_grad_norm=clip)

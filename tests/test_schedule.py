@@ -274,7 +274,7 @@ def test_uses_may_name_absent_buffers(data):
 
 
 def test_null_alloc_and_free_are_allowed(data):
-    # a buffer live through every iteration (the runtime releases only fetched weights)
+    # a buffer live through every replay (the runtime releases only fetched weights)
     k = next(k for k, b in enumerate(data["buffers"]) if b["name"] == "grad.3")
     d = _edit(_edit(data, f"buffers.{k}.alloc", None), f"buffers.{k}.free", None)
     s = _load_data(d)

@@ -293,8 +293,8 @@ def test_fetched_weights_are_released_after_their_last_reader(sched):
 
 def test_with_clipping_fetched_weights_are_not_freed_by_a_deferred_op():
     """Found by fuzzing (tests/test_fuzz.py): with clipping, block 0's backward weights
-    freed by its host step, which runs on into the next iteration, were still held when
-    that iteration fetched them and were not filled again: two runs in three trained other
+    freed by its host step, which runs on into the next step, were still held when
+    that step fetched them and were not filled again: two runs in three trained other
     weights than plain PyTorch."""
     from karma.planner.hardware import load_hardware
     from karma.planner.options import PlanOptions
@@ -314,7 +314,7 @@ def test_with_clipping_fetched_weights_are_not_freed_by_a_deferred_op():
                   "(head)), which may run on into the next step (rule: buffer lifetime: "
                   "with config.clip_grad_norm fetched weights are freed by the op that reads "
                   f"them last, never by a host_step or an upload", f"set its free to {reader}")
-    # without clipping every op of an iteration ends within it: later, but allowed
+    # without clipping every op of a replay ends within it: later, but allowed
     validate(replace(late, config=replace(late.config, clip_grad_norm=None)))
 
 

@@ -37,7 +37,7 @@ def test_a_budget_sweep_plans_every_point_and_says_what_ran_out(capsys, monkeypa
                          for p in short)
     fits = [p for p in points if p["feasible"]]
     assert len(fits) >= 2 and fits[-1]["gpu_mem_bytes"] == 1000 * 1024
-    # more memory never makes the chosen plan slower, and samples/s is batch / iteration
+    # more memory never makes the chosen plan slower, and samples/s is batch / step
     times = [p["step_s"] for p in fits]
     assert times == sorted(times, reverse=True)
     for p in fits:

@@ -3,7 +3,7 @@
     cal = calibrate(mf, graph, options, planning)   # options: PlanOptions; planning: FromPlanning
     cal.hardware        # the profile to plan with: built-in sizes, this machine's rates (on
                         # the CPU, the side streams' fractions and wait fitted in context)
-    cal.measured        # planner.problem.Measured: per block (fwd s, bwd s) and (device s,
+    cal.measured        # planner.problem.Measurements: per block (fwd s, bwd s) and (device s,
                         # host s) of its optimizer step, the process outside its tensors
                         # (CPU), the loss; None or 0 where estimated
     cal.summary         # one line for karma-plan: where the block times came from
@@ -56,7 +56,7 @@ from karma.ir.graph import BlockGraph
 from karma.modelfile import ModelFile
 from karma.planner.hardware import Hardware
 from karma.planner.options import PlanOptions
-from karma.planner.problem import ESTIMATED, Measured
+from karma.planner.problem import ESTIMATED, Measurements
 from karma.schedule import Schedule
 
 __all__ = ["Calibration", "FromPlanning", "Probe", "calibrate"]
@@ -91,7 +91,7 @@ class Calibration:
     """What to plan with, and where its numbers came from."""
 
     hardware: Hardware  # the profile given, with this machine's rates when it was measured
-    measured: Measured  # what was measured (Measured(): nothing, the roofline estimate)
+    measured: Measurements  # what was measured (Measurements(): nothing, the roofline estimate)
     summary: str  # e.g. "measured on this machine (cached in ~/.cache/karma/blocks-....json)"
 
 

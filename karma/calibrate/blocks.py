@@ -31,7 +31,7 @@ from karma.errors import KarmaError
 from karma.ir.graph import BlockGraph
 from karma.ir.timing import time_blocks
 from karma.modelfile import ModelFile
-from karma.planner.problem import Measured
+from karma.planner.problem import Measurements
 from karma.schedule import model_env
 
 _TIMING_BUDGET_S = 15.0  # see [Note: timing at a smaller batch]
@@ -43,7 +43,7 @@ class Timed:
 
     fwd_bwd_s: tuple[tuple[float, float], ...]  # per block
     step_s: tuple[tuple[float, float], ...]  # (device s, host s) of each block's optimizer step
-    process_bytes: int  # Measured.process_bytes
+    process_bytes: int  # Measurements.process_bytes
     where: str  # "in a keep_all step" or "block by block"
     loss_s: float | None = None  # the loss's forward and backward (in context), else None
     # the side streams' contention fractions and wait (Hardware fields) fitted to a probe's
@@ -52,9 +52,9 @@ class Timed:
     side_streams: dict[str, float] | None = None
 
     @property
-    def measured(self) -> Measured:
+    def measured(self) -> Measurements:
         """What the planner takes from it."""
-        return Measured(tuple(map(tuple, self.fwd_bwd_s)), tuple(map(tuple, self.step_s)),
+        return Measurements(tuple(map(tuple, self.fwd_bwd_s)), tuple(map(tuple, self.step_s)),
                         self.process_bytes, self.loss_s)
 
 

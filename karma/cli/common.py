@@ -19,7 +19,7 @@ from karma.errors import KarmaError
 
 def huge_pages_for_large_tensors() -> None:
     """[Note: huge pages for large tensors] With glibc returning freed memory promptly
-    (host.return_freed_memory_promptly), every tensor of 64 KiB or more is a fresh mapping,
+    (runtime/host/tier.py, return_freed_memory_promptly), every tensor of 64 KiB or more is a fresh mapping,
     faulted in 4 KiB page by page each time it is made: on GPT-2 small (sequence 64, batch 2)
     the plain training loop with those settings takes 514 thousand page faults a step. PyTorch's
     CPU allocator can align tensors of 2 MiB and more to 2 MiB and ask the kernel for

@@ -131,10 +131,10 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
             "process_bytes": s.process_bytes,  # the CPU process outside its tensors, measured
             "host_bytes": p.host_bytes,  # per rank
             "pinned_bytes": p.pinned_bytes,
-            "node_host_bytes": p.node_host_bytes,  # per node (None in schedules from before)
+            "node_host_bytes": p.node_host_bytes,  # per node (None where not recorded)
             "node_pinned_bytes": p.node_pinned_bytes,
             "scaling_efficiency": p.scaling_efficiency,
-            "ideal_s": p.ideal_s,  # None in schedules from before it
+            "ideal_s": p.ideal_s,  # None where not recorded
             "price_of_budget": p.price_of_budget,
             # re-simulated from the ops, not stored in the file:
             "replay_s": sim.replay_s,  # the micro-batch that steps

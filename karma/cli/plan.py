@@ -63,7 +63,9 @@ def _hardware_flags(p: argparse.ArgumentParser) -> None:
                               "(once; cached in ~/.cache/karma)")
     measure.add_argument("--remeasure", dest="measure", action="store_const", const="fresh",
                          help="measure this machine and the blocks again instead of reading "
-                              "them from the cache: a shared machine's speed drifts")
+                              "them from the cache (a shared machine's speed drifts); only for "
+                              "a profile of this machine, and a failure to time the blocks "
+                              "is then an error, not the roofline estimate")
 
 
 def _training_flags(p: argparse.ArgumentParser) -> None:

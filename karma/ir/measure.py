@@ -74,7 +74,7 @@ def measure_blocks(gm: torch.fx.GraphModule, specs: list[BlockSpec],
     """Measure the blocks of gm (on meta tensors) as `compute` runs them (default: fp32 on
     the meta device). With autocast, gm's parameters become fake CPU tensors."""
     compute = compute or Compute()
-    _reroute_sdpa(gm)
+    reroute_sdpa(gm)
     _count_grouped_mm()
     block_of = {node: i for i, spec in enumerate(specs) for node in spec.nodes}
     split = split_module(gm, gm, lambda n: block_of[n.name], keep_original_order=True)
@@ -325,7 +325,7 @@ def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
-def _reroute_sdpa(gm: torch.fx.GraphModule) -> None:
+def reroute_sdpa(gm: torch.fx.GraphModule) -> None:
     targets = {aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention}
     changed = False
     for node in gm.graph.nodes:

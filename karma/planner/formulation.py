@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import pulp
@@ -84,7 +84,7 @@ class Formulation:
     replay: pulp.LpVariable
     # cap: the device memory budget, a variable only when minimising it              (GiB)
     cap: pulp.LpVariable | float
-    load: Load = field(default_factory=dict)  # barrier work by stage and stream
+    load: Load  # the barrier streams' work, by stage and stream
 
     @property
     def micro(self) -> bool:
@@ -148,9 +148,9 @@ def formulate(problem: Problem, limits: Limits, training: Training,
     def variables(name: str, count: int) -> list[pulp.LpVariable]:
         return [lp.add_variable(f"{name}_{k}", lowBound=0) for k in range(count)]
 
+    common = lowering.common_fragment(problem)
     f = Formulation(
-        problem, limits, training, minimize_capacity, st, options, frags,
-        lowering.common_fragment(problem), lp,
+        problem, limits, training, minimize_capacity, st, options, frags, common, lp,
         x={(i, c): lp.add_variable(f"x_{i}_{_tag(c)}", cat="Binary")
            for i in range(n) for c in options[i]},
         t=variables("t", st.update),
@@ -163,6 +163,7 @@ def formulate(problem: Problem, limits: Limits, training: Training,
         replay=lp.add_variable("replay_s", lowBound=0),
         cap=lp.add_variable("cap", lowBound=0) if minimize_capacity
         else limits.device_bytes / GIB,
+        load=_barrier_load(frags, common, st),
     )
     for constrain in CONSTRAINTS:
         constrain(f)
@@ -181,13 +182,20 @@ def one_choice_per_block(f: Formulation) -> None:
         f.lp += pulp.lpSum(f.x[i, c] for c in options) == 1, f"one_choice_{i}"
 
 
+def _barrier_load(frags: dict[tuple[int, Choice], Fragment], common: Fragment,
+                  st: Stages) -> Load:
+    """The work of the stages before the update on each barrier stream, op by op."""
+    load: Load = {}
+    for key, frag in [*frags.items(), (None, common)]:
+        for o in frag.ops:
+            if is_barrier(o.stream, o.kind) and o.stage < st.update:
+                load.setdefault((o.stage, o.stream), []).append((o.dur_s, key, o.kind))
+    return load
+
+
 def stage_lasts_its_busiest_stream(f: Formulation) -> None:
     """[Constraint] a stage lasts as long as the work on its busiest barrier stream (in a
     micro-batch that does not step, without the step's ops)"""
-    for key, frag in [*f.frags.items(), (None, f.common)]:
-        for o in frag.ops:
-            if is_barrier(o.stream, o.kind) and o.stage < f.st.update:
-                f.load.setdefault((o.stage, o.stream), []).append((o.dur_s, key, o.kind))
     for (k, stream) in sorted(f.load):
         for durations, stepping, name in f.durations():
             f.lp += durations[k] >= f.work(k, stream, stepping), f"{name}_{k}_{stream}"
@@ -303,7 +311,7 @@ def node_host_memory_within_limits(f: Formulation) -> None:
 
 CONSTRAINTS: tuple[Callable[[Formulation], None], ...] = (
     one_choice_per_block,
-    stage_lasts_its_busiest_stream,  # fills f.load, which the next ones read
+    stage_lasts_its_busiest_stream,
     shared_cores_slow_each_other,
     stages_run_in_order,
     host_steps_one_at_a_time,

@@ -46,7 +46,7 @@ _FRACTION_FIELDS = (
 """Optional keys (older profiles lack them): 0, their default, means independent streams."""
 _WAIT_FIELDS = ("side_wait_s",)  # optional too: 0, its default, means no wait
 _MAX_WAIT_S = 1.0  # a scheduler's time slice is milliseconds
-_OPTIONAL_FIELDS = ("devices_per_node", *_WAIT_FIELDS)  # profiles from before them lack them
+_OPTIONAL_FIELDS = ("devices_per_node", *_WAIT_FIELDS)  # a profile may leave them out
 _MAX_SLOWDOWN = 0.95  # a stream that lost more would never finish in a useful time
 _HOW_TO_FIX = "fix it in the profile, or measure this machine with karma-profile -o FILE"
 
@@ -128,7 +128,7 @@ class Hardware:
     # [Note: side streams timed in context]), not measured by karma-profile:
     d2h_slowdown_compute: float = 0.0  # a copy to the host's, where it differs (0: as h2d's)
     side_wait_s: float = 0.0  # a side op started beside compute waits this long for a core
-    # the devices of one node, which share its host memory (1 in profiles from before it, and
+    # the devices of one node, which share its host memory (1 where a profile leaves it out, and
     # in a measured machine's). A cpu profile's "devices" are ranks sharing the machine: any
     # number may run on it.
     devices_per_node: int = 1

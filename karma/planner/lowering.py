@@ -35,6 +35,8 @@ from karma.planner.host_state import add_host_state, shard_bytes
 from karma.planner.problem import Problem
 from karma.schedule import (
     ACT_CHOICES,
+    FETCH_PHASES,
+    HOST_TEMP_PREFIX,
     OPTIM_CHOICES,
     PROCESS_BUFFER,
     STREAMS,
@@ -45,8 +47,6 @@ from karma.schedule import (
     is_barrier,
     resident_weights,
 )
-
-HOST_TEMP = "hoststep."  # buffers of host optimizer temporaries (memory.host_temp_bytes)
 
 
 @dataclass(frozen=True, order=True)
@@ -315,7 +315,7 @@ def _host_step(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice,
                 b.host_step_s / problem.world_size if sharded else b.host_step_s,
                 after=after)
     if problem.host_temps_on_device:  # see memory.host_temp_bytes
-        f.buffer(f"{HOST_TEMP}{i}", i, b.step_temp_bytes, step, step)
+        f.buffer(f"{HOST_TEMP_PREFIX}{i}", i, b.step_temp_bytes, step, step)
     updated = step
     if sharded:
         updated = f.op(("all_gather", i), "all_gather", i, step_stage, "net",
@@ -333,7 +333,7 @@ def _stream_weights(f: Fragment, problem: Problem, st: Stages, owner: int, user:
     latest)."""
     n = len(problem.blocks)
     # a fetch lists the buffer it fills in `uses`: the runtime reads the owner from its name
-    fwd_buf, bwd_buf = (WeightBuffer(owner, phase, user).name for phase in ("fwd", "bwd"))
+    fwd_buf, bwd_buf = (WeightBuffer(owner, phase, user).name for phase in FETCH_PHASES)
     fetch_f = f.op(("fetch", owner, user, "fwd"), "fetch", user, max(0, st.fwd(user) - ahead),
                    "h2d", problem.h2d_s(nbytes), nbytes, uses=(fwd_buf,))
     if user == n - 1:  # the last block's backward follows at once: keep the forward copy

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from karma.planner.fragment import Fragment
 from karma.planner.lowering import (
-    HOST_TEMP,
     PLAIN,
     Choice,
     Stages,
@@ -20,6 +19,7 @@ from karma.planner.lowering import (
     fragment,
 )
 from karma.planner.problem import Problem
+from karma.schedule import HOST_TEMP_PREFIX
 
 
 def buffer_spans(problem: Problem, f: Fragment) -> list[tuple[int, int, int]]:
@@ -39,7 +39,7 @@ def buffer_spans(problem: Problem, f: Fragment) -> list[tuple[int, int, int]]:
 
     return [(stage_of(b.alloc) if b.alloc is not None else 0,
              stage_of(b.free) if b.free is not None else st.count - 1, b.bytes)
-            for b in f.buffers if not b.name.startswith(HOST_TEMP)]
+            for b in f.buffers if not b.name.startswith(HOST_TEMP_PREFIX)]
 
 
 def host_temp_bytes(f: Fragment) -> int:
@@ -52,7 +52,7 @@ def host_temp_bytes(f: Fragment) -> int:
     clipping the host steps run on into the next step's forward (the runtime overlaps them:
     runtime/replay/update.py, [Note: updates overlapped with the next forward]), so the
     largest of them counts in every stage."""
-    return max((b.bytes for b in f.buffers if b.name.startswith(HOST_TEMP)), default=0)
+    return max((b.bytes for b in f.buffers if b.name.startswith(HOST_TEMP_PREFIX)), default=0)
 
 
 def host_temp_first_stage(problem: Problem, i: int, training: Training = PLAIN) -> int:

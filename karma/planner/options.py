@@ -55,7 +55,8 @@ class PlanOptions:
     measure: str = "cached"  # one of MEASURES (--remeasure: fresh, --no-measure: estimate)
     # derived and checked in __post_init__
     profile: Hardware = field(init=False, repr=False, compare=False)  # `hardware`, loaded
-    nproc: int = field(init=False, repr=False)  # ranks per node, the profile's default applied
+    # ranks per node: nproc_per_node, or the profile's default where it is None
+    ranks_per_node: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         _set = object.__setattr__
@@ -72,11 +73,19 @@ class PlanOptions:
         if self.strategy not in STRATEGIES:
             raise KarmaError(f"strategy {self.strategy!r} (--strategy) is not a strategy; use "
                              f"one of {', '.join(STRATEGIES)}")
-        if isinstance(self.time_limit_s, bool) or not self.time_limit_s > 0 \
-                or not 0 <= self.gap < 1:
+        if not _number(self.time_limit_s) or not self.time_limit_s > 0 \
+                or not _number(self.gap) or not 0 <= self.gap < 1:
             raise KarmaError(f"the time limit {self.time_limit_s!r} s (--time-limit) must be "
                              f"positive and the gap {self.gap!r} (--gap) in [0, 1), e.g. 60 "
                              "and 0.01")
+        if not _whole(self.seed, 0):
+            raise KarmaError(f"seed {self.seed!r} (--seed) must be a whole number, 0 or more")
+        if self.blocks is not None and not isinstance(self.blocks, str):
+            raise KarmaError(f"blocks {self.blocks!r} (--blocks) must be a regular expression "
+                             "of module paths, e.g. 'h\\.\\d+'")
+        if self.host_state not in ("auto", *HOST_STATES):
+            raise KarmaError(f"host_state {self.host_state!r} (--host-state) is not one karma "
+                             "knows; use auto, sharded or replicated")
         if self.measure not in MEASURES:
             raise KarmaError(f"measure {self.measure!r} is not a way to measure; use one of "
                              f"{', '.join(MEASURES)} (--remeasure: fresh, --no-measure: "
@@ -85,8 +94,8 @@ class PlanOptions:
         profile = self.hardware if isinstance(self.hardware, Hardware) \
             else load_hardware(self.hardware)
         _set(self, "profile", profile)
-        _set(self, "nproc", _ranks_per_node(profile, self.world_size, self.nproc_per_node,
-                                            self.host_state))
+        _set(self, "ranks_per_node", _ranks_per_node(profile, self.world_size,
+                                                     self.nproc_per_node))
 
     def check_plannable(self) -> None:
         """Raise unless a plan can be made: a budget is given (a block graph needs none, a
@@ -109,6 +118,10 @@ class PlanOptions:
 
 def _whole(n: object, least: int = 1) -> bool:
     return not isinstance(n, bool) and isinstance(n, int) and n >= least
+
+
+def _number(x: object) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _size(value: int | str, what: str, name: str, flag: str, example: str) -> int:
@@ -139,14 +152,10 @@ def _check_training(dtype: str, accumulate: int, clip_grad_norm: float | None) -
                          "it out for no clipping")
 
 
-def _ranks_per_node(hw: Hardware, world_size: int, nproc_per_node: int | None,
-                    host_state: str) -> int:
+def _ranks_per_node(hw: Hardware, world_size: int, nproc_per_node: int | None) -> int:
     """Ranks per node (default the profile's devices_per_node, capped by world_size; on a cpu
     profile every rank, as ranks started on one machine are), checked to divide the ranks
     and fit the node's devices."""
-    if host_state not in ("auto", *HOST_STATES):
-        raise KarmaError(f"host_state {host_state!r} (--host-state) is not one karma knows; use "
-                         "auto, sharded or replicated")
     if not _whole(world_size):
         raise KarmaError(f"world_size {world_size!r} (--world-size) must be a whole number of "
                          "ranks, 1 or more")

@@ -6,8 +6,9 @@
 
 Each pass takes the plan chosen so far (an Evaluation: lowered and simulated) and returns it,
 or a better one by the simulator's judgement; a pass that does not apply returns it as it
-is. The ILP's passes apply when the ILP was asked for (--strategy ilp), even where it fell
-back to a baseline; a baseline asked for by name is what it is, but for its host state.
+is. The ILP's passes apply when the ILP was asked for (--strategy ilp), also where it fell
+back to a baseline (but for the copies two stages ahead, which refine the ILP's own plan); a
+baseline asked for by name is what it is, but for its host state.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from karma.planner.lowering import Training
 from karma.planner.options import PlanOptions
 from karma.planner.plan import Evaluation, Plan, evaluate
 from karma.planner.prefetch import refine_prefetch
-from karma.planner.problem import Measured, Problem, build_problem
+from karma.planner.problem import Measurements, Problem, build_problem
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Planning:
 
     graph: BlockGraph
     options: PlanOptions
-    measured: Measured
+    measured: Measurements
     optimizer: OptimizerProfile
 
     @property
@@ -58,12 +59,17 @@ class Planning:
             state = "sharded" if self.options.world_size > 1 else "replicated"
         return self.problem_with(state)
 
-    def problem_with(self, host_state: str, world_size: int | None = None) -> Problem:
+    def problem_with(self, host_state: str) -> Problem:
+        """The problem with this host state, on the options' ranks."""
         o = self.options
-        one = world_size == 1
-        return build_problem(self.graph, o.profile, o.dtype, world_size or o.world_size,
-                             self.optimizer, self.measured, 1 if one else o.nproc,
-                             host_state, o.host_mem)
+        return build_problem(self.graph, o.profile, o.dtype, o.world_size, self.optimizer,
+                             self.measured, o.ranks_per_node, host_state, o.host_mem)
+
+    def one_rank(self) -> Problem:
+        """The same training on one rank (what the scaling efficiency is against)."""
+        o = self.options
+        return build_problem(self.graph, o.profile, o.dtype, 1, self.optimizer, self.measured,
+                             1, "replicated", o.host_mem)
 
     def evaluate(self, plan: Plan, problem: Problem | None = None) -> Evaluation:
         return evaluate(problem or self.problem, plan, self.capacity_bytes, self.training)
@@ -121,7 +127,7 @@ def simulator_has_the_last_word(p: Planning, chosen: Evaluation) -> Evaluation:
              f"{best.plan.strategy}, faster"))
 
 
-def host_state(p: Planning, chosen: Evaluation) -> Evaluation:
+def choose_host_state(p: Planning, chosen: Evaluation) -> Evaluation:
     """[Note: choosing host state] On several ranks the plan is made with sharded host
     state, which needs less host memory and steps 1/N of the weights on each rank. Replicated
     state is kept instead where it is asked for, or (auto) where no block is stepped on the
@@ -142,5 +148,5 @@ PASSES: tuple[Pass, ...] = (
     prefetch_two_stages_ahead,
     updates_under_the_next_forward,
     simulator_has_the_last_word,
-    host_state,
+    choose_host_state,
 )

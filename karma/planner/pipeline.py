@@ -20,14 +20,14 @@ from karma.planner.lowering import Choice
 from karma.planner.options import PlanOptions
 from karma.planner.passes import PASSES, Planning
 from karma.planner.plan import Evaluation, InfeasiblePlan, Plan
-from karma.planner.problem import ESTIMATED, Measured
+from karma.planner.problem import ESTIMATED, Measurements
 from karma.planner.report import PlanReport
 from karma.schedule import BlockEntry, ModelRef, Predicted, Schedule, TrainConfig
 from karma.units import format_bytes
 
 
 def make_schedule(graph: BlockGraph, model: ModelRef, options: PlanOptions,
-                  measured: Measured = ESTIMATED, optimizer: OptimizerProfile = ADAMW
+                  measured: Measurements = ESTIMATED, optimizer: OptimizerProfile = ADAMW
                   ) -> PlanReport:
     """The schedule `options` ask for (options.hardware: the profile, measured where it was),
     with `measured`'s times in place of the roofline's."""
@@ -37,7 +37,7 @@ def make_schedule(graph: BlockGraph, model: ModelRef, options: PlanOptions,
         chosen = improve(p, chosen)
     single = chosen.step_s
     if options.world_size > 1:
-        single = p.evaluate(chosen.plan, p.problem_with("replicated", world_size=1)).step_s
+        single = p.evaluate(chosen.plan, p.one_rank()).step_s
     # the ideal: keep_all's time, its memory unlimited (see Predicted.ideal_s)
     schedule = schedule_from(graph, model, options, chosen, single,
                              ideal_s=p.baselines["keep_all"].step_s, measured=measured)
@@ -83,7 +83,7 @@ def first_choice(p: Planning) -> Evaluation:
 
 
 def probe_schedule(graph: BlockGraph, model: ModelRef, options: PlanOptions,
-                   measured: Measured = ESTIMATED, optimizer: OptimizerProfile = ADAMW
+                   measured: Measurements = ESTIMATED, optimizer: OptimizerProfile = ADAMW
                    ) -> Schedule:
     """Every block's activations swapped (the last block's kept: its backward follows at
     once), its weights streamed and its optimizer on the host, on `options`' profile with
@@ -101,7 +101,7 @@ def probe_schedule(graph: BlockGraph, model: ModelRef, options: PlanOptions,
 
 def schedule_from(graph: BlockGraph, model: ModelRef, options: PlanOptions, ev: Evaluation,
                   single_rank_s: float, ideal_s: float | None = None,
-                  measured: Measured = ESTIMATED) -> Schedule:
+                  measured: Measurements = ESTIMATED) -> Schedule:
     """The Schedule of an evaluated plan (single_rank_s: the same plan on one rank;
     ideal_s: keep_all's step with unlimited memory; measured: what its times came from)."""
     import yaml
@@ -125,7 +125,7 @@ def schedule_from(graph: BlockGraph, model: ModelRef, options: PlanOptions, ev: 
                            accumulate=options.accumulate,
                            clip_grad_norm=options.clip_grad_norm,
                            host_state=ev.host_state,
-                           nproc_per_node=options.nproc),
+                           nproc_per_node=options.ranks_per_node),
         hardware=tuple(hardware.items()),
         strategy=ev.plan.strategy,
         status=ev.plan.status,

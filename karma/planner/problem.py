@@ -191,12 +191,13 @@ def ring_half_s(nbytes: int, world_size: int, net_bytes_per_s: float,
 
 
 @dataclass(frozen=True)
-class Measured:
+class Measurements:
     """What was measured on the planning machine (karma/calibrate), in place of the roofline
     estimate from the profile's rates; None or 0: estimated."""
 
     block_s: tuple[tuple[float, float], ...] | None = None  # (forward s, backward s) per block
-    step_s: tuple[tuple[float, float], ...] | None = None  # (device s, host s) of each step
+    # each block's optimizer step: (seconds on the device, seconds on the host)
+    optimizer_step_s: tuple[tuple[float, float], ...] | None = None
     process_bytes: int = 0  # the process outside its tensors while training (Problem's)
     loss_s: float | None = None  # the loss's forward and backward
 
@@ -205,11 +206,11 @@ class Measured:
         return self.block_s is not None
 
 
-ESTIMATED = Measured()  # nothing measured: every time from the profile's rates
+ESTIMATED = Measurements()  # nothing measured: every time from the profile's rates
 
 
 def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_size: int = 1,
-                  optimizer: OptimizerProfile | None = None, measured: Measured = ESTIMATED,
+                  optimizer: OptimizerProfile | None = None, measured: Measurements = ESTIMATED,
                   nproc_per_node: int = 1, host_state: str = "replicated",
                   host_mem_bytes: int | None = None) -> Problem:
     """Per-block costs of `graph` on `hw`.
@@ -284,7 +285,7 @@ def _shared_saved(graph: BlockGraph) -> tuple[list[int], list[int], list[int],
 
 
 def _block_cost(b: Block, i: int, shared_saved_bytes: int, hw: Hardware, dtype: str,
-                world_size: int, optimizer: OptimizerProfile, measured: Measured) -> BlockCost:
+                world_size: int, optimizer: OptimizerProfile, measured: Measurements) -> BlockCost:
     """Block i's costs, but for the bytes it takes in from other blocks (build_problem's)."""
     traffic = b.act_bytes + shared_saved_bytes + b.out_bytes + b.param_bytes
     if measured.block_s is not None:
@@ -293,8 +294,8 @@ def _block_cost(b: Block, i: int, shared_saved_bytes: int, hw: Hardware, dtype: 
         flops_per_s = hw.flops_per_s[dtype]
         fwd_s = b.fwd_flops / flops_per_s + traffic / hw.mem_bytes_per_s
         bwd_s = b.bwd_flops / flops_per_s + 2 * traffic / hw.mem_bytes_per_s
-    if measured.step_s is not None:
-        device_step_s, host_step_s = measured.step_s[i]
+    if measured.optimizer_step_s is not None:
+        device_step_s, host_step_s = measured.optimizer_step_s[i]
     else:
         device_step_s = DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s
         host_step_s = b.param_bytes / hw.host_optim_bytes_per_s

@@ -9,7 +9,8 @@ operation uses must be filled and not yet freed when the operation starts.
 
 An optimizer step of `accumulate` micro-batches replays the op list that many times, the
 first accumulate-1 without the ops of LAST_MICRO_BATCH_KINDS (see [Note: accumulation] in
-lowering.py): the step takes (accumulate-1) replays without them plus one full replay, each simulated.
+lowering.py): the step takes (accumulate-1) replays without them plus one full replay, each
+simulated.
 With clipping, the updates run after the whole backward; `overlapped_step_s` is what
 a step would take if they overlapped the next step's forward instead (see
 overlapped_step_s below).
@@ -295,7 +296,7 @@ def overlapped_step_s(ops: Sequence[Op], accumulate: int = 1,
     read: a fetch of block o's weights waits for o's host step, the first op reading o's
     resident weights for o's upload (issued on h2d just before that op).
 
-    Two steps are simulated back to back: the first without its updates, then the
+    Two replays are simulated back to back: the first without its updates, then the
     second (a micro-batch that does not step when accumulate > 1) with the first's updates
     interleaved as above. The second starts where the first's other work ends (E1) and the
     state at that point repeats every step, so one step takes E2 - E1 (E2: where the

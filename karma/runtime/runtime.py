@@ -68,7 +68,8 @@ def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile
 
 
 class Runtime:
-    """Trains the schedule's model: `step`, `evaluate`, `state_dict`, `close`.
+    """Trains the schedule's model: `step` (or `micro_step`), `evaluate`, `state_dict`,
+    `close`.
 
     A step is one optimizer update. With gradient accumulation (the schedule's
     config.accumulate N) it takes N micro-batches: each `micro_step` call is one, and every
@@ -176,7 +177,7 @@ class Runtime:
                 f"this schedule accumulates {self.accumulate} micro-batches per optimizer step "
                 "(config.accumulate): call Runtime.micro_step once per micro-batch; every "
                 f"{self.accumulate}th call ends a step (Runtime.stepped)")
-        return self.micro_step(inputs, targets)
+        return self._micro_step(inputs, targets, "Runtime.step")
 
     def micro_step(self, inputs: Any, targets: Any = None) -> float:
         """One micro-batch of the planned step (inputs as in `step`); returns its loss.
@@ -184,8 +185,11 @@ class Runtime:
         As the plain loop: under autocast with bf16, loss_fn(model(x), y) / N backward, and
         after the N-th micro-batch of a step (N = accumulate) the gradients clipped (with
         clipping), every optimizer stepped and the LR scheduler stepped."""
+        return self._micro_step(inputs, targets, "Runtime.micro_step")
+
+    def _micro_step(self, inputs: Any, targets: Any, where: str) -> float:
         self._check_usable()
-        model_inputs, targets = self._batch(inputs, targets, "Runtime.micro_step")
+        model_inputs, targets = self._batch(inputs, targets, where)
         acc = self.accumulation
         if acc.first:
             self._tally.begin(self.lr)

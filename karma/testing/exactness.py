@@ -13,7 +13,6 @@ cached per loaded model file: tracing costs a second or two.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from unittest import mock
 
@@ -33,6 +32,7 @@ from karma.planner.problem import build_problem
 from karma.reference import train_reference
 from karma.runtime.loop import RunOptions, RunReport, train
 from karma.schedule import ModelRef, Schedule
+from karma.schedule import model_env as schedule_model_env
 
 # the examples at their test sizes: the environment that makes examples/NAME.py small
 SMALL_ENV = {
@@ -76,7 +76,7 @@ def model_env(mf: ModelFile) -> tuple[tuple[str, str], ...]:
     """The KARMA_* variables `mf` was loaded with (or those set now, for other loads)."""
     if id(mf) in _LOADED:
         return _LOADED[id(mf)][1]
-    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KARMA_")))
+    return schedule_model_env()
 
 
 def block_graph(mf: ModelFile, dtype: str = "fp32") -> BlockGraph:
@@ -139,9 +139,7 @@ def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
     dtype, accumulate, clip = training
     capacity = int(keep_all_peak_bytes(mf, graph, world_size, hardware,
                                        Training(accumulate, clip is not None)) * fraction)
-    model = ModelRef(path=str(mf.path), sha256=mf.sha256,
-                     ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
-                     env=model_env(mf))
+    model = ModelRef.now(str(mf.path), mf.sha256, graph.to_json(), model_env(mf))
     hw = load_hardware(hardware)
     if strategy == "ilp" and hardware == HARDWARE:
         hw = mixing(hw)
@@ -162,7 +160,8 @@ def run(schedule: Schedule, mf: ModelFile, steps: int, **options) -> RunReport:
 def assert_bitwise_equal(sd_a: dict[str, torch.Tensor], sd_b: dict[str, torch.Tensor]) -> None:
     """Same keys, and torch.equal (same shape, dtype and every bit of value) for each."""
     missing, extra = sorted(sd_b.keys() - sd_a.keys()), sorted(sd_a.keys() - sd_b.keys())
-    assert not missing and not extra, f"keys differ: missing {missing}, unexpected {extra}"
+    if missing or extra:
+        raise AssertionError(f"keys differ: missing {missing}, unexpected {extra}")
     differ = []
     for k in sd_a:
         a, b = sd_a[k], sd_b[k]
@@ -172,4 +171,6 @@ def assert_bitwise_equal(sd_a: dict[str, torch.Tensor], sd_b: dict[str, torch.Te
                 differ.append(f"{k} (max |diff| {gap:.3g})")
             else:
                 differ.append(f"{k} ({a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)})")
-    assert not differ, f"{len(differ)} of {len(sd_a)} tensors differ: {', '.join(differ)}"
+    if differ:
+        raise AssertionError(f"{len(differ)} of {len(sd_a)} tensors differ: "
+                             f"{', '.join(differ)}")

@@ -15,7 +15,6 @@ run that does not end within the timeout (a hang).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import tempfile
@@ -106,7 +105,9 @@ class Base:
            **training) -> Base:
         """The model file `mf` (named `model`) planned with `strategy` at `fraction` of
         keep_all's peak, or "mixed": the tiny GPT with every choice (MIXED)."""
-        assert strategy != "mixed" or (model, training) == ("gpt", {}), "mixed: the tiny GPT"
+        if strategy == "mixed" and (model, training) != ("gpt", {}):
+            raise ValueError("strategy mixed is the tiny GPT's every choice: model gpt, no "
+                             "training options")
         planned = mixed_gpt(mf) if strategy == "mixed" else plan(mf, strategy, fraction,
                                                                  **training)
         schedule = load_schedule(dump_schedule(planned))  # times as the file holds them
@@ -115,7 +116,8 @@ class Base:
         base = cls(f"{model} {strategy} {fraction:g}", mf, schedule, text, result)
         reference = base.expected(schedule, mf)
         problem = result.same_as(reference)
-        assert problem is None, f"{base.name}: the unmutated schedule is not exact: {problem}"
+        if problem is not None:
+            raise AssertionError(f"{base.name}: the unmutated schedule is not exact: {problem}")
         base.references[training_options(schedule)] = result
         return base
 
@@ -141,10 +143,8 @@ def mixed_gpt(mf: ModelFile) -> Schedule:
                           hardware=load_hardware(HARDWARE), batch_size=graph.batch_size)
     problem = build_problem(graph, options.profile, optimizer=optimizer_profile(mf))
     ev = evaluate(problem, Plan("ilp", MIXED, status="optimal"), options.capacity_bytes)
-    model = ModelRef(path=str(mf.path), sha256=mf.sha256,
-                     ir_sha256=hashlib.sha256(graph.to_json().encode()).hexdigest(),
-                     env=model_env(mf))
-    return schedule_from(graph, model, options, ev, single_rank_s=ev.serial_step_s)
+    model = ModelRef.now(str(mf.path), mf.sha256, graph.to_json(), model_env(mf))
+    return schedule_from(graph, model, options, ev, single_rank_s=ev.step_s)
 
 
 def training_options(s: Schedule) -> tuple:

@@ -30,9 +30,10 @@ whose pages mremap moves side by side into one new address range (page tables mo
 do not), with fresh pages only for what they lack. Measured: no fresh pages after the first
 step, and the plan's step from 2.83-2.92 s to 2.61 s (keep_all's from 2.49-2.54 to 2.37 s).
 A block remembers the kernel mappings it is made of (mremap moves one at a time); a request
-gathers kept blocks only up to 64 of them, and takes fresh pages for the rest. With THP_MEM_ALLOC_ENABLE (see
-[Note: huge pages for large tensors] in karma/cli/common.py) blocks of 2 MiB or more are
-aligned to 2 MiB and asked for huge pages, as PyTorch's own allocator does.
+gathers kept blocks only up to 64 of them, and takes fresh pages for the rest. With
+THP_MEM_ALLOC_ENABLE (see [Note: huge pages for large tensors] in karma/cli/common.py) blocks
+of 2 MiB or more are aligned to 2 MiB and asked for huge pages, as PyTorch's own allocator
+does.
 """
 
 from __future__ import annotations

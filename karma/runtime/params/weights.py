@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import torch
 
-from karma.errors import KarmaError
 from karma.runtime.host.tier import BuildInTier, HostPool
 from karma.runtime.params.layout import HostLayout, PerElement
 from karma.runtime.params.optimizer_state import StateTemplate, zero_state, zero_state_template
@@ -42,7 +41,7 @@ class BlockWeights:
         The parameters move to `device` here (placement.py); streamed ones are registered in
         `shared`, their fetches filled from the layout's whole weights."""
         if (optim == "host") != (layout is not None):
-            raise KarmaError(f"block {name}: optim {optim!r} needs "
+            raise ValueError(f"block {name}: optim {optim!r} needs "
                              f"{'a host-state layout' if optim == 'host' else 'no layout'}; "
                              "give a layout exactly to the blocks stepped on the host")
         self.name = name
@@ -157,7 +156,7 @@ class BlockWeights:
     def load(self, values: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for k, (n, p) in enumerate(zip(self.names, self.params)):
-                if self.layout is not None:  # sharded: the masters with it (they are its rows)
+                if self.layout is not None:  # the masters with it (sharded: they are its rows)
                     self.layout.whole[k].copy_(values[n])
                 if self.weights == "resident":
                     p.copy_(values[n])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from karma.ir.graph import BlockGraph
-from karma.ir.measure import _reroute_sdpa
+from karma.ir.measure import reroute_sdpa
 from karma.ir.trace import trace
 from karma.modelfile import ModelFile
 
@@ -67,7 +67,7 @@ def whole_model_saved_bytes(mf: ModelFile, batch_size: int, eager: bool = False)
     else:
         traced = trace(mf, batch_size)
         model, inputs, targets = traced.gm, traced.inputs, traced.targets
-        _reroute_sdpa(model)
+        reroute_sdpa(model)
     skip = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
     seen: dict[int, torch.Tensor] = {}  # the tensor keeps its storage's _cdata unique
 
