@@ -583,3 +583,13 @@ def test_ilp_objective_and_memory_match_the_simulator_with_shared_saved_tensors(
         assert ev.feasible and ev.stage_peak_bytes <= cap
         assert ev.peak_device_bytes <= ev.stage_peak_bytes
         assert ev.serial_step_s == pytest.approx(objective_s(plan), rel=1e-7, abs=1e-6)
+
+
+def test_a_problem_refuses_negative_process_bytes_and_held_spans_out_of_order():
+    problem = chain(3)
+    with pytest.raises(ValueError, match="process_bytes = -1 < 0"):
+        dataclasses.replace(problem, process_bytes=-1)
+    with pytest.raises(ValueError, match="held_saved"):
+        dataclasses.replace(problem, held_saved=(HeldSaved(2, 1, 0, GB),))  # readers reversed
+    with pytest.raises(ValueError, match="held_saved"):
+        dataclasses.replace(problem, held_saved=(HeldSaved(0, 1, 2, GB),) * 2)  # twice
