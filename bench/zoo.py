@@ -42,15 +42,14 @@ def main() -> None:
     for name in args.models.split(","):
         mf = load_with_env(ROOT / "examples" / f"{name}.py",
                            {"KARMA_HF": "tiny", "KARMA_HF_GPT2": "tiny"})
-        reference = None
         for strategy in args.strategies.split(","):
             try:
                 schedule = plan(mf, strategy, args.fraction if strategy == "ilp" else 1.0)
             except InfeasiblePlan as e:
                 print(f"{name:<11} {strategy:<13} does not fit: {e}", flush=True)
                 continue
-            if reference is None:
-                reference = reference_train(mf, schedule.config.batch_size, args.steps)
+            reference = reference_train(mf, schedule.config.batch_size, args.steps,
+                                        schedule=schedule)
             print(_row(name, strategy, mf, schedule, reference, args.steps), flush=True)
 
 

@@ -23,6 +23,7 @@ import torch
 from karma.modelfile import ModelFile, load_model_file, map_targets
 from karma.runtime.host.peak import PrivatePeak
 from karma.runtime.host.tier import data_bytes, private_bytes
+from karma.runtime.params.host_optimizer import IMPLEMENTATION_KEYS, host_make_optimizer
 from karma.schedule import DTYPES
 
 
@@ -43,7 +44,7 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
                     world_size: int = 1, on_step: Callable[[], None] | None = None,
                     device: str = "cpu", eval_every: int = 0, dtype: str = "fp32",
                     accumulate: int = 1, clip_grad_norm: float | None = None,
-                    host_params: Collection[str] = (),
+                    host_params: Collection[str] = (), host_optimizer: str = "fused",
                     resize: tuple[int, int] | None = None) -> ReferenceRun:
     """Plain PyTorch training for `steps` steps: per step, `accumulate` (N) times forward
     and loss (under autocast with dtype bf16), backward of loss / N; then
@@ -63,8 +64,9 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     in evaluation mode under torch.no_grad(), as karma-run --eval-every does.
 
     `host_params`: the names of parameters stepped on the CPU, as a schedule's host-stepped
-    blocks are (see HostStepped): on a GPU the reference then computes what such a schedule
-    computes, to the bit.
+    blocks are (see HostStepped), with the optimizer's kernel `host_optimizer` chooses (the
+    schedule's config.host_optimizer; runtime/params/host_optimizer.py): the reference then
+    computes what such a schedule computes, to the bit, on the CPU and on a GPU.
 
     `resize` (K, M): after step K the run goes on with M ranks, as a run resumed from step K's
     checkpoint on M ranks does: rank r of M draws `batches(B, r, M)` from where K steps of
@@ -73,7 +75,8 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     autocast = partial(torch.autocast, torch.device(device).type, dtype=torch.bfloat16,
                        enabled=dtype == "bf16")
     model, opt, sched = _built(mf, seed, device)
-    host = HostStepped(model, mf.make_optimizer, host_params) if host_params else None
+    host = HostStepped(model, host_make_optimizer(mf.make_optimizer, host_optimizer),
+                       host_params) if host_params else None
     data = [mf.checked_batches(batch_size, r, world_size) for r in range(world_size)]
     rng = [_rng_state(device)] * world_size
     losses: list[list[float]] = [[] for _ in range(world_size)]
@@ -213,6 +216,10 @@ def _set_rng_state(state: tuple, device: str) -> None:
 class HostStepped:
     """Parameters stepped on the CPU, as karma's host-stepped blocks are, inside the plain loop.
 
+    On the CPU the difference is the kernel: a host-stepped block steps through torch's fused
+    CPU kernel by default ([Note: the host optimizer's kernel]), so the reference steps the
+    same parameters with the same kernel (`make_optimizer` here is the host's).
+
     [Note: a reference with host-stepped parameters] A schedule that steps a block on the host
     does the optimizer's arithmetic with the CPU's kernels, whose rounding differs from the
     GPU's foreach kernels (CUDA's `_foreach_addcmul_` rounds v + s*(g*g), the CPU's addcmul_
@@ -272,7 +279,8 @@ class HostStepped:
     @torch.no_grad()
     def step(self, driver: torch.optim.Optimizer) -> None:
         for group, source in zip(self.optimizer.param_groups, driver.param_groups):
-            group.update({k: v for k, v in source.items() if k != "params"})
+            group.update({k: v for k, v in source.items()
+                          if k != "params" and k not in IMPLEMENTATION_KEYS})
         self.optimizer.step()
         for p, m in zip(self.params, self.masters):
             p.copy_(m)

@@ -110,6 +110,10 @@ OPTIM_CHOICES = ("device", "host")
 DTYPES = ("fp32", "bf16")  # config.dtype: fp32, or bf16 mixed precision
 STATUSES = ("optimal", "time-limit", "heuristic", "fallback")
 HOST_STATES = ("replicated", "sharded")
+# the kernel of host-stepped blocks' optimizers (runtime/params/host_optimizer.py, [Note: the
+# host optimizer's kernel]): torch's fused CPU kernel where it is the same optimizer, or the
+# model file's optimizer as given
+HOST_OPTIMIZERS = ("fused", "as-given")
 CALIBRATIONS = ("measured",)  # predicted.calibration; left out: the roofline estimate
 
 
@@ -249,6 +253,7 @@ class TrainConfig:
     clip_grad_norm: float | None = None  # max global gradient norm (--clip-grad-norm)
     host_state: str = "replicated"  # replicated | sharded (the module docstring)
     nproc_per_node: int = 1  # ranks per node (--nproc-per-node): they share its host memory
+    host_optimizer: str = "fused"  # HOST_OPTIMIZERS (--host-optimizer)
 
     @property
     def sharded(self) -> bool:
@@ -262,6 +267,8 @@ class TrainConfig:
             parts.append(f"{self.accumulate} micro-batches per step")
         if self.clip_grad_norm is not None:
             parts.append(f"clip at norm {self.clip_grad_norm:g}")
+        if self.host_optimizer == "as-given":
+            parts.append("host steps with the optimizer as given")
         return ", ".join(parts)
 
 
@@ -379,7 +386,8 @@ def _plan_lines(s: Schedule) -> list[str]:
                             ("accumulate", c.accumulate),
                             ("clip_grad_norm", c.clip_grad_norm),
                             ("host_state", c.host_state),
-                            ("nproc_per_node", c.nproc_per_node)], digits=None)
+                            ("nproc_per_node", c.nproc_per_node),
+                            ("host_optimizer", c.host_optimizer)], digits=None)
     lines.append("hardware:" + ("" if s.hardware else " {}"))
     lines += _scalar_lines(s.hardware, digits=None)
     lines += _scalar_lines([("strategy", s.strategy), ("status", s.status),

@@ -20,6 +20,7 @@ from karma.schedule import (
     ACT_CHOICES,
     CALIBRATIONS,
     DTYPES,
+    HOST_OPTIMIZERS,
     HOST_STATES,
     OP_KINDS,
     OPTIM_CHOICES,
@@ -281,8 +282,9 @@ _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_sche
         "world_size": _integer(1), "seed": _integer(0), "capacity_bytes": _integer(1),
         "accumulate": _integer(1), "clip_grad_norm": _clip_norm,
         "host_state": _text(HOST_STATES, "a host state"), "nproc_per_node": _integer(1),
+        "host_optimizer": _text(HOST_OPTIMIZERS, "a host optimizer"),
     }, "config", optional=("accumulate", "clip_grad_norm", "host_state",
-                           "nproc_per_node")),  # optional keys
+                           "nproc_per_node", "host_optimizer")),  # optional keys
     "hardware": _pairs(_text(), _hardware_value),
     "strategy": _text(),
     "status": _text(STATUSES, "a solver status"),

@@ -26,7 +26,13 @@ from karma.errors import KarmaError
 from karma.reference import train_reference
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.replay.chaos import Chaos
-from karma.testing.exactness import assert_bitwise_equal, plan, reference_train, run
+from karma.testing.exactness import (
+    assert_bitwise_equal,
+    host_stepped,
+    plan,
+    reference_train,
+    run,
+)
 from tests.matrix import strategy_cells
 from tests.runtime_helpers import load_small
 from tests.test_training_options import CLIP, OPTIONS, model_file
@@ -40,10 +46,12 @@ PAUSE_MS = 10  # up to 10 ms before and after each op and hand-off, half the tim
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def gpt_reference():
+@functools.cache
+def gpt_reference(strategy: str, fraction: float):
+    """The gpt model file, the schedule of `strategy` and the plain loop's run of it."""
     mf = load_small("gpt")
-    return mf, reference_train(mf, batch_size=4, steps=STEPS)
+    schedule = plan(mf, strategy, fraction)
+    return mf, schedule, reference_train(mf, batch_size=4, steps=STEPS, schedule=schedule)
 
 
 def trained(mf, schedule, tmp_path) -> dict[str, torch.Tensor]:
@@ -56,9 +64,8 @@ def trained(mf, schedule, tmp_path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("strategy,fraction", strategy_cells(
     (("swap_all", 1.0), ("offload_all", 1.0), ("ilp", 0.6))))
 def test_training_is_bitwise_the_plain_loops_under_chaos(strategy, fraction, seed,
-                                                         gpt_reference, tmp_path, monkeypatch):
-    mf, (ref_sd, ref_losses) = gpt_reference
-    schedule = plan(mf, strategy, fraction)
+                                                         tmp_path, monkeypatch):
+    mf, schedule, (ref_sd, ref_losses) = gpt_reference(strategy, fraction)
     monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{PAUSE_MS}")
     report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
@@ -113,12 +120,13 @@ CASES = [
 
 
 @functools.cache
-def case_reference(model: str, option: str):
-    """The plain loop's run for CASE_STEPS steps (shared with test_training_options.py)."""
+def case_reference(model: str, option: str, **host):
+    """The plain loop's run for CASE_STEPS steps, `host` (host_stepped's) stepped as a
+    schedule's host-stepped blocks (shared with test_training_options.py)."""
     if option in OPTIONS:
-        return option_reference(model, option)
+        return option_reference(model, option, **host)
     mf = load_small(model)
-    return train_reference(mf, mf.default_batch_size, CASE_STEPS)
+    return train_reference(mf, mf.default_batch_size, CASE_STEPS, **host)
 
 
 def assert_equals_reference(report, saved: dict[str, torch.Tensor], ref) -> None:
@@ -141,7 +149,7 @@ def test_every_family_of_exactness_tests_holds_under_chaos(case, seed, tmp_path,
     report = run(schedule, model_file(case.model, scheduled), CASE_STEPS,
                  checkpoint_dir=tmp_path)
     assert_equals_reference(report, model_state_dict(tmp_path / f"step_{CASE_STEPS}"),
-                            case_reference(case.model, case.option))
+                            case_reference(case.model, case.option, **host_stepped(schedule)))
 
 
 @pytest.mark.slow
@@ -162,13 +170,13 @@ def test_resume_with_updates_in_flight_holds_under_chaos(seed, tmp_path, monkeyp
                                  lrs=first.lrs + second.lrs,
                                  grad_norms=first.grad_norms + second.grad_norms)
     assert_equals_reference(joined, model_state_dict(tmp_path / f"step_{CASE_STEPS}"),
-                            case_reference("mlp", "all"))
+                            case_reference("mlp", "all", **host_stepped(schedule)))
 
 
 @functools.cache
-def dict_io_reference():
+def dict_io_reference(**host):
     return train_reference(load_small("dict_io"), 4, CASE_STEPS, eval_every=1,
-                           clip_grad_norm=CLIP)
+                           clip_grad_norm=CLIP, **host)
 
 
 @pytest.mark.parametrize("seed", SEED_PARAMS)
@@ -179,7 +187,7 @@ def test_evaluation_and_dict_outputs_hold_under_chaos(seed, tmp_path, monkeypatc
     flight and fetch the streamed weights they wrote."""
     mf = load_small("dict_io")
     schedule = plan(mf, "offload_all", clip_grad_norm=CLIP)
-    ref = dict_io_reference()
+    ref = dict_io_reference(**host_stepped(schedule))
     monkeypatch.setenv("KARMA_CHAOS", f"{seed}:{CASE_PAUSE_MS}")
     report = run(schedule, mf, CASE_STEPS, checkpoint_dir=tmp_path, eval_every=1)
     assert [{"step": e["step"], "loss": e["loss"]} for e in report.evals] == ref.evals
@@ -220,13 +228,13 @@ def without_wait(schedule, kind: str, on: str):
 
 
 @pytest.mark.slow
-def test_a_missing_wait_is_caught_under_chaos(gpt_reference, tmp_path, monkeypatch):
+def test_a_missing_wait_is_caught_under_chaos(tmp_path, monkeypatch):
     """The control: host steps that no longer wait for their gradients' copy to the host
     (offload_all). Without chaos the copy nearly always lands first, and the run passes;
     under chaos some host step reads gradients that have not arrived, in every seed tried
     here (4 of 4, twice, when written)."""
-    mf, (ref_sd, _) = gpt_reference
-    broken = without_wait(plan(mf, "offload_all", 1.0), "host_step", on="grads_to_host")
+    mf, schedule, (ref_sd, _) = gpt_reference("offload_all", 1.0)
+    broken = without_wait(schedule, "host_step", on="grads_to_host")
     with pytest.raises(KarmaError, match="rule: dependencies"):  # what a user's run would see
         run(broken, mf, STEPS, checkpoint_dir=tmp_path / "checked")
     monkeypatch.setattr("karma.runtime.bringup.validate", lambda schedule: None)  # to run it

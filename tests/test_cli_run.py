@@ -89,7 +89,7 @@ def test_plan_then_run_end_to_end(end_to_end):
 
     # through the command line too, training equals plain PyTorch bit for bit
     mf = load_small("gpt")
-    ref_sd, ref_losses = reference_train(mf, 4, 3)
+    ref_sd, ref_losses = reference_train(mf, 4, 3, schedule=load_schedule(d / "S.yaml"))
     assert report["losses"] == ref_losses
     assert_bitwise_equal(model_state_dict(d / "C" / "step_3"), ref_sd)
 
@@ -285,7 +285,7 @@ def test_resume_from_the_command_line(schedule_for, tmp_path, capsys):
     assert code == 0
     assert "resumed from" in out and "step 1/" not in out and "step 3/3" in out
     report = json.loads((tmp_path / "R.json").read_text())
-    _, ref_losses = reference_train(load_small("gpt"), 4, 3)
+    _, ref_losses = reference_train(load_small("gpt"), 4, 3, schedule=load_schedule(s))
     assert report["steps"] == [3] and report["losses"] == ref_losses[2:]
 
 

@@ -31,7 +31,9 @@ import torch
 from karma.reference import train_reference
 from karma.runtime.checkpoints.checkpoint import latest_checkpoint
 from karma.schedule import EXCHANGE_KINDS, dump_schedule
+from karma.schedule_load import load_schedule
 from karma.testing.exactness import assert_bitwise_equal, block_graph, plan
+from karma.testing.exactness import host_stepped as stepped_on_host
 from tests.dist_helpers import ROOT, finish, free_port, start_ranks, wait_for_line
 from tests.matrix import MODELS, OPTIONS, STRATEGIES, cell_id, cells
 from tests.runtime_helpers import load_small
@@ -140,14 +142,15 @@ def control_runs(tmp_path_factory) -> tuple[int, dict[int, ControlRun]]:
 
 
 @cache
-def reference(name: str):
-    """The data-parallel reference, on one thread like the ranks (torchrun's default)."""
+def reference(name: str, **host):
+    """The data-parallel reference, on one thread like the ranks (torchrun's default), `host`
+    (host_stepped's) stepped as a schedule's host-stepped blocks."""
     mf = load_small(name)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         ref = train_reference(mf, block_graph(mf).batch_size, STEPS, world_size=RANKS,
-                              **TRAINING.get(name, {}))
+                              **TRAINING.get(name, {}), **host)
     finally:
         torch.set_num_threads(threads)
     return {n: p.detach().clone() for n, p in ref.model.named_parameters()}, ref.rank_losses
@@ -172,7 +175,7 @@ def test_two_ranks_equal_one_process_averaging_their_gradients(two_rank_runs, na
     host_stepped = sorted(b.index for b in schedule.blocks if b.optim == "host")
     gathered = sorted(op.block for op in schedule.ops if op.kind == "all_gather")
     assert gathered == (host_stepped if host_state == "sharded" else [])
-    ref_params, ref_losses = reference(name)
+    ref_params, ref_losses = reference(name, **stepped_on_host(schedule))
 
     assert_bitwise_equal(final_parameters(out, ref_params), ref_params)
 
@@ -208,7 +211,8 @@ def test_two_ranks_under_chaos_are_bitwise_the_averaged_loop(two_rank_runs, name
     random pauses on both ranks, each rank pausing differently: bitwise, not to 1e-6 (two
     ranks' gradients sum in either order to the same bits)."""
     out = two_rank_runs.chaos[(name, strategy, fraction, host_state, seed)]
-    ref_params, ref_losses = reference(name)
+    schedule, _ = two_rank_runs.plain[(name, strategy, fraction, host_state)]
+    ref_params, ref_losses = reference(name, **stepped_on_host(schedule))
     assert_bitwise_equal(final_parameters(out, ref_params), ref_params)
     for rank in range(RANKS):
         assert json.loads((out / f"rank{rank}.json").read_text())["losses"] == ref_losses[rank]
@@ -291,7 +295,8 @@ def test_four_ranks_differ_from_the_averaged_loop_only_in_summation_order(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref = train_reference(mf, block_graph(mf).batch_size, STEPS, world_size=4)
+        ref = train_reference(mf, block_graph(mf).batch_size, STEPS, world_size=4,
+                              **stepped_on_host(schedule))
     finally:
         torch.set_num_threads(threads)
     ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
@@ -327,8 +332,8 @@ def test_a_run_resumes_at_another_world_size(name, before, after, tmp_path):
                                                               str(report)))):
         path = tmp_path / f"s{world}.yaml"
         state = "sharded" if world > 1 else "auto"
-        path.write_text(dump_schedule(plan(mf, "offload_all", 1.0, world_size=world,
-                                           host_state=state)))
+        schedule = plan(mf, "offload_all", 1.0, world_size=world, host_state=state)
+        path.write_text(dump_schedule(schedule))
         procs = start_ranks(karma_run(str(path), "--steps", str(steps), "--checkpoint-dir",
                                       str(ckpt), *extra), world)
         for rank, (code, _, stderr) in enumerate(finish(procs, timeout_s=300)):
@@ -337,7 +342,7 @@ def test_a_run_resumes_at_another_world_size(name, before, after, tmp_path):
     torch.set_num_threads(1)
     try:
         ref = train_reference(mf, block_graph(mf).batch_size, 4, world_size=before,
-                              resize=(2, after))
+                              resize=(2, after), **stepped_on_host(schedule))
     finally:
         torch.set_num_threads(threads)
     ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
@@ -394,7 +399,8 @@ def test_two_nodes_of_two_train_check_host_memory_save_and_resume(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref = train_reference(mf, block_graph(mf).batch_size, 4, world_size=4)
+        ref = train_reference(mf, block_graph(mf).batch_size, 4, world_size=4,
+                              **stepped_on_host(schedule))
     finally:
         torch.set_num_threads(threads)
     ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
@@ -543,7 +549,8 @@ def test_a_killed_rank_stops_the_others_and_resume_reproduces_the_run(gpt_two_ra
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        ref = train_reference(mf, block_graph(mf).batch_size, done + 2, world_size=RANKS)
+        ref = train_reference(mf, block_graph(mf).batch_size, done + 2, world_size=RANKS,
+                              **stepped_on_host(load_schedule(Path(gpt_two_ranks))))
     finally:
         torch.set_num_threads(threads)
     assert resumed["losses"] == pytest.approx(ref.losses[done:], rel=1e-6)

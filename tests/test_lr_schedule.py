@@ -19,7 +19,14 @@ from karma.cli.plan import main as plan_main
 from karma.cli.run import main as run_main
 from karma.reference import train_reference
 from karma.runtime.checkpoints.export import model_state_dict
-from karma.testing.exactness import assert_bitwise_equal, load_with_env, plan, reference_train, run
+from karma.testing.exactness import (
+    assert_bitwise_equal,
+    host_stepped,
+    load_with_env,
+    plan,
+    reference_train,
+    run,
+)
 from tests.conftest import MODELS, environment
 from tests.matrix import ONE_BUDGET, strategy_cells
 from tests.runtime_helpers import load_small
@@ -45,7 +52,7 @@ def test_every_strategy_follows_the_schedule_bitwise(strategy, fraction, tmp_pat
     if strategy == "offload_all":  # every block's optimizer steps on the host, mid-backward
         assert {b.optim for b in schedule.blocks} == {"host"}
     report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
-    ref = train_reference(mf, schedule.config.batch_size, STEPS)
+    ref = train_reference(mf, schedule.config.batch_size, STEPS, **host_stepped(schedule))
     assert report.losses == ref.losses
     assert report.lrs == ref.lrs
     assert ref.lrs[0] == 0.0 and len(set(ref.lrs)) == STEPS  # warmup from 0, then changing
@@ -59,7 +66,7 @@ def test_a_schedule_of_momentum_too(strategy, tmp_path):
     mf = _load("onecycle")
     schedule = plan(mf, strategy)
     report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
-    ref = train_reference(mf, schedule.config.batch_size, STEPS)
+    ref = train_reference(mf, schedule.config.batch_size, STEPS, **host_stepped(schedule))
     assert report.losses == ref.losses and report.lrs == ref.lrs
     assert_bitwise_equal(_model_pt(tmp_path, STEPS), ref.model.state_dict())
 
@@ -133,7 +140,7 @@ def test_without_make_scheduler_the_lr_stays_as_before(tmp_path):
     assert mf.make_scheduler is None
     schedule = plan(mf, "offload_all")
     report = run(schedule, mf, 3, checkpoint_dir=tmp_path)
-    ref_sd, ref_losses = reference_train(mf, schedule.config.batch_size, 3)
+    ref_sd, ref_losses = reference_train(mf, schedule.config.batch_size, 3, schedule=schedule)
     assert report.losses == ref_losses and report.lrs == [1e-3] * 3
     assert_bitwise_equal(_model_pt(tmp_path, 3), ref_sd)
     saved = torch.load(tmp_path / "step_3" / "extras.pt", weights_only=True)

@@ -29,6 +29,7 @@ from karma.runtime.checkpoints.export import model_state_dict
 from karma.testing.exactness import (
     assert_bitwise_equal,
     block_graph,
+    host_stepped,
     load_with_env,
     plan,
     reference_train,
@@ -118,8 +119,9 @@ def test_the_ir_hands_loss_fn_the_output_in_its_real_structure(tmp_path):
 @pytest.mark.parametrize("own_loss", [True, False], ids=["own_loss", "targets"])
 def test_keyword_inputs_and_dict_outputs_train_bitwise(strategy, fraction, own_loss, tmp_path):
     mf = load_small("dict_io") if own_loss else _with_targets()
-    ref_sd, ref_losses = reference_train(mf, 4, 3)
-    report = run(plan(mf, strategy, fraction), mf, 3, checkpoint_dir=tmp_path)
+    schedule = plan(mf, strategy, fraction)
+    ref_sd, ref_losses = reference_train(mf, 4, 3, schedule=schedule)
+    report = run(schedule, mf, 3, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
     assert_bitwise_equal(model_state_dict(tmp_path / "step_3"), ref_sd)
 
@@ -134,9 +136,10 @@ def test_eval_every_equals_a_plain_no_grad_forward(tmp_path):
     mf = load_small("dict_io")
     from karma.reference import train_reference
 
-    ref = train_reference(mf, 4, 4, eval_every=2)
     for strategy, fraction in [("offload_all", 1.0), ("swap_all", 1.0)]:
-        report = run(plan(mf, strategy, fraction), mf, 4, eval_every=2)
+        schedule = plan(mf, strategy, fraction)
+        ref = train_reference(mf, 4, 4, eval_every=2, **host_stepped(schedule))
+        report = run(schedule, mf, 4, eval_every=2)
         assert [e["step"] for e in report.evals] == [2, 4]
         assert [{"step": e["step"], "loss": e["loss"]} for e in report.evals] == ref.evals
         assert report.losses == ref.losses  # evaluating did not disturb training
@@ -266,8 +269,9 @@ def test_backward_is_found_whatever_the_order_of_keyword_arguments(strategy, tmp
     """Each layer is called as layer(bias=bias, h=h), the bias made once and read by all: the
     previous block's output is the input made last, not the first one named."""
     mf = load_small("kw_order")
-    ref_sd, ref_losses = reference_train(mf, 4, 3)
-    report = run(plan(mf, strategy, 1.5), mf, 3, checkpoint_dir=tmp_path)  # recompute: > 1
+    schedule = plan(mf, strategy, 1.5)  # recompute: > 1
+    ref_sd, ref_losses = reference_train(mf, 4, 3, schedule=schedule)
+    report = run(schedule, mf, 3, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
     assert_bitwise_equal(model_state_dict(tmp_path / "step_3"), ref_sd)
 

@@ -25,6 +25,7 @@ from karma.runtime.replay.tables import DivergedError
 from karma.testing.exactness import (
     assert_bitwise_equal,
     block_graph,
+    host_stepped,
     load_with_env,
     plan,
     reference_train,
@@ -37,9 +38,10 @@ STEPS = 3
 
 
 @cache
-def reference(name: str, steps: int):
+def reference(name: str, steps: int, **host):
+    """The plain loop, `host` (host_stepped's) stepped as a schedule's host-stepped blocks."""
     mf = load_small(name)
-    return reference_train(mf, block_graph(mf).batch_size, steps)
+    return reference_train(mf, block_graph(mf).batch_size, steps, **host)
 
 
 def load_model_pt(directory, step: int) -> dict[str, torch.Tensor]:
@@ -102,7 +104,7 @@ def host_optimizer_bytes(schedule, model: torch.nn.Module, state_factor: int = 2
 def test_training_is_bitwise_equal_to_plain_pytorch(name, strategy, fraction, tmp_path):
     schedule = plan(load_small(name), strategy, fraction)
     assert schedule.strategy == strategy and schedule.status != "fallback"
-    ref_sd, ref_losses = reference(name, STEPS)
+    ref_sd, ref_losses = reference(name, STEPS, **host_stepped(schedule))
     probe = Probe(load_small(name), schedule)
 
     report = run(schedule, probe.mf, STEPS, checkpoint_dir=tmp_path)
@@ -153,7 +155,7 @@ def test_parameters_without_gradients_are_skipped_as_in_plain_pytorch(strategy, 
     (AdamW would otherwise decay them) wherever it runs, on the device or on the host."""
     mf = load_small("unused_frozen")
     schedule = plan(mf, strategy, fraction)
-    ref_sd, ref_losses = reference("unused_frozen", STEPS)
+    ref_sd, ref_losses = reference("unused_frozen", STEPS, **host_stepped(schedule))
     report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
     assert_bitwise_equal(load_model_pt(tmp_path, STEPS), ref_sd)
@@ -170,7 +172,7 @@ def test_a_model_built_in_the_host_tier_trains_exactly(name, strategy, fraction,
     real model's weights go there); the weights then move where the schedule puts them."""
     monkeypatch.setattr("karma.runtime.bringup.TIER_MIN_BYTES", 1)
     schedule = plan(load_small(name), strategy, fraction)
-    ref_sd, ref_losses = reference(name, STEPS)
+    ref_sd, ref_losses = reference(name, STEPS, **host_stepped(schedule))
     probe = Probe(load_small(name), schedule)
     report = run(schedule, probe.mf, STEPS, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
@@ -263,7 +265,7 @@ def test_resume_continues_exactly(name, strategy, fraction, tmp_path):
     assert first.losses + second.losses == full.losses
     assert_bitwise_equal(load_model_pt(parts, 4), load_model_pt(whole, 4))
     assert_bitwise_equal(load_model_pt(parts, 2), load_model_pt(whole, 2))
-    ref_sd, ref_losses = reference(name, 4)
+    ref_sd, ref_losses = reference(name, 4, **host_stepped(schedule))
     assert full.losses == ref_losses
     assert_bitwise_equal(load_model_pt(whole, 4), ref_sd)
 
@@ -272,10 +274,12 @@ def test_resume_continues_exactly(name, strategy, fraction, tmp_path):
 @pytest.mark.parametrize("name,before,after", [("gpt", "keep_all", "offload_all"),
                                                ("resnet", "offload_all", "swap_all")])
 def test_a_checkpoint_resumes_under_another_schedule(name, before, after, tmp_path):
-    """A checkpoint holds the model's values, not the schedule's placement of them."""
+    """A checkpoint holds the model's values, not the schedule's placement of them (the host
+    steps as given, so that every step is the plain loop's whatever the schedule)."""
     mf = load_small(name)
-    run(plan(mf, before), mf, 2, checkpoint_dir=tmp_path)
-    report = run(plan(mf, after), mf, 4, checkpoint_dir=tmp_path, resume=True)
+    run(plan(mf, before), mf, 2, checkpoint_dir=tmp_path, host_optimizer="as-given")
+    report = run(plan(mf, after), mf, 4, checkpoint_dir=tmp_path, resume=True,
+                 host_optimizer="as-given")
     ref_sd, ref_losses = reference(name, 4)
     assert report.losses == ref_losses[2:]
     assert_bitwise_equal(load_model_pt(tmp_path, 4), ref_sd)
@@ -302,7 +306,7 @@ def test_half_written_checkpoints_are_ignored(tmp_path):
     assert latest_checkpoint(tmp_path) == good
     report = run(schedule, mf, 3, checkpoint_dir=tmp_path, resume=True)
     assert report.steps == [3]
-    _, ref_losses = reference("mlp", 3)
+    _, ref_losses = reference("mlp", 3, **host_stepped(schedule))
     assert report.losses == ref_losses[2:]
 
 
@@ -326,7 +330,8 @@ def layers_model(tmp_path_factory):
 def test_the_layers_model_trains_exactly_in_its_planned_order(layers_model, strategy, tmp_path):
     schedule = plan(layers_model, strategy)
     assert [b.name for b in schedule.blocks] == ["layers.0", "layers.1", "layers.2"]
-    ref_sd, ref_losses = reference_train(layers_model, schedule.config.batch_size, 2)
+    ref_sd, ref_losses = reference_train(layers_model, schedule.config.batch_size, 2,
+                                         schedule=schedule)
     report = run(schedule, layers_model, 2, checkpoint_dir=tmp_path)
     assert report.losses == ref_losses
     assert_bitwise_equal(load_model_pt(tmp_path, 2), ref_sd)

@@ -19,7 +19,7 @@ from karma.errors import KarmaError
 from karma.reference import train_reference
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.runtime import Runtime
-from karma.testing.exactness import SMALL_ENV, assert_bitwise_equal, plan, run
+from karma.testing.exactness import SMALL_ENV, assert_bitwise_equal, host_stepped, plan, run
 from tests.conftest import EXAMPLES
 from tests.matrix import FAST, MODELS, ONE_BUDGET, cell_id, first_fast, strategy_cells
 from tests.matrix import OPTIONS as PLANNED
@@ -50,10 +50,12 @@ def model_file(name: str, scheduled: bool):
 
 
 @functools.cache
-def reference(name: str, option: str):
+def reference(name: str, option: str, **host):
+    """The plain loop with `option`, `host` (host_stepped's) stepped as a schedule's
+    host-stepped blocks."""
     options, scheduled = OPTIONS[option]
     mf = model_file(name, scheduled)
-    return train_reference(mf, mf.default_batch_size, STEPS, **options)
+    return train_reference(mf, mf.default_batch_size, STEPS, **options, **host)
 
 
 def _model_pt(directory, step: int) -> dict[str, torch.Tensor]:
@@ -74,7 +76,7 @@ def test_every_option_and_strategy_equals_the_plain_loop(name, option, strategy,
     mf = model_file(name, scheduled)
     schedule = plan(load_small(name), strategy, fraction, **options)
     report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
-    ref = reference(name, option)
+    ref = reference(name, option, **host_stepped(schedule))
     assert report.losses == ref.losses
     assert report.lrs == ref.lrs
     if "clip_grad_norm" in options:
@@ -132,7 +134,7 @@ def test_resume_mid_schedule_and_accumulation_continues_exactly(strategy, fracti
     assert first.lrs + second.lrs == full.lrs
     assert first.grad_norms + second.grad_norms == full.grad_norms
     assert_bitwise_equal(_model_pt(parts, 4), _model_pt(whole, 4))
-    ref = train_reference(mf, mf.default_batch_size, 4, **options)
+    ref = train_reference(mf, mf.default_batch_size, 4, **options, **host_stepped(schedule))
     assert full.losses == ref.losses
 
 

@@ -30,7 +30,7 @@ def zoo_case(name: str):
     STEPS steps), made once a session (tests/test_chaos.py trains it under chaos too)."""
     mf = load_with_env(EXAMPLES / f"{name}.py", TINY)
     schedule = plan(mf, "ilp", 0.5)
-    return mf, schedule, reference_train(mf, schedule.config.batch_size, STEPS)
+    return mf, schedule, reference_train(mf, schedule.config.batch_size, STEPS, schedule=schedule)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == ZOO[0] else pytest.mark.slow)

@@ -31,6 +31,7 @@ from karma.cli.common import (
 )
 from karma.errors import KarmaError
 from karma.fileio import write_text_atomic
+from karma.schedule import HOST_OPTIMIZERS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
                    help="on several ranks, what all-reduces the gradients (default: nccl on "
                         "CUDA, gloo on the CPU); ranks that share one GPU need gloo")
+    p.add_argument("--host-optimizer", choices=HOST_OPTIMIZERS, default=None,
+                   help="the kernel of blocks stepped on the host (default: the schedule's, "
+                        "karma-plan --host-optimizer): fused, or as-given (the model file's "
+                        "optimizer exactly as made: bitwise the plain loop)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                    help="on several ranks: how long to wait for the rendezvous, and for a "
                         "rank that stops answering, before stopping with an error (a rank "
@@ -101,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every, resume=args.resume,
             timeout_s=args.timeout, cap_device_memory=cap, dist_backend=args.dist_backend,
             eval_every=args.eval_every, trace_path=args.trace, trace_step=args.trace_step,
-            trace_steps=args.trace_steps,
+            trace_steps=args.trace_steps, host_optimizer=args.host_optimizer,
             log=lambda line: print(line, flush=True)))
     except (MemoryError, RuntimeError) as e:
         reported = user_error(e)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from karma.errors import KarmaError
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import Hardware, load_hardware
-from karma.schedule import DTYPES, HOST_STATES
+from karma.schedule import DTYPES, HOST_OPTIMIZERS, HOST_STATES
 from karma.units import parse_size
 
 STRATEGIES = ("ilp", *BASELINES)
@@ -53,6 +53,9 @@ class PlanOptions:
     gap: float = 0.01  # the relative optimality gap at which the ILP stops (--gap)
     blocks: str | None = None  # module paths whose calls are blocks, a regex (--blocks)
     measure: str = "cached"  # one of MEASURES (--remeasure: fresh, --no-measure: estimate)
+    # the kernel host-stepped blocks step with, one of HOST_OPTIMIZERS (--host-optimizer):
+    # torch's fused CPU kernel where it is the same optimizer, or the model file's as given
+    host_optimizer: str = "fused"
     # derived and checked in __post_init__
     profile: Hardware = field(init=False, repr=False, compare=False)  # `hardware`, loaded
     # ranks per node: nproc_per_node, or the profile's default where it is None
@@ -86,6 +89,9 @@ class PlanOptions:
         if self.host_state not in ("auto", *HOST_STATES):
             raise KarmaError(f"host_state {self.host_state!r} (--host-state) is not one karma "
                              "knows; use auto, sharded or replicated")
+        if self.host_optimizer not in HOST_OPTIMIZERS:
+            raise KarmaError(f"host_optimizer {self.host_optimizer!r} (--host-optimizer) is not "
+                             f"one karma knows; use {' or '.join(HOST_OPTIMIZERS)}")
         if self.measure not in MEASURES:
             raise KarmaError(f"measure {self.measure!r} is not a way to measure; use one of "
                              f"{', '.join(MEASURES)} (--remeasure: fresh, --no-measure: "

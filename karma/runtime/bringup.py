@@ -46,6 +46,7 @@ from karma.runtime.host.tier import (
     private_bytes,
     return_freed_memory_promptly,
 )
+from karma.runtime.params.host_optimizer import host_make_optimizer
 from karma.runtime.params.layout import (
     HostLayout,
     ReplicatedLayout,
@@ -233,11 +234,13 @@ def build_engine_parts(schedule: Schedule, model: torch.nn.Module, make_optimize
     named = dict(model.named_parameters(remove_duplicate=False))
     check_model_names(schedule, named, {name for name, _ in model.named_modules()})
     shared = SharedStorage()
+    host_kernel = host_make_optimizer(make_optimizer, schedule.config.host_optimizer)
     weights = []
     for b in schedule.blocks:
         params = [(n, named[n]) for n in b.params]
         layout = _layout(schedule, b, [p for _, p in params], pool, node, exchange)
-        weights.append(BlockWeights(b.name, params, b.weights, b.optim, make_optimizer, pool,
+        make = host_kernel if b.optim == "host" else make_optimizer
+        weights.append(BlockWeights(b.name, params, b.weights, b.optim, make, pool,
                                     shared, layout, backend.device, tier))
     place_buffers(model, backend.device, tier, pool)
     # after placement: a parameter's storage is the one on the device

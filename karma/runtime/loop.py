@@ -46,6 +46,7 @@ class RunOptions:
     trace_path: Path | None = None  # write the timeline of one step here (timeline.py)
     trace_step: int | None = None  # the step traced; None: the second this run trains
     trace_steps: int = 1  # how many steps traced from trace_step on (trace_file: their files)
+    host_optimizer: str | None = None  # the host steps' kernel; None: the schedule's
     log: Callable[[str], None] = field(default=print)  # rank 0's progress lines
 
 
@@ -104,7 +105,8 @@ def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
     evals = mf.checked_eval_batches(schedule.config.batch_size) if options.eval_every else []
     with Runtime(schedule, options.seed, model_file=mf, timeout_s=options.timeout_s,
                  cap_device_memory=options.cap_device_memory, log=options.log,
-                 agree=agree, dist_backend=options.dist_backend) as rt:
+                 agree=agree, dist_backend=options.dist_backend,
+                 host_optimizer=options.host_optimizer) as rt:
         report = _train(rt, options, evals)
     return dataclasses.replace(report, host_tier_peak_bytes=rt.pool_peak_bytes,
                                outside_private_bytes=rt.outside_bytes)

@@ -21,6 +21,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from karma.runtime.replay.streams import OpFailed
 from karma.runtime.replay.tracing import TraceRecorder
 from karma.runtime.replay.training_options import Accumulation
 from karma.runtime.stats import StepStats, StepTally
-from karma.schedule import Schedule, schedule_sha256
+from karma.schedule import HOST_OPTIMIZERS, Schedule, schedule_sha256
 from karma.schedule_load import load_schedule
 
 __all__ = ["Runtime", "StepStats", "open_model_file"]
@@ -78,17 +79,22 @@ class Runtime:
     def __init__(self, schedule: Schedule | str | Path, seed: int | None = None, *,
                  model_file: ModelFile | None = None, timeout_s: float = 60.0,
                  cap_device_memory: bool | int = False, log: Callable[[str], None] = print,
-                 agree: dict[str, Any] | None = None, dist_backend: str | None = None):
+                 agree: dict[str, Any] | None = None, dist_backend: str | None = None,
+                 host_optimizer: str | None = None):
         """`schedule`: a Schedule or a schedule file's path. `seed`: default the schedule's.
         `timeout_s`: on several ranks, how long to wait for a rank that stops answering.
         `cap_device_memory`: on CUDA, emulate a GPU of this many bytes (True: of the
         schedule's budget). `agree`: further options every rank must share (karma-run's
         steps, checkpoints). `dist_backend`: the all-reduces' backend on several ranks, nccl
-        or gloo (default nccl on CUDA, gloo on the CPU)."""
+        or gloo (default nccl on CUDA, gloo on the CPU). `host_optimizer`: the kernel of
+        host-stepped blocks, "fused" or "as-given" (default: the schedule's
+        config.host_optimizer; runtime/params/host_optimizer.py)."""
         path = None
         if not isinstance(schedule, Schedule):
             path = Path(schedule)
             schedule = load_schedule(path)
+        if host_optimizer is not None and host_optimizer != schedule.config.host_optimizer:
+            schedule = _with_host_optimizer(schedule, host_optimizer)
         self.schedule = schedule
         self.model_file = model_file or open_model_file(schedule, path)
         self.seed = schedule.config.seed if seed is None else seed
@@ -384,3 +390,11 @@ class Runtime:
 
 def _quiet(line: str) -> None:
     """Ranks other than 0 print no progress lines (their errors still reach stderr)."""
+
+
+def _with_host_optimizer(schedule: Schedule, choice: str) -> Schedule:
+    """`schedule`, its host-stepped blocks stepping with kernel `choice` (HOST_OPTIMIZERS)."""
+    if choice not in HOST_OPTIMIZERS:
+        raise KarmaError(f"host_optimizer {choice!r} (--host-optimizer) is not one karma "
+                         f"knows; use {' or '.join(HOST_OPTIMIZERS)}")
+    return replace(schedule, config=replace(schedule.config, host_optimizer=choice))

@@ -90,11 +90,24 @@ def block_graph(mf: ModelFile, dtype: str = "fp32") -> BlockGraph:
 
 
 def reference_train(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
-                    world_size: int = 1, **training):
+                    world_size: int = 1, schedule: Schedule | None = None, **training):
     """Plain PyTorch training on the CPU (karma.reference): (final state_dict, the loss of
-    each step; rank 0's with world_size > 1). `training`: dtype, accumulate, clip_grad_norm."""
-    ref = train_reference(mf, batch_size, steps, seed, world_size, **training)
+    each step; rank 0's with world_size > 1). `training`: dtype, accumulate, clip_grad_norm.
+    `schedule`: the parameters its blocks step on the host are stepped with its host kernel
+    (host_stepped), as karma steps them."""
+    ref = train_reference(mf, batch_size, steps, seed, world_size,
+                          **host_stepped(schedule), **training)
     return {k: v.detach().clone() for k, v in ref.model.state_dict().items()}, ref.losses
+
+
+def host_stepped(schedule: Schedule | None) -> dict:
+    """train_reference's host_params and host_optimizer for `schedule`: the parameters of
+    its host-stepped blocks, and its host kernel (none without a schedule)."""
+    if schedule is None:
+        return {}
+    return {"host_params": tuple(n for b in schedule.blocks if b.optim == "host"
+                                 for n in b.params),
+            "host_optimizer": schedule.config.host_optimizer}
 
 
 def keep_all_peak_bytes(mf: ModelFile, graph: BlockGraph | None = None,

@@ -42,6 +42,7 @@ from karma.schedule_load import load_schedule
 from karma.testing.exactness import (
     HARDWARE,
     block_graph,
+    host_stepped,
     keep_all_peak_bytes,
     model_env,
     plan,
@@ -123,13 +124,14 @@ class Base:
 
     def expected(self, s: Schedule, mf: ModelFile) -> Result:
         """Plain PyTorch with the training options `s` states (its model file's environment,
-        batch size, seed, dtype, accumulation, clipping): what a run of `s` must train."""
+        batch size, seed, dtype, accumulation, clipping; its host-stepped parameters with
+        the host's kernel): what a run of `s` must train."""
         key = training_options(s)
         if key not in self.references:
             c = s.config
             state, losses = reference_train(
                 mf, c.batch_size, STEPS, c.seed, c.world_size, dtype=c.dtype,
-                accumulate=c.accumulate, clip_grad_norm=c.clip_grad_norm)
+                accumulate=c.accumulate, clip_grad_norm=c.clip_grad_norm, schedule=s)
             self.references[key] = Result(state, tuple(losses))
         return self.references[key]
 
@@ -148,10 +150,11 @@ def mixed_gpt(mf: ModelFile) -> Schedule:
 
 
 def training_options(s: Schedule) -> tuple:
-    """What, besides the schedule's own plan, decides what a run trains."""
+    """What, besides the schedule's own plan, decides what a run trains: the training
+    options, and which parameters step with the host's kernel (host_stepped)."""
     c = s.config
     return (s.model, c.batch_size, c.seed, c.world_size, c.dtype, c.accumulate,
-            c.clip_grad_norm)
+            c.clip_grad_norm, tuple(sorted(host_stepped(s).items())))
 
 
 def run_schedule(s: Schedule, mf: ModelFile, steps: int = STEPS) -> Result:

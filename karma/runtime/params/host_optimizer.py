@@ -32,7 +32,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-HOST_OPTIMIZERS = ("fused", "as-given")  # karma-plan/karma-run --host-optimizer
+from karma.schedule import HOST_OPTIMIZERS
+
 FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 IMPLEMENTATION_KEYS = ("foreach", "fused")  # param-group keys that choose the kernel
 

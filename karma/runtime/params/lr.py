@@ -8,7 +8,8 @@ as SGD and AdamW make their state at the first step, so it holds none). After ea
 the scheduler steps the driver, and every hyperparameter of the driver's param group k (lr,
 and e.g. momentum or betas for OneCycleLR) is copied into param group k of each block's
 optimizer: they all see the values the plain loop's optimizer would, computed by the same
-code from the same numbers. The copy happens between steps, when no host step of
+code from the same numbers (but `foreach` and `fused`: a host-stepped block keeps its
+kernel, host_optimizer.py). The copy happens between steps, when no host step of
 theirs runs: for optimizers whose host steps may still be running into the next step
 (replay/update.py, [Note: updates overlapped with the next forward]) it is queued behind them.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from karma.errors import KarmaError, ModelFileError
+from karma.runtime.params.host_optimizer import IMPLEMENTATION_KEYS
 
 
 class LRSchedule:
@@ -108,8 +110,8 @@ class LRSchedule:
             for opt in optimizers:
                 target = opt.param_groups[k]
                 for key, value in source.items():
-                    if key == "params":
-                        continue
+                    if key == "params" or key in IMPLEMENTATION_KEYS:
+                        continue  # each block keeps its own kernel (host_optimizer.py)
                     if isinstance(value, torch.Tensor) and isinstance(target.get(key),
                                                                       torch.Tensor):
                         target[key].copy_(value)  # a tensor lr stays the block's own tensor

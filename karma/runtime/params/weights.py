@@ -12,7 +12,8 @@ rank or 1/N on each, is its layout's (layout.py); the operations below are the s
 
 Each block has its own optimizer, made by the model file's make_optimizer over the block's
 own parameters: per-parameter optimizers (SGD, Adam, AdamW, ...) then step exactly as one
-optimizer over all parameters would.
+optimizer over all parameters would. A block stepped on the host gets it through
+host_optimizer.host_make_optimizer (torch's fused CPU kernel by default).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from karma.runtime.host.tier import BuildInTier, HostPool
+from karma.runtime.params.host_optimizer import keep_implementation
 from karma.runtime.params.layout import HostLayout, PerElement
 from karma.runtime.params.optimizer_state import StateTemplate, zero_state, zero_state_template
 from karma.runtime.params.placement import place_param
@@ -178,8 +180,9 @@ class BlockWeights:
 
     def load_own_optimizer_state(self, sd: dict) -> None:
         """Load a state_dict of what this rank holds (a sharded block's rows already cut);
-        the state moves into the host tier at the next host step."""
-        self.optimizer.load_state_dict(sd)
+        the state moves into the host tier at the next host step. The optimizer keeps its
+        kernel, whatever the state_dict's groups say (host_optimizer.py)."""
+        keep_implementation(self.optimizer, lambda: self.optimizer.load_state_dict(sd))
         self._state_in_pool = False
 
     def shaped_keys(self) -> PerElement:
