@@ -15,6 +15,7 @@ calibration never calls back into the planner. Its rooms:
 - machine.py: which built-in profile is this machine (`local_device`), and its rates;
 - measure_hw.py: measuring a device's rates (what `karma-profile` runs);
 - blocks.py: block times, cached, and timing blocks one by one (karma.ir.timing);
+- host_step.py: each block's host optimizer step, timed as the host stream runs it;
 - in_context.py: timing them in keep_all steps that karma-run trains (the CPU backend), and
   the side streams in steps of an out-of-core probe;
 - cache.py: the JSON files under $XDG_CACHE_HOME/karma, named by a hash of their key.
@@ -45,6 +46,7 @@ from pathlib import Path
 
 from karma.calibrate.blocks import Timed, blocks_key, read_times, timed_alone
 from karma.calibrate.cache import cache_path, write
+from karma.calibrate.host_step import host_step_times
 from karma.calibrate.in_context import timed_in_context
 from karma.calibrate.machine import (
     allocating_as_the_runtime_does,
@@ -116,6 +118,9 @@ def calibrate(mf: ModelFile, graph: BlockGraph, options: PlanOptions, planning: 
         hw = measured_machine(device, hw, say, fresh)
     start = time.perf_counter()
     try:
+        host_s = host_step_times(mf, graph, options.host_optimizer, device, say, fresh)
+        planning = replace(planning, probe=None if planning.probe is None else (
+            lambda hw, timed, probe=planning.probe: probe(hw, with_host_steps(timed, host_s))))
         timed, path, now = _block_times(
             mf, graph, planning, device, options.blocks, say,
             in_context_hw=hw if device == "cpu" and options.blocks is None else None,
@@ -128,11 +133,19 @@ def calibrate(mf: ModelFile, graph: BlockGraph, options: PlanOptions, planning: 
         return Calibration(hw, ESTIMATED, "roofline estimate (timing the blocks failed)")
     how = (f"measured now in {time.perf_counter() - start:.0f} s" if now
            else "measured on this machine")
+    timed = with_host_steps(timed, host_s)
     if timed.side_streams:  # fitted in context: [Note: side streams timed in context]
         hw = replace(hw, **timed.side_streams)
     where = timed.where + (", side streams in an out-of-core probe's steps"
                            if timed.side_streams else "")
     return Calibration(hw, timed.measured, f"{how}, {where} (cached in {path})")
+
+
+def with_host_steps(timed: Timed, host_s: Sequence[float]) -> Timed:
+    """`timed` with each block's host optimizer step as the host stream runs it
+    (host_step.py, [Note: timing the host step as the runtime runs it])."""
+    return replace(timed, step_s=tuple((device_s, h) for (device_s, _), h
+                                       in zip(timed.step_s, host_s, strict=True)))
 
 
 def _block_times(mf: ModelFile, graph: BlockGraph, planning: FromPlanning, device: str,

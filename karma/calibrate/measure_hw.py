@@ -7,7 +7,8 @@ CUDA is called only when a CUDA device is asked for, or found when `device` is N
 
 Timings follow the process's thread settings, as training would: on a small VM, OpenMP's
 default passive wait can add a scheduler tick (~4 ms) to every parallel op, which slows
-AdamW(foreach) tenfold or more; OMP_WAIT_POLICY=ACTIVE or one thread avoids it.
+AdamW's single-tensor and foreach paths tenfold or more; OMP_WAIT_POLICY=ACTIVE or one
+thread avoids it.
 
 What is and is not measured:
 - matmul rate per dtype, at a size that takes long enough to time (PyTorch's defaults: TF32 off);
@@ -16,7 +17,8 @@ What is and is not measured:
   (`torch.from_file(shared=True)`) where the runtime keeps its offload tier (/dev/shm where
   it is a tmpfs, else the temporary directory: storage.tier_directory), fp32 on a worker
   thread ([Note: copies as the streams run them]);
-- host optimizer rate: torch.optim.AdamW(foreach=True).step() on fp32 parameters;
+- host optimizer rate: torch.optim.AdamW(fused=True).step() on fp32 parameters, on a worker
+  thread with the host stream's threads (the kernel and the thread the runtime steps with);
 - on the CPU, contention between streams (see [Note: measuring contention]);
 - memory: MemAvailable from /proc/meminfo (on the CPU the file tier's size is the free space
   of the tier's directory);
@@ -40,6 +42,7 @@ import torch
 from karma.errors import KarmaError
 from karma.planner.hardware import Hardware
 from karma.runtime.host.check import mem_available_bytes as meminfo_available_bytes
+from karma.runtime.host.threads import host_stream_threads, use_threads_here
 from karma.storage import tier_directory
 
 _GiB = 1024**3
@@ -104,8 +107,8 @@ def measure_local(
         say("RAM <-> file tier copies")
         h2d, d2h, tier_bytes = _file_tier_bytes_per_s(plan.transfer_bytes, plan.repeats)
         name, device_mem, pinned = "local-cpu", host_mem, tier_bytes
-    say("host optimizer (AdamW foreach)")
-    optim = _round3(_host_optim_bytes_per_s(plan.optim_numel, plan.repeats))
+    say("host optimizer (fused AdamW on the host stream)")
+    optim = _round3(_host_optim_bytes_per_s(plan.optim_numel, plan.repeats, dev.type))
     slowdowns = {}
     if dev.type == "cpu":
         say("contention: a training layer beside copies and beside AdamW")
@@ -250,8 +253,10 @@ def _on_worker(fn: Callable[[], float]) -> float:
     return out[0]
 
 
-def _host_optim_bytes_per_s(numel: int, repeats: int) -> float:
-    """fp32 parameter bytes stepped per second by AdamW(foreach=True) on the CPU.
+def _host_optim_bytes_per_s(numel: int, repeats: int, device: str) -> float:
+    """fp32 parameter bytes stepped per second by AdamW on the CPU as the host stream runs
+    it: torch's fused kernel (host_optimizer.py), on a thread of its own with the host
+    stream's intra-op threads for a `device` backend (runtime/host/threads.py).
 
     The parameters are split into 8 tensors, as a model's are split into layers; the warm-up
     step creates the optimizer state.
@@ -259,9 +264,14 @@ def _host_optim_bytes_per_s(numel: int, repeats: int) -> float:
     params = [torch.nn.Parameter(torch.randn(numel // 8)) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    seconds = _median_seconds(optimizer.step, torch.device("cpu"), repeats)
-    return 4 * (numel // 8) * 8 / seconds
+    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    threads = host_stream_threads(device)
+
+    def timed() -> float:
+        use_threads_here(threads)
+        return _median_seconds(optimizer.step, torch.device("cpu"), repeats)
+
+    return 4 * (numel // 8) * 8 / _on_worker(timed)
 
 
 def _contention(nbytes: int, layers: int, repeats: int) -> dict[str, float]:
@@ -276,7 +286,7 @@ def _contention(nbytes: int, layers: int, repeats: int) -> dict[str, float]:
     1024 matmuls lost 0.146 of its speed, beside the layer 0.534; the runtime's swaps of an
     8-layer GPT ran beside its compute at 5 GB/s against 17-22 GB/s alone. The copy moves
     `nbytes` from a file-tier mapping (`torch.from_file(shared=True)`) to RAM and back, as a
-    swap does; the host step is AdamW(foreach) on `nbytes` of fp32 parameters. Each is
+    swap does; the host step is fused AdamW on `nbytes` of fp32 parameters. Each is
     timed alone, then beside the other running in a loop on a second thread; a slowdown is
     1 - alone / beside, kept between 0 and 0.95. A side that runs faster beside compute (on a
     small VM OpenMP's idle threads sleep less when compute keeps the cores busy) counts as 0.
@@ -293,7 +303,7 @@ def _contention(nbytes: int, layers: int, repeats: int) -> dict[str, float]:
     params = [torch.nn.Parameter(torch.randn(nbytes // 4 // 8)) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)  # the host stream's kernel
     compute_host, host_compute = _slowdowns(compute, optimizer.step, cpu, repeats)
     return {"compute_slowdown_copy": compute_copy, "copy_slowdown_compute": copy_compute,
             "compute_slowdown_host": compute_host, "host_slowdown_compute": host_compute}

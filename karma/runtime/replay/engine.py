@@ -31,6 +31,7 @@ import torch
 from karma.errors import KarmaError
 from karma.runtime.backends.backend import Backend
 from karma.runtime.distributed.exchange import GradientExchange
+from karma.runtime.host.threads import host_stream_threads
 from karma.runtime.params.streamed import SharedStorage
 from karma.runtime.params.weights import BlockWeights
 from karma.runtime.replay.chaos import Chaos, pause
@@ -82,8 +83,10 @@ class Engine:
                           for op, bufs in self.tables.releases.items()}
         self.chaos = Chaos.from_env()  # [Note: chaos timing]: None unless KARMA_CHAOS is set
         self.events = OpEvents(schedule.ops, self.chaos)
+        host_threads = host_stream_threads(self.backend.device.type)
         self.streams = {name: StreamWorker(name, self.events.events, self.events.errors,
-                                           self.backend, self.chaos)
+                                           self.backend, self.chaos,
+                                           host_threads if name == "host" else None)
                         for name in ("h2d", "d2h", "net", "host")}
         self.updates = Updates(self.tables, self.weights, model, parts.clip, self.events,
                                self.backend, self.streams["host"])

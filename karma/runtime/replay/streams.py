@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
+from karma.runtime.host.threads import use_threads_here
 from karma.runtime.replay.chaos import Chaos, pause
 from karma.schedule import Op
 
@@ -42,8 +43,11 @@ class StreamWorker:
     """One stream: runs its operations one after another on its own thread."""
 
     def __init__(self, name: str, events: dict[Hashable, threading.Event], errors: list,
-                 backend, chaos: Chaos | None = None):
+                 backend, chaos: Chaos | None = None, threads: int | None = None):
+        """`threads`: the intra-op threads of this stream's kernels (host/threads.py); None:
+        the process's."""
         self.name = name
+        self._threads = threads
         self._chaos = chaos  # [Note: chaos timing]
         self._events = events  # op id -> issued event, shared by all streams
         self._backend = backend
@@ -62,6 +66,8 @@ class StreamWorker:
         self._thread.join(timeout=60)
 
     def _loop(self) -> None:
+        if self._threads is not None:
+            use_threads_here(self._threads)
         with self._backend.stream(self.name):
             while (item := self._queue.get()) is not None:
                 pause(self._chaos)
