@@ -10,7 +10,8 @@
 3. Both run under `prlimit --data=LIMIT`, LIMIT = cap + the process's fixed baseline (its data
    segment before the model is built, measured by karma-run's first line, plus a slack for
    thread stacks and allocator arenas stated in the output): the reference must die of
-   out-of-memory, karma-run must train with the reference's losses.
+   out-of-memory, karma-run must train with the reference's losses (its host optimizer as
+   given: `--host-optimizer as-given`, the plain loop's kernel).
 Prints a markdown report for bench/RESULTS.md.
 """
 
@@ -77,8 +78,10 @@ def main() -> None:
     baseline_data = ref["baseline_data_bytes"]
     limit = cap + baseline_data + parse_size(args.slack)
     capped_ref = sh(ref_cmd, env, limit)
+    # the model file's optimizer as given on the host: bitwise the plain loop's losses (the
+    # fused default equals the reference that steps the same blocks with the same kernel)
     run_cmd = [str(BIN / "karma-run"), str(schedule), "--steps", str(args.steps),
-               "--report", str(tmp / "report.json")]
+               "--report", str(tmp / "report.json"), "--host-optimizer", "as-given"]
     capped_run = sh(run_cmd, env, limit)
     print(capped_run.stdout[-3000:], capped_run.stderr[-2000:])
     report = json.loads((tmp / "report.json").read_text()) if capped_run.returncode == 0 else {}

@@ -10,9 +10,10 @@ torch's Adam, AdamW, SGD and Adagrad take their single-tensor path: a Python loo
 tensors, about 20 parameter-sized passes over memory and two fresh parameter-sized
 temporaries per tensor (Adam's `exp_avg_sq.sqrt() / bc2`). Their `fused=True` path (torch
 2.4 and later on the CPU) reads and writes each element once in one vectorized, threaded
-loop: 6.4x the single-tensor rate on the 2-core test machine (bench/RESULTS.md, "The host
-optimizer"). Its rounding differs: after one step about 0.05% of the elements differ by an
-ulp (torch's own test asks allclose at rtol 1.3e-6 for fp32). So:
+loop: several times the single-tensor rate (bench/RESULTS.md, "The host optimizer"). Its
+rounding differs: after one step some elements differ by an ulp, how many depending on the
+values (3.6% of the demo GPT's parameters; torch's own test asks allclose at rtol 1.3e-6
+for fp32), and training carries the difference on (bench/fused_vs_plain.py). So:
 - "fused" (the default): a block stepped on the host steps through the fused kernel when the
   model file's optimizer is exactly one of FUSED_ON_CPU and asks for no implementation
   (every group's `foreach` and `fused` None, not differentiable, not capturable, real
