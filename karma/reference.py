@@ -21,6 +21,7 @@ from functools import partial
 import torch
 
 from karma.modelfile import ModelFile, load_model_file, map_targets
+from karma.runtime.distributed.cut import Cut, rows_of
 from karma.runtime.host.peak import PrivatePeak
 from karma.runtime.host.tier import data_bytes, private_bytes
 from karma.runtime.params.host_optimizer import IMPLEMENTATION_KEYS, host_make_optimizer
@@ -45,6 +46,7 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
                     device: str = "cpu", eval_every: int = 0, dtype: str = "fp32",
                     accumulate: int = 1, clip_grad_norm: float | None = None,
                     host_params: Collection[str] = (), host_optimizer: str = "fused",
+                    host_shards: int = 1,
                     resize: tuple[int, int] | None = None) -> ReferenceRun:
     """Plain PyTorch training for `steps` steps: per step, `accumulate` (N) times forward
     and loss (under autocast with dtype bf16), backward of loss / N; then
@@ -66,7 +68,10 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     `host_params`: the names of parameters stepped on the CPU, as a schedule's host-stepped
     blocks are (see HostStepped), with the optimizer's kernel `host_optimizer` chooses (the
     schedule's config.host_optimizer; runtime/params/host_optimizer.py): the reference then
-    computes what such a schedule computes, to the bit, on the CPU and on a GPU.
+    computes what such a schedule computes, to the bit, on the CPU and on a GPU. `host_shards`
+    N: they are stepped in the N parts of sharded host state (distributed/cut.py), as N ranks
+    step them: a fused kernel's last elements take a scalar path whose rounding differs from
+    its vector loop's, so where a tensor is cut decides bits.
 
     `resize` (K, M): after step K the run goes on with M ranks, as a run resumed from step K's
     checkpoint on M ranks does: rank r of M draws `batches(B, r, M)` from where K steps of
@@ -75,8 +80,11 @@ def train_reference(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     autocast = partial(torch.autocast, torch.device(device).type, dtype=torch.bfloat16,
                        enabled=dtype == "bf16")
     model, opt, sched = _built(mf, seed, device)
+    if host_shards > 1 and resize is not None:
+        raise ValueError("a reference with sharded host steps cannot change its world size "
+                         "(resize): step the host as given (host_optimizer='as-given')")
     host = HostStepped(model, host_make_optimizer(mf.make_optimizer, host_optimizer),
-                       host_params) if host_params else None
+                       host_params, host_shards) if host_params else None
     data = [mf.checked_batches(batch_size, r, world_size) for r in range(world_size)]
     rng = [_rng_state(device)] * world_size
     losses: list[list[float]] = [[] for _ in range(world_size)]
@@ -238,7 +246,8 @@ class HostStepped:
     does for each block.
     """
 
-    def __init__(self, model: torch.nn.Module, make_optimizer, names: Collection[str]):
+    def __init__(self, model: torch.nn.Module, make_optimizer, names: Collection[str],
+                 shards: int = 1):
         named = dict(model.named_parameters())
         unknown = sorted(set(names) - set(named))
         if unknown:
@@ -249,7 +258,13 @@ class HostStepped:
                         for p in self.params]
         self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
         self._device_norms: dict[int, torch.Tensor] = {}
-        self.optimizer = make_optimizer(self.masters)
+        # each master's parts as the ranks of sharded host state hold them (one: the master)
+        self._cuts = [[c for c in (Cut.of(m.shape, shards, r) for r in range(shards))
+                       if c.stop > c.start] for m in self.masters]
+        self._parts = [[torch.nn.Parameter(rows_of(m.detach(), c).clone()) for c in cuts]
+                       for m, cuts in zip(self.masters, self._cuts)] if shards > 1 else [
+            [m] for m in self.masters]
+        self.optimizer = make_optimizer([q for parts in self._parts for q in parts])
 
     def take_grads(self, norms_on_device: bool) -> None:
         """Move the chosen parameters' gradients to their masters (the plain optimizer then
@@ -281,8 +296,16 @@ class HostStepped:
         for group, source in zip(self.optimizer.param_groups, driver.param_groups):
             group.update({k: v for k, v in source.items()
                           if k != "params" and k not in IMPLEMENTATION_KEYS})
+        for m, cuts, parts in zip(self.masters, self._cuts, self._parts):
+            for c, q in zip(cuts, parts):
+                if q is not m:
+                    q.grad = None if m.grad is None else rows_of(m.grad, c)
         self.optimizer.step()
-        for p, m in zip(self.params, self.masters):
+        for p, m, cuts, parts in zip(self.params, self.masters, self._cuts, self._parts):
+            for c, q in zip(cuts, parts):
+                if q is not m:
+                    rows_of(m.detach(), c).copy_(q)
+                    q.grad = None
             p.copy_(m)
             m.grad = None
 

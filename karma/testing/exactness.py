@@ -101,13 +101,15 @@ def reference_train(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
 
 
 def host_stepped(schedule: Schedule | None) -> dict:
-    """train_reference's host_params and host_optimizer for `schedule`: the parameters of
-    its host-stepped blocks, and its host kernel (none without a schedule)."""
+    """train_reference's host_params, host_optimizer and host_shards for `schedule`: the
+    parameters of its host-stepped blocks, its host kernel and how its host state is cut
+    (none without a schedule)."""
     if schedule is None:
         return {}
     return {"host_params": tuple(n for b in schedule.blocks if b.optim == "host"
                                  for n in b.params),
-            "host_optimizer": schedule.config.host_optimizer}
+            "host_optimizer": schedule.config.host_optimizer,
+            "host_shards": schedule.config.world_size if schedule.config.sharded else 1}
 
 
 def keep_all_peak_bytes(mf: ModelFile, graph: BlockGraph | None = None,
