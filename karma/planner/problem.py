@@ -308,12 +308,17 @@ class RankShare:
     forwards, backwards, the loss and device steps take k times as long as well: the node's
     cores divided among its ranks. Measured on the 2-core machine, an 8-layer GPT (width 512,
     sequence 256, vocabulary 8192, batch 8), its keep_all schedule in karma-run, medians of
-    steps 2-6: 2.34 s a step on 2 threads alone; 4.45 s on 1 thread alone (1.90x); 4.85 s
-    on 1 thread in each of two processes at once (2.07x), which is what two ranks are: they
-    share memory bandwidth as well as cores. k (2x) is within 4% of that; timing the blocks
-    again on a rank's thread count alone would be 7% optimistic, and would cost a second
-    calibration for every number of ranks a node. On a GPU the devices are the rank's own:
-    only the host step is shared.
+    steps 2-6: 2.36 s a step on 2 threads alone; 4.42-4.43 s on 1 thread alone (1.88x);
+    4.47-4.53 s on 1 thread in each of two processes at once (1.90-1.92x), which is what two
+    ranks are (they share the memory bandwidth too). k (2x) is 4-5% above that, where the
+    same plan at 1 rank is 7% above its own measure; timing the blocks again in context on a
+    rank's thread count would come within 2%, but costs a second calibration (a minute on
+    that GPT) for every number of ranks a node, and k holds for the roofline estimate too
+    (the cpu profile's rates are every core's). Its 600 MiB plan on 2 ranks, sharded:
+    predicted 5.24 s, measured 5.01-5.05 s (2.70 s predicted without the share). The factor
+    assumes a rank has cores/k threads: torchrun gives every rank one, which on a machine of
+    more cores than ranks wants OMP_NUM_THREADS = cores / k. On a GPU the devices are the
+    rank's own: only the host step is shared.
     """
 
     compute: int  # the device's work (forward, backward, loss, device step): k on the CPU
