@@ -18,7 +18,7 @@ from karma.planner.hardware import load_hardware
 from karma.planner.host_state import HostUse
 from karma.planner.lowering import Choice, fragment
 from karma.planner.plan import Plan, evaluate
-from karma.planner.problem import build_problem
+from karma.planner.problem import Measurements, build_problem
 from tests.conftest import EXAMPLES, ROOT
 from tests.schedule_fixtures import HARDWARE, tiny_graph
 
@@ -117,6 +117,59 @@ def test_a_sharded_block_reduce_scatters_steps_a_shard_and_all_gathers():
     assert step.dur_s == pytest.approx(replicated.blocks[1].host_step_s / 4, rel=1e-5)
     gather = next(op for op in ev.ops if op.kind == "all_gather" and op.block == 1)
     assert step.id in gather.deps and gather.stream == "net"
+
+
+# --- the model: a node's ranks share its host ([Note: a node's ranks share its host]) --------
+
+def one_node(hardware: str, ranks: int, host_state: str = "replicated"):
+    _, graph = tiny_graph()
+    return build_problem(graph, load_hardware(hardware), world_size=ranks,
+                         host_state=host_state, nproc_per_node=ranks)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_rank_s_host_step_takes_as_many_times_one_process_s_as_the_node_has_ranks(ranks):
+    alone, node = one_node(HARDWARE, 1), one_node(HARDWARE, ranks)
+    for a, b in zip(alone.blocks, node.blocks):
+        assert b.host_step_s == pytest.approx(ranks * a.host_step_s, rel=1e-12)
+        # a GPU is the rank's own
+        assert (b.fwd_s, b.bwd_s, b.device_step_s) == (a.fwd_s, a.bwd_s, a.device_step_s)
+    # the same ranks on nodes of one rank each step as one process does
+    _, graph = tiny_graph()
+    spread = build_problem(graph, load_hardware(HARDWARE), world_size=ranks, nproc_per_node=1)
+    assert [b.host_step_s for b in spread.blocks] == [b.host_step_s for b in alone.blocks]
+
+
+def test_one_node_of_n_ranks_sharded_steps_its_blocks_in_one_process_s_time():
+    alone, node = one_node(HARDWARE, 1), one_node(HARDWARE, 4, "sharded")
+    plan = Plan("offload_all", (OFFLOAD,) * len(node.blocks))
+    steps = {op.block: op.dur_s for op in evaluate(node, plan, 1 << 30).ops
+             if op.kind == "host_step"}
+    assert [steps[i] for i in range(len(alone.blocks))] == pytest.approx(
+        [b.host_step_s for b in alone.blocks], rel=1e-5)
+
+
+def test_cpu_ranks_divide_the_cores_so_two_ranks_a_node_predict_a_longer_step():
+    alone, node = one_node("cpu", 1), one_node("cpu", 2)
+    for a, b in zip(alone.blocks, node.blocks):
+        assert (b.fwd_s, b.bwd_s, b.device_step_s, b.host_step_s) == pytest.approx(
+            (2 * a.fwd_s, 2 * a.bwd_s, 2 * a.device_step_s, 2 * a.host_step_s), rel=1e-12)
+    assert node.loss_s == pytest.approx(2 * alone.loss_s, rel=1e-12)
+    plan = Plan("keep_all", (Choice("keep"),) * len(node.blocks))
+    one, two = evaluate(alone, plan, 1 << 30), evaluate(node, plan, 1 << 30)
+    assert two.step_s > 1.9 * one.step_s
+
+
+def test_measured_times_are_one_process_s_and_a_node_of_two_cpu_ranks_doubles_them():
+    _, graph = tiny_graph()
+    n = len(graph.blocks)
+    measured = Measurements(((0.1, 0.2),) * n, ((0.01, 0.03),) * n, loss_s=0.05)
+    alone, node = (build_problem(graph, load_hardware("cpu"), world_size=k, measured=measured,
+                                 nproc_per_node=k) for k in (1, 2))
+    assert [(b.fwd_s, b.bwd_s, b.device_step_s, b.host_step_s) for b in alone.blocks] \
+        == [(0.1, 0.2, 0.01, 0.03)] * n and alone.loss_s == 0.05
+    assert [(b.fwd_s, b.bwd_s, b.device_step_s, b.host_step_s) for b in node.blocks] \
+        == [(0.2, 0.4, 0.02, 0.06)] * n and node.loss_s == 0.1
 
 
 # --- paper scale --------------------------------------------------------------------------

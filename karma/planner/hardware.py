@@ -105,7 +105,10 @@ class Hardware:
     host_mem_bytes: int  # the node's host memory the offload tier may use, all its ranks
     # together (cpu: the file tier's disk space)
     pinned_mem_bytes: int  # the node's pinned host memory the runtime may allocate (<= host)
-    host_optim_bytes_per_s: float  # host AdamW throughput, fp32 parameter bytes stepped per second
+    # host AdamW throughput, fp32 parameter bytes stepped per second by one process with the
+    # node's host to itself; the node's ranks divide it (problem.py, [Note: a node's ranks
+    # share its host])
+    host_optim_bytes_per_s: float
     net_bytes_per_s: float  # per-rank network bandwidth for all-reduce
     net_latency_s: float  # per-message network latency
     # [Note: contention between streams] On the CPU there is no copy engine: a copy (h2d or
@@ -129,8 +132,8 @@ class Hardware:
     d2h_slowdown_compute: float = 0.0  # a copy to the host's, where it differs (0: as h2d's)
     side_wait_s: float = 0.0  # a side op started beside compute waits this long for a core
     # the devices of one node, which share its host memory (1 where a profile leaves it out, and
-    # in a measured machine's). A cpu profile's "devices" are ranks sharing the machine: any
-    # number may run on it.
+    # in a measured machine's). A cpu profile's "devices" are ranks sharing the machine and its
+    # cores: any number may run on it, each on its share of the cores.
     devices_per_node: int = 1
 
     def __post_init__(self) -> None:

@@ -11,7 +11,9 @@ numbers.
 
 Compute time is a roofline estimate: FLOPs at the profile's matmul rate plus the bytes a block
 reads and writes at the device's memory bandwidth (elementwise work is memory-bound), unless
-measured times are given (karma/calibrate: by default when planning for this machine).
+measured times are given (karma/calibrate: by default when planning for this machine). Both
+are one process's, alone on the machine; a rank shares its node with the node's other ranks
+([Note: a node's ranks share its host]).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class BlockCost:
     # includes the bf16 weight copies its matmuls save
     in_bytes: int  # its inputs from earlier blocks
     out_bytes: int
-    host_step_s: float  # host optimizer step of its weights
+    host_step_s: float  # host optimizer step of its weights, on one rank while the node's
+    # other ranks step theirs ([Note: a node's ranks share its host])
     device_step_s: float  # device optimizer step of its weights
     allreduce_s: float  # ring all-reduce of its gradients (0 on one rank)
     reduce_scatter_s: float = 0.0  # ring reduce-scatter of its gradients (sharded host state)
@@ -123,7 +126,7 @@ class Problem:
     # the CPU backend's process outside its tensors, in every stage (calibrate/in_context.py, [Note:
     # the process's own memory]); 0 on a GPU, whose measure is its allocator's
     process_bytes: int = 0
-    nproc_per_node: int = 1  # ranks per node
+    nproc_per_node: int = 1  # ranks per node, which share its host (blocks' times are a rank's)
     host_state: str = "replicated"  # or "sharded": see karma/schedule.py's docstring
 
     def __post_init__(self) -> None:
@@ -219,7 +222,8 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
     2 and 2). measured: times (and the process's own memory) measured on this machine,
     replacing the roofline's: each block's forward and backward, its optimizer step's on the
     device and on the host (else from the profile's rates), and the loss's (else three passes
-    over what it saves at the memory bandwidth). nproc_per_node, host_state: Problem's;
+    over what it saves at the memory bandwidth); one process's, which the node's ranks share
+    ([Note: a node's ranks share its host]). nproc_per_node, host_state: Problem's;
     host_mem_bytes: the node's host memory, instead of the profile's (its pinned share
     scaled alike).
     """
@@ -234,20 +238,23 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
     for e in graph.edges:
         in_bytes[e.dst] += e.bytes
     shared_saved, shared_made, held_in, held = _shared_saved(graph)
+    share = RankShare.of(hw, nproc_per_node)
     blocks = tuple(
-        replace(_block_cost(b, i, shared_saved[i], hw, dtype, world_size, optimizer, measured),
+        replace(_block_cost(b, i, shared_saved[i], hw, dtype, world_size, optimizer, measured,
+                            share),
                 in_bytes=in_bytes[i], shared_made_bytes=shared_made[i],
                 held_in_bytes=held_in[i])
         for i, b in enumerate(graph.blocks))
     loss_act_bytes = graph.loss_act_bytes
+    loss_s = (measured.loss_s if measured.loss_s is not None
+              else 3 * loss_act_bytes / hw.mem_bytes_per_s)
     return Problem(
         blocks=blocks,
         h2d_bytes_per_s=hw.h2d_bytes_per_s,
         d2h_bytes_per_s=hw.d2h_bytes_per_s,
         input_bytes=graph.input_bytes,
         loss_act_bytes=loss_act_bytes,
-        loss_s=(measured.loss_s if measured.loss_s is not None
-                else 3 * loss_act_bytes / hw.mem_bytes_per_s),
+        loss_s=loss_s * share.compute,
         host_mem_bytes=host_mem_bytes or hw.host_mem_bytes,
         pinned_mem_bytes=(hw.pinned_mem_bytes if host_mem_bytes is None else
                           host_mem_bytes * hw.pinned_mem_bytes // hw.host_mem_bytes),
@@ -284,9 +291,53 @@ def _shared_saved(graph: BlockGraph) -> tuple[list[int], list[int], list[int],
     return shared_saved, shared_made, held_in, held
 
 
+@dataclass(frozen=True)
+class RankShare:
+    """How many times longer a rank's work takes than one process's alone on the node.
+
+    [Note: a node's ranks share its host] Times are measured (or estimated from the
+    profile's rates) for one process that has the node to itself, but the ranks of a node
+    run at once on its host. Their host optimizers step the same blocks at the same time
+    (each as its gradients arrive) on the same cores and memory, and a host AdamW step is
+    bound by memory bandwidth (about 28 bytes a parameter), which they divide: a rank's host
+    step takes k times one process's, k the ranks per node (the profiles' host optimizer
+    rates are a node's host). Sharded, a rank steps 1/N of each weight (lowering.py), so one
+    node of N ranks steps its blocks in one process's time.
+    On the CPU backend the "devices" are the same cores too. torchrun gives each of the k
+    ranks OMP_NUM_THREADS=1 where calibration timed the blocks on every core, so the
+    forwards, backwards, the loss and device steps take k times as long as well: the node's
+    cores divided among its ranks. Measured on the 2-core machine, an 8-layer GPT (width 512,
+    sequence 256, vocabulary 8192, batch 8), its keep_all schedule in karma-run, medians of
+    steps 2-6: 2.36 s a step on 2 threads alone; 4.42-4.43 s on 1 thread alone (1.88x);
+    4.47-4.53 s on 1 thread in each of two processes at once (1.90-1.92x), which is what two
+    ranks are (they share the memory bandwidth too). k (2x) is 4-5% above that, where the
+    same plan at 1 rank is 7% above its own measure; timing the blocks again in context on a
+    rank's thread count would come within 2%, but costs a second calibration (a minute on
+    that GPT) for every number of ranks a node, and k holds for the roofline estimate too
+    (the cpu profile's rates are every core's). Its 600 MiB plan on 2 ranks, sharded:
+    predicted 5.24 s, measured 5.01-5.05 s (2.70 s predicted without the share). The factor
+    assumes a rank has cores/k threads: torchrun gives every rank one, which on a machine of
+    more cores than ranks wants OMP_NUM_THREADS = cores / k. On a GPU the devices are the
+    rank's own: only the host step is shared.
+    """
+
+    compute: int  # the device's work (forward, backward, loss, device step): k on the CPU
+    host: int  # a host optimizer step: k
+
+    @classmethod
+    def of(cls, hw: Hardware, nproc_per_node: int) -> RankShare:
+        """The share of a rank of a node of `hw` with `nproc_per_node` ranks."""
+        return cls(nproc_per_node if hw.device_kind == "cpu" else 1, nproc_per_node)
+
+
+ALONE = RankShare(1, 1)  # one rank a node: the node to itself
+
+
 def _block_cost(b: Block, i: int, shared_saved_bytes: int, hw: Hardware, dtype: str,
-                world_size: int, optimizer: OptimizerProfile, measured: Measurements) -> BlockCost:
-    """Block i's costs, but for the bytes it takes in from other blocks (build_problem's)."""
+                world_size: int, optimizer: OptimizerProfile, measured: Measurements,
+                share: RankShare = ALONE) -> BlockCost:
+    """Block i's costs, but for the bytes it takes in from other blocks (build_problem's), on
+    one rank of a node that `share` says how its ranks share."""
     traffic = b.act_bytes + shared_saved_bytes + b.out_bytes + b.param_bytes
     if measured.block_s is not None:
         fwd_s, bwd_s = measured.block_s[i]
@@ -299,6 +350,8 @@ def _block_cost(b: Block, i: int, shared_saved_bytes: int, hw: Hardware, dtype: 
     else:
         device_step_s = DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s
         host_step_s = b.param_bytes / hw.host_optim_bytes_per_s
+    fwd_s, bwd_s, device_step_s = (t * share.compute for t in (fwd_s, bwd_s, device_step_s))
+    host_step_s *= share.host
     net = (b.param_bytes, world_size, hw.net_bytes_per_s, hw.net_latency_s)
     return BlockCost(
         name=b.name, fwd_s=fwd_s, bwd_s=bwd_s, param_bytes=b.param_bytes,
