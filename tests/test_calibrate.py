@@ -195,13 +195,17 @@ def test_a_keep_all_step_too_big_for_memory_times_the_blocks_alone(own_cache, mo
 
 @pytest.mark.slow
 def test_measured_steps_replace_the_estimate_in_the_plan(own_cache):
+    """Device steps from the blocks' timing, host steps as the host stream runs them
+    (calibrate/host_step.py), each from its own cache file."""
     with environment(TINY):
         report = planned(BUDGET, "cpu", log=lambda note: None)
         (blocks,) = own_cache.glob("blocks-*.json")
+        (host,) = own_cache.glob("host-steps-*.json")
     steps = json.loads(blocks.read_text())["step_s"]
+    host_s = json.loads(host.read_text())["host_step_s"]
     assert [(b.device_step_s, b.host_step_s) for b in report.problem.blocks] == \
-        [tuple(s) for s in steps]
-    assert any(d > 0 for d, _ in steps)
+        [(d, h) for (d, _), h in zip(steps, host_s, strict=True)]
+    assert any(d > 0 for d, _ in steps) and any(h > 0 for h in host_s)
 
 
 @pytest.mark.slow
@@ -252,7 +256,8 @@ def test_plan_for_cpu_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert "(cached in " in again.block_times
     assert sum(n.startswith("measuring this machine") for n in notes) == 1
     assert sum(n.startswith("timing the blocks") for n in notes) == 1  # the second: cached
-    assert sorted(p.name.split("-")[0] for p in cache.glob("*.json")) == ["blocks", "machine"]
+    assert sorted(p.name.rsplit("-", 1)[0] for p in cache.glob("*.json")) == [
+        "blocks", "host-steps", "machine"]
     assert first.problem.blocks == again.problem.blocks
     assert first.schedule.predicted.calibration == "measured"
     first.schedule.save(tmp_path / "s.yaml")
