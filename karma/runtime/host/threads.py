@@ -12,10 +12,11 @@ cores are oversubscribed whenever a host step runs beside compute, and a team me
 loses its core stalls the whole team at the next barrier. libgomp also spins less between
 regions once there are more team threads than cores (its throttled spin count), which slows
 a kernel of many small regions such as the fused optimizer's. Measured on the 2-core test
-machine (bench/RESULTS.md, "The host optimizer"): an offload_all GPT's host steps beside
-its backward ran at 1.8-2.0 GB/s of fp32 parameters with two threads and 3.5-3.7 GB/s with
-one, and those with no compute beside them were no slower with one (5.2-5.7 against
-4.9-5.1 GB/s): so the host stream takes half the cores on the CPU backend (one on two).
+machine (bench/RESULTS.md, "The host optimizer"), an offload_all GPT's host steps all
+together ran at 2.0-2.2 GB/s of fp32 parameters with two threads and 3.2-3.9 GB/s with one,
+those with no compute beside them at 4.7-6.2 and 5.4-5.5, and the steps took as long (3.10-
+3.22 s and 3.09-3.25 s): so the host stream takes half the cores on the CPU backend (one on
+two).
 On CUDA the compute thread only launches kernels: the host stream takes every core but the
 compute thread's (not yet measured on a GPU host).
 """
