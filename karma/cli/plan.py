@@ -59,8 +59,9 @@ def _hardware_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-optimizer", choices=HOST_OPTIMIZERS, default="fused",
                    help="the kernel of blocks stepped on the host: fused (default), torch's "
                         "fused CPU kernel where the model file's optimizer (Adam, AdamW, SGD, "
-                        "Adagrad) asks for none, about 6x its default on the CPU and equal to "
-                        "it within an ulp per step; as-given, the model file's optimizer "
+                        "Adagrad) asks for none: several times faster than its default for "
+                        "CPU tensors, and not bitwise equal to it (an ulp here and there, "
+                        "carried on by training); as-given, the model file's optimizer "
                         "exactly as it is made, bitwise the plain loop")
     measure = p.add_mutually_exclusive_group()
     measure.add_argument("--no-measure", dest="measure", action="store_const",
