@@ -1,7 +1,7 @@
 """The plain PyTorch training loop that karma must equal, as a command.
 
     python -m karma.reference examples/gpt.py --batch-size 2 --steps 5 [--seed 0]
-        [--world-size N] [--device cuda [--cap-device-memory SIZE]]
+        [--world-size N] [--device cuda [--cap-device-memory SIZE]] [--schedule FILE]
 
 Prints one JSON line: the losses (rank 0's with --world-size N), and the peak private memory
 above the process's baseline before the model was built (on CUDA, also the peak device
@@ -310,6 +310,18 @@ class HostStepped:
             m.grad = None
 
 
+def host_stepped(schedule) -> dict:
+    """train_reference's host_params, host_optimizer and host_shards for a schedule (a
+    karma.schedule.Schedule): the parameters of its host-stepped blocks, its host kernel and
+    how its host state is cut; {} for None (the plain loop)."""
+    if schedule is None:
+        return {}
+    return {"host_params": tuple(n for b in schedule.blocks if b.optim == "host"
+                                 for n in b.params),
+            "host_optimizer": schedule.config.host_optimizer,
+            "host_shards": schedule.config.world_size if schedule.config.sharded else 1}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -322,6 +334,9 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=DTYPES)
     p.add_argument("--accumulate", type=int, default=1, metavar="N")
     p.add_argument("--clip-grad-norm", type=float, default=None, metavar="X")
+    p.add_argument("--schedule", default=None, metavar="FILE",
+                   help="step the parameters of this schedule's host-stepped blocks with its "
+                        "host optimizer kernel, as karma-run does (default: the plain loop)")
     p.add_argument("--cap-device-memory", default=None, metavar="SIZE",
                    help="on CUDA: emulate a GPU of SIZE, as karma-run --cap-device-memory does")
     args = p.parse_args()
@@ -331,6 +346,11 @@ def main() -> None:
 
         cap_device_memory(parse_size(args.cap_device_memory, "--cap-device-memory"))
     mf = load_model_file(args.model)
+    host = {}
+    if args.schedule is not None:
+        from karma.schedule_load import load_schedule
+
+        host = host_stepped(load_schedule(args.schedule))
     mf.make_optimizer([torch.nn.Parameter(torch.zeros(1))])  # import-time costs, as karma-run
     baseline, baseline_data = private_bytes(), data_bytes()
     meter = PrivatePeak(baseline)  # as karma-run measures its peak (runtime/host/peak.py)
@@ -340,7 +360,8 @@ def main() -> None:
         run = train_reference(mf, args.batch_size, args.steps, args.seed, args.world_size,
                               on_step=lambda: stamps.append(time.perf_counter()),
                               device=args.device, dtype=args.dtype,
-                              accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm)
+                              accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
+                              **host)
         peak = meter.stop()
     finally:
         meter.close()

@@ -6,6 +6,10 @@ the choice kept through LR schedules, checkpoints and resumes."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -25,6 +29,7 @@ from karma.runtime.params.host_optimizer import (
 )
 from karma.runtime.runtime import Runtime
 from karma.testing.exactness import assert_bitwise_equal, block_graph, plan, run
+from tests.conftest import ROOT
 from tests.runtime_helpers import load_small
 
 
@@ -161,3 +166,19 @@ def test_a_resumed_run_keeps_its_kernel(tmp_path):
     with Runtime(schedule, model_file=mf, log=lambda line: None) as rt:
         rt.load_state_dict(state)
         assert all(is_fused(opt) for opt in rt.parts.host_optimizers)
+
+
+def test_the_reference_command_steps_a_schedules_host_blocks_as_karma_does(tmp_path):
+    """`python -m karma.reference MODEL --schedule FILE` is the loop a run of FILE equals."""
+    mf = load_small("mlp")
+    schedule = plan(mf, "offload_all")
+    path = tmp_path / "s.yaml"
+    schedule.save(path)
+    report = run(schedule, mf, 2)
+    env = {**os.environ, **dict(schedule.model.env), "OMP_NUM_THREADS": "2"}
+    ran = subprocess.run(
+        [sys.executable, "-m", "karma.reference", str(mf.path), "--batch-size",
+         str(schedule.config.batch_size), "--steps", "2", "--schedule", str(path)],
+        capture_output=True, text=True, env=env, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert json.loads(ran.stdout.strip().splitlines()[-1])["losses"] == report.losses

@@ -29,7 +29,7 @@ from karma.planner.options import PlanOptions
 from karma.planner.pipeline import make_schedule
 from karma.planner.plan import evaluate
 from karma.planner.problem import build_problem
-from karma.reference import train_reference
+from karma.reference import host_stepped, train_reference
 from karma.runtime.loop import RunOptions, RunReport, train
 from karma.schedule import ModelRef, Schedule
 from karma.schedule import model_env as schedule_model_env
@@ -98,18 +98,6 @@ def reference_train(mf: ModelFile, batch_size: int, steps: int, seed: int = 0,
     ref = train_reference(mf, batch_size, steps, seed, world_size,
                           **host_stepped(schedule), **training)
     return {k: v.detach().clone() for k, v in ref.model.state_dict().items()}, ref.losses
-
-
-def host_stepped(schedule: Schedule | None) -> dict:
-    """train_reference's host_params, host_optimizer and host_shards for `schedule`: the
-    parameters of its host-stepped blocks, its host kernel and how its host state is cut
-    (none without a schedule)."""
-    if schedule is None:
-        return {}
-    return {"host_params": tuple(n for b in schedule.blocks if b.optim == "host"
-                                 for n in b.params),
-            "host_optimizer": schedule.config.host_optimizer,
-            "host_shards": schedule.config.world_size if schedule.config.sharded else 1}
 
 
 def keep_all_peak_bytes(mf: ModelFile, graph: BlockGraph | None = None,
