@@ -124,7 +124,7 @@ def calibrate(mf: ModelFile, graph: BlockGraph, options: PlanOptions, planning: 
         timed, path, now = _block_times(
             mf, graph, planning, device, options.blocks, say,
             in_context_hw=hw if device == "cpu" and options.blocks is None else None,
-            remeasure=fresh)
+            remeasure=fresh, host_optimizer=options.host_optimizer)
     except KarmaError as e:
         if fresh:  # asked for: the error is the answer
             raise
@@ -150,13 +150,15 @@ def with_host_steps(timed: Timed, host_s: Sequence[float]) -> Timed:
 
 def _block_times(mf: ModelFile, graph: BlockGraph, planning: FromPlanning, device: str,
                  blocks_regex: str | None, say: Callable[[str], None],
-                 in_context_hw: Hardware | None = None, remeasure: bool = False
-                 ) -> tuple[Timed, Path, bool]:
+                 in_context_hw: Hardware | None = None, remeasure: bool = False,
+                 host_optimizer: str = "fused") -> tuple[Timed, Path, bool]:
     """Every block's (fwd s, bwd s) at the graph's batch and (device s, host s) of its
     optimizer step, where they were timed, and whether now (else from the cache). With
     `in_context_hw` (this machine's CPU profile), in a whole training step if one fits
-    ([Note: block times in context]), else block by block."""
-    key = blocks_key(mf, graph, device, blocks_regex, in_context_hw is not None)
+    ([Note: block times in context]), else block by block. `host_optimizer`: the host
+    kernel, whose steps the out-of-core probe's side streams are fitted beside."""
+    key = {**blocks_key(mf, graph, device, blocks_regex, in_context_hw is not None),
+           "host_optimizer": host_optimizer}
     path = cache_path("blocks", key)
     cached = None if remeasure else read_times(path, len(graph.blocks))
     if cached is not None:
