@@ -24,7 +24,7 @@ from karma.modelfile import ModelFile, load_model_file, map_targets
 from karma.runtime.distributed.cut import Cut, rows_of
 from karma.runtime.host.peak import PrivatePeak
 from karma.runtime.host.tier import data_bytes, private_bytes
-from karma.runtime.params.host_optimizer import IMPLEMENTATION_KEYS, host_make_optimizer
+from karma.runtime.params.host_optimizer import host_make_optimizer, hyperparameters
 from karma.schedule import DTYPES
 
 
@@ -294,8 +294,7 @@ class HostStepped:
     @torch.no_grad()
     def step(self, driver: torch.optim.Optimizer) -> None:
         for group, source in zip(self.optimizer.param_groups, driver.param_groups):
-            group.update({k: v for k, v in source.items()
-                          if k != "params" and k not in IMPLEMENTATION_KEYS})
+            group.update(hyperparameters(source))
         for m, cuts, parts in zip(self.masters, self._cuts, self._parts):
             for c, q in zip(cuts, parts):
                 if q is not m:

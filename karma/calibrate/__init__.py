@@ -156,9 +156,9 @@ def _block_times(mf: ModelFile, graph: BlockGraph, planning: FromPlanning, devic
     optimizer step, where they were timed, and whether now (else from the cache). With
     `in_context_hw` (this machine's CPU profile), in a whole training step if one fits
     ([Note: block times in context]), else block by block. `host_optimizer`: the host
-    kernel, whose steps the out-of-core probe's side streams are fitted beside."""
-    key = {**blocks_key(mf, graph, device, blocks_regex, in_context_hw is not None),
-           "host_optimizer": host_optimizer}
+    kernel (blocks_key)."""
+    key = blocks_key(mf, graph, device, blocks_regex, in_context_hw is not None,
+                     host_optimizer)
     path = cache_path("blocks", key)
     cached = None if remeasure else read_times(path, len(graph.blocks))
     if cached is not None:

@@ -59,8 +59,9 @@ class Timed:
 
 
 def blocks_key(mf: ModelFile, graph: BlockGraph, device: str, blocks_regex: str | None,
-               in_context: bool) -> dict:
-    """Everything a model's block times depend on."""
+               in_context: bool, host_optimizer: str = "fused") -> dict:
+    """Everything a model's block times depend on (`host_optimizer`: the host kernel, whose
+    steps a probe's side streams are fitted beside)."""
     return {
         "machine": machine_key(device),
         "model_sha256": mf.sha256,
@@ -70,6 +71,7 @@ def blocks_key(mf: ModelFile, graph: BlockGraph, device: str, blocks_regex: str 
         "dtype": graph.dtype,
         "blocks": blocks_regex,
         "in_context": in_context,
+        "host_optimizer": host_optimizer,
     }
 
 

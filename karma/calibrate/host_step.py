@@ -10,7 +10,7 @@ mapping as the CPU backend's tier holds them. Timing the model file's optimizer 
 thread instead (what the CPU's in-context steps measure: its device step) put an
 offload_all GPT's host steps at the single-tensor AdamW's 1-2 GB/s where the fused kernel on
 the host stream runs at 5-6. So each distinct block (by its parameters' shapes) is stepped
-here that way: one step that makes the state, then the median of `repeats`. The copies
+here that way: one step that makes the state, then the median of REPEATS. The copies
 beside it are the simulator's contention fractions, not timed here.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
@@ -27,11 +26,11 @@ import torch
 
 from karma.calibrate.cache import cache_path, read, write
 from karma.calibrate.machine import machine_key
-from karma.errors import KarmaError
+from karma.calibrate.measure_hw import on_worker
 from karma.ir.graph import BlockGraph
 from karma.ir.trace import build_meta
 from karma.modelfile import ModelFile
-from karma.runtime.host.threads import host_stream_threads, use_threads_here
+from karma.runtime.host.threads import host_stream_threads
 from karma.runtime.params.host_optimizer import host_make_optimizer
 from karma.storage import tier_directory
 
@@ -55,7 +54,7 @@ def host_step_times(mf: ModelFile, graph: BlockGraph, choice: str, device: str,
     timed: dict[Shapes, float] = {}
     for s in shapes:
         if s not in timed:
-            timed[s] = _on_host_stream(lambda s=s: _step_seconds(s, make), threads)
+            timed[s] = on_worker(lambda s=s: _step_seconds(s, make), threads)
     seconds = [timed[s] for s in shapes]
     say(f"timed the host optimizer's step ({choice}, {threads} thread(s)) of "
         f"{len(timed)} distinct block(s): {sum(seconds) * 1e3:.1f} ms a step in all")
@@ -97,23 +96,3 @@ def _step_seconds(shapes: Shapes, make_optimizer: Callable) -> float:
             seconds.append(time.perf_counter() - t0)
         del optimizer, masters, parts, mapping  # the mapping goes before its file
         return statistics.median(seconds)
-
-
-def _on_host_stream(fn: Callable[[], float], threads: int) -> float:
-    """`fn()` on a thread of its own with `threads` intra-op threads, as the host stream."""
-    out: list[float] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        use_threads_here(threads)
-        try:
-            out.append(fn())
-        except BaseException as e:  # noqa: BLE001 - raised on the calling thread
-            errors.append(e)
-
-    worker = threading.Thread(target=run, name="karma-calibrate-host")
-    worker.start()
-    worker.join()
-    if errors:
-        raise KarmaError(f"timing the host optimizer's step failed: {errors[0]}") from errors[0]
-    return out[0]

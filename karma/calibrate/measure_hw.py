@@ -237,19 +237,31 @@ def _file_copy_bytes_per_s(path: str, nbytes: int, repeats: int) -> tuple[float,
     tier = torch.from_file(path, shared=True, size=nbytes // 4, dtype=torch.float32)
     ram = torch.ones(nbytes // 4, dtype=torch.float32)
     cpu = torch.device("cpu")
-    to_ram = nbytes / _on_worker(lambda: _median_seconds(lambda: ram.copy_(tier), cpu, repeats))
-    to_file = nbytes / _on_worker(lambda: _median_seconds(lambda: tier.copy_(ram), cpu, repeats))
+    to_ram = nbytes / on_worker(lambda: _median_seconds(lambda: ram.copy_(tier), cpu, repeats))
+    to_file = nbytes / on_worker(lambda: _median_seconds(lambda: tier.copy_(ram), cpu, repeats))
     return to_ram, to_file
 
 
-def _on_worker(fn: Callable[[], float]) -> float:
-    """`fn()` run on a thread of its own, as a stream's worker runs its ops."""
+def on_worker(fn: Callable[[], float], threads: int | None = None) -> float:
+    """`fn()` run on a thread of its own, as a stream's worker runs its ops; with `threads`,
+    that thread's kernels get that many intra-op threads (runtime/host/threads.py). A
+    failure is raised here, on the calling thread."""
     out: list[float] = []
-    thread = threading.Thread(target=lambda: out.append(fn()), name="karma-profile-copy")
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        if threads is not None:
+            use_threads_here(threads)
+        try:
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001 - raised on the calling thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="karma-profile-worker")
     thread.start()
     thread.join()
-    if not out:
-        raise KarmaError("timing a copy on a worker thread failed")
+    if errors:
+        raise KarmaError(f"timing on a worker thread failed: {errors[0]}") from errors[0]
     return out[0]
 
 
@@ -265,13 +277,9 @@ def _host_optim_bytes_per_s(numel: int, repeats: int, device: str) -> float:
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer = torch.optim.AdamW(params, lr=1e-3, fused=True)
-    threads = host_stream_threads(device)
-
-    def timed() -> float:
-        use_threads_here(threads)
-        return _median_seconds(optimizer.step, torch.device("cpu"), repeats)
-
-    return 4 * (numel // 8) * 8 / _on_worker(timed)
+    seconds = on_worker(lambda: _median_seconds(optimizer.step, torch.device("cpu"), repeats),
+                        host_stream_threads(device))
+    return 4 * (numel // 8) * 8 / seconds
 
 
 def _contention(nbytes: int, layers: int, repeats: int) -> dict[str, float]:

@@ -32,7 +32,7 @@ from karma.fileio import replaced_atomically
 from karma.runtime.checkpoints import dcp_state
 from karma.runtime.distributed import process_group
 from karma.runtime.distributed.process_group import SINGLE, Ranks
-from karma.runtime.params.host_optimizer import IMPLEMENTATION_KEYS
+from karma.runtime.params.host_optimizer import hyperparameters
 from karma.storage import NO_ROOM, write_failure
 
 FORMAT = "karma-checkpoint-2"
@@ -300,7 +300,7 @@ def load_checkpoint(path: Path, model, engine, lr_schedule=None, ranks: Ranks = 
         if w.optimizer is not None and groups is not None:
             for group, saved in zip(w.optimizer.param_groups, groups):
                 # the hyperparameters; the kernel stays this run's (host_optimizer.py)
-                group.update({k: v for k, v in saved.items() if k not in IMPLEMENTATION_KEYS})
+                group.update(hyperparameters(saved))
     _load_lr_and_rng(extras, lr_schedule, where)
     return int(meta["step"])
 

@@ -24,7 +24,7 @@ for fp32), and training carries the difference on (bench/fused_vs_plain.py). So:
 karma.reference steps the parameters of host-stepped blocks with the same kernel, so every
 exactness check compares like with like (reference.py, HostStepped). An LR schedule's copy
 (lr.py) and a restored state_dict (weights.py) carry param-group values and would carry
-`fused`/`foreach` with them: IMPLEMENTATION_KEYS are never copied, and a restore keeps them.
+`fused`/`foreach` with them: they copy only `hyperparameters`, and a restore keeps them.
 """
 
 from __future__ import annotations
@@ -96,6 +96,12 @@ def can_fuse(opt: torch.optim.Optimizer) -> bool:
 def is_fused(opt: torch.optim.Optimizer) -> bool:
     """Whether `opt` steps through a fused kernel."""
     return any(g.get("fused") for g in opt.param_groups)
+
+
+def hyperparameters(group: dict) -> dict:
+    """A param group's values that carry over to another optimizer's group (an LR
+    schedule's copy, a checkpoint's restore): all but its params and IMPLEMENTATION_KEYS."""
+    return {k: v for k, v in group.items() if k != "params" and k not in IMPLEMENTATION_KEYS}
 
 
 def keep_implementation(opt: torch.optim.Optimizer, restore: Callable[[], None]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from karma.errors import KarmaError, ModelFileError
-from karma.runtime.params.host_optimizer import IMPLEMENTATION_KEYS
+from karma.runtime.params.host_optimizer import hyperparameters
 
 
 class LRSchedule:
@@ -109,9 +109,7 @@ class LRSchedule:
         for k, source in enumerate(groups or self.driver.param_groups):
             for opt in optimizers:
                 target = opt.param_groups[k]
-                for key, value in source.items():
-                    if key == "params" or key in IMPLEMENTATION_KEYS:
-                        continue  # each block keeps its own kernel (host_optimizer.py)
+                for key, value in hyperparameters(source).items():  # not the kernel
                     if isinstance(value, torch.Tensor) and isinstance(target.get(key),
                                                                       torch.Tensor):
                         target[key].copy_(value)  # a tensor lr stays the block's own tensor
