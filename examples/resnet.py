@@ -1,4 +1,4 @@
-"""ResNet-50 / ResNet-152 (and a tiny variant for CPU tests) as a karma model file.
+"""ResNet-50 / ResNet-152 / ResNet-200 (and a tiny variant for CPU tests) as a karma model file.
 
 Plain PyTorch, no torchvision: the standard architecture (He et al., 2015) with Bottleneck
 blocks and BatchNorm. The depth and image size come from environment variables:
@@ -22,12 +22,13 @@ _VARIANTS = {
     # name: (blocks per stage, base width, default image size, classes, batch size)
     "50": ([3, 4, 6, 3], 64, 224, 1000, 32),
     "152": ([3, 8, 36, 3], 64, 224, 1000, 32),
+    "200": ([3, 24, 36, 3], 64, 224, 1000, 32),
     "tiny": ([2, 2, 2, 2], 8, 32, 10, 8),
 }
 
 VARIANT = os.environ.get("KARMA_RESNET", "50")
 if VARIANT not in _VARIANTS:
-    raise ValueError(f"KARMA_RESNET={VARIANT!r} is not a known variant; use one of 50, 152, tiny")
+    raise ValueError(f"KARMA_RESNET={VARIANT!r} is not a known variant; use one of 50, 152, 200, tiny")
 LAYERS, WIDTH, _DEFAULT_IMAGE, NUM_CLASSES, BATCH_SIZE = _VARIANTS[VARIANT]
 IMAGE_SIZE = int(os.environ.get("KARMA_RESNET_IMAGE", _DEFAULT_IMAGE))
 

@@ -104,7 +104,25 @@ EXCHANGE_KINDS = ("allreduce", "reduce_scatter")  # a block's gradients averaged
 OPTIMIZER_STEP_KINDS = ("device_step", "host_step")
 
 # a block's decisions (BlockEntry.act, .weights, .optim)
-ACT_CHOICES = ("keep", "swap", "recompute")
+ACT_CHOICES = ("keep", "swap", "recompute", "selective")
+# [Note: selective recompute] A selective block runs its forward under non-reentrant
+# checkpointing with a per-op policy (torch.utils.checkpoint's selective contexts): the
+# outputs of the ops its policy names are kept from the forward to the backward, every
+# other op runs again in the recompute. One policy so far, BlockEntry.policy's value:
+#   save-matmuls: keep what matmuls, convolutions and attention return (nearly all the
+#   FLOPs), recompute normalizations, activations, dropout, residual adds and casts (often
+#   most of the bytes), as torchtitan's op-level selective checkpointing does.
+# The names are ATen operator packets (OpOverloadPacket.__name__), every overload included.
+SELECTIVE_POLICIES: dict[str, frozenset[str]] = {
+    "save-matmuls": frozenset({
+        "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "convolution",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward", "_efficient_attention_forward",
+    }),
+}
+SELECTIVE_POLICY = "save-matmuls"  # the policy the planner chooses
+RECOMPUTE_ACTS = ("recompute", "selective")  # the acts whose backward a recompute precedes
 WEIGHT_CHOICES = ("resident", "streamed")
 OPTIM_CHOICES = ("device", "host")
 DTYPES = ("fp32", "bf16")  # config.dtype: fp32, or bf16 mixed precision
@@ -309,11 +327,12 @@ class BlockEntry:
     modules: tuple[str, ...]
     params: tuple[str, ...]  # parameters it owns
     shared_params: tuple[str, ...]  # parameters it uses that an earlier block owns
-    act: str  # keep | swap | recompute
+    act: str  # keep | swap | recompute | selective
     weights: str  # resident | streamed
     optim: str  # device | host
     param_bytes: int
     act_bytes: int
+    policy: str = ""  # a selective block's policy (SELECTIVE_POLICIES); "" for the others
 
 
 @dataclass(frozen=True)
@@ -414,11 +433,13 @@ def _section(key: str, entries: tuple, comment: str) -> list[str]:
 
 
 def _block_lines(blocks: tuple[BlockEntry, ...]) -> list[str]:
-    lines = _section("blocks", blocks, "each block's decisions (act: keep | swap | recompute; "
-                     "weights: resident | streamed; optim: device | host)")
+    lines = _section("blocks", blocks, "each block's decisions (act: keep | swap | recompute | "
+                     "selective, with its policy; weights: resident | streamed; optim: device "
+                     "| host)")
     for b in blocks:
+        policy = f"policy: {yaml_str(b.policy)}, " if b.policy else ""
         lines.append(f"  - {{index: {yaml_int(b.index)}, name: {yaml_str(b.name)}, "
-                     f"act: {yaml_str(b.act)}, weights: {yaml_str(b.weights)}, "
+                     f"act: {yaml_str(b.act)}, {policy}weights: {yaml_str(b.weights)}, "
                      f"optim: {yaml_str(b.optim)}, param_bytes: {yaml_int(b.param_bytes)}, "
                      f"act_bytes: {yaml_int(b.act_bytes)},")
         lines += wrapped_list("     modules: ", b.modules, ",")

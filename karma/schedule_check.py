@@ -46,6 +46,8 @@ from karma.schedule import (
     GRAD_KINDS,
     OP_KINDS,
     OPTIMIZER_STEP_KINDS,
+    RECOMPUTE_ACTS,
+    SELECTIVE_POLICY,
     STREAM_OF_KIND,
     BlockEntry,
     Op,
@@ -183,6 +185,12 @@ class _Checker:
                               f"{b.optim} (rule: decisions: streamed weights are stepped on "
                               f"the host, where they live); set blocks[{b.index}].optim to "
                               f"host, {_FIX}")
+            if bool(b.policy) != (b.act == "selective"):
+                fix = (f"add policy: {SELECTIVE_POLICY}" if b.act == "selective"
+                       else "remove its policy")
+                raise _Broken(f"{self.block(b.index)} has act: {b.act} and policy: "
+                              f"{b.policy or 'none'} (rule: decisions: a block has a policy "
+                              f"if and only if its act is selective); {fix}, {_FIX}")
 
     def streams(self) -> None:
         for op in self.s.ops:
@@ -223,9 +231,9 @@ class _Checker:
         if kind == "loss":
             return int(i == self.n - 1), "one loss, after the last block's forward"
         if kind == "recompute":
-            return int(b.act == "recompute"), (
-                f"{key}.act is {b.act}, and a block recomputes once if its act is recompute, "
-                "never otherwise")
+            return int(b.act in RECOMPUTE_ACTS), (
+                f"{key}.act is {b.act}, and a block recomputes once if its act is recompute "
+                "or selective, never otherwise")
         if kind in ("swap_out", "swap_in"):
             return int(b.act == "swap"), (
                 f"{key}.act is {b.act}, and a block is swapped out and in once if its act is "
@@ -309,7 +317,7 @@ class _Checker:
         block's backward (checked with the dependencies)."""
         want = [("forward", i) for i in range(self.n)] + [("loss", self.n - 1)]
         for i in reversed(range(self.n)):
-            if self.s.blocks[i].act == "recompute":
+            if self.s.blocks[i].act in RECOMPUTE_ACTS:
                 want.append(("recompute", i))
             want.append(("backward", i))
         ran = [op for op in self.s.ops if op.stream == "compute" and op.kind != "device_step"]

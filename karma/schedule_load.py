@@ -26,6 +26,7 @@ from karma.schedule import (
     OPTIM_CHOICES,
     READABLE_VERSIONS,
     SCHEDULE_VERSION,
+    SELECTIVE_POLICIES,
     STATUSES,
     STREAMS,
     WEIGHT_CHOICES,
@@ -270,7 +271,8 @@ _BLOCK = _record(BlockEntry, {
     "weights": _text(WEIGHT_CHOICES, "a weights choice"),
     "optim": _text(OPTIM_CHOICES, "an optim choice"), "param_bytes": _COUNT,
     "act_bytes": _COUNT, "modules": _NAMES, "params": _NAMES, "shared_params": _NAMES,
-}, "a block")
+    "policy": _text(tuple(SELECTIVE_POLICIES), "a selective policy"),
+}, "a block", optional=("policy",))
 _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_schedule, **fields), {
     "karma_schedule": _COUNT,
     "model": _record(ModelRef, {

@@ -70,7 +70,7 @@ def valid_choices(problem: Problem, i: int) -> list[Choice]:
     """Choices block i may take: the last block cannot swap (its backward comes next); a
     block that copies nothing in has no prefetch distance to choose."""
     n = len(problem.blocks)
-    acts = ACT_CHOICES if i < n - 1 else ("keep", "recompute")
+    acts = ("keep", "swap", "recompute") if i < n - 1 else ("keep", "recompute")
     wo = [("resident", "device"), ("resident", "host"), ("streamed", "host")]
     out = []
     for a in acts:
