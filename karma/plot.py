@@ -348,4 +348,4 @@ def plot_sweep(points: list[dict], quantity: str, path: str | os.PathLike) -> No
 
 
 _STRATEGY_COLORS = {"keep_all": "#1f77b4", "recompute_all": "#9467bd", "swap_all": "#2ca02c",
-                    "offload_all": "#17becf", "greedy": "#ff7f0e"}
+                    "offload_all": "#17becf", "greedy": "#ff7f0e", "selective_all": "#c5b0d5"}

@@ -143,7 +143,8 @@ def is_sharded(host_state: str, world_size: int) -> bool:
 
 # --- buffer names ---------------------------------------------------------------------------
 # A buffer is named KIND.BLOCK[@WHERE]: act.3 (block 3's saved activations), act.3@in (swapped
-# in), act.3@re (recomputed), ckpt.3 (a recompute block's input), grad.3, opt.3 (device
+# in), act.3@re (recomputed), ckpt.3 (a recompute block's input), sac.3 (what a selective
+# block keeps: its policy's outputs), grad.3, opt.3 (device
 # optimizer state), steptmp.3 and hoststep.3 (an optimizer step's temporaries), artmp.3 (an
 # all-reduce's flat buffer), w.3 (resident weights) and the fetched weights below; `process`
 # (PROCESS_BUFFER). Only the weight buffers are read back: a fetch fills the one its `uses`

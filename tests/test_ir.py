@@ -98,7 +98,7 @@ def test_json_schema_and_stable_table(example):
     assert {"model", "batch_size", "total_param_bytes", "blocks", "edges"} <= set(doc)
     assert set(doc["blocks"][0]) == {"name", "modules", "param_bytes", "act_bytes", "out_bytes",
                                      "fwd_flops", "bwd_flops", "fwd_temp_bytes",
-                                     "bwd_temp_bytes"}
+                                     "bwd_temp_bytes", "selective"}
     assert set(doc["edges"][0]) == {"src", "dst", "bytes"}
     assert set(doc["shared_saved"][0]) == {"producer", "readers", "bytes"}
     assert doc["batch_size"] == 2

@@ -94,8 +94,8 @@ def _training_flags(p: argparse.ArgumentParser) -> None:
 
 def _solver_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="ilp",
-                   help="ilp (default) or a baseline: keep_all, recompute_all, swap_all, "
-                        "offload_all, greedy")
+                   help="ilp (default) or a baseline: keep_all, recompute_all, selective_all, "
+                        "swap_all, offload_all, greedy")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
                    help="ILP time limit in seconds (default 60)")
     p.add_argument("--gap", type=float, default=0.01,

@@ -46,7 +46,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from karma.ir.blocks import BlockSpec
 from karma.ir.compute import Compute
-from karma.ir.graph import SharedSaved
+from karma.ir.graph import Selective, SharedSaved
+from karma.schedule import SELECTIVE_POLICIES, SELECTIVE_POLICY
 
 aten = torch.ops.aten
 
@@ -59,6 +60,7 @@ class BlockFigures:
     bwd_flops: int
     fwd_temp_bytes: int  # peak of the forward's temporaries beyond what it saves and returns
     bwd_temp_bytes: int  # peak of the backward's beyond saved, outputs and weight gradients
+    selective: Selective | None = None  # None: its policy cannot run it (_PolicyOps)
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,13 @@ def measure_blocks(gm: torch.fx.GraphModule, specs: list[BlockSpec],
 
 def saved_bytes(fn, *args, skip: set[int] = frozenset()) -> tuple[object, int]:
     """Run fn(*args) with autograd; return its result and the bytes autograd saved for it."""
+    result, nbytes, _ = saved_storages(fn, *args, skip=skip)
+    return result, nbytes
+
+
+def saved_storages(fn, *args, skip: set[int] = frozenset()
+                   ) -> tuple[object, int, dict[int, int]]:
+    """saved_bytes's result and bytes, and the saved storages' bytes by their _cdata."""
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -108,7 +117,7 @@ def saved_bytes(fn, *args, skip: set[int] = frozenset()) -> tuple[object, int]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = fn(*args)
-    return result, sum(seen.values())
+    return result, sum(seen.values()), seen
 
 
 def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
@@ -121,8 +130,10 @@ def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
         for a, fb in zip(args, from_block)
     ]
     live = LiveBytes(known=[*fresh, *submod.parameters(), *submod.buffers()])
-    with compute.forward(), FlopCounterMode(display=False) as fwd_counter, live:
-        out, act_bytes = saved_bytes(submod, *fresh, skip=skip)
+    by_op = _PolicyOps(SELECTIVE_POLICIES[SELECTIVE_POLICY])
+    with compute.forward(), FlopCounterMode(display=False) as fwd_counter, live, by_op:
+        out, act_bytes, saved = saved_storages(submod, *fresh, skip=skip)
+    selective = by_op.figures(saved)
     fwd_peak, live.peak = live.peak, live.now
     outs = [o for o in _tensors(out)]
     out_bytes = sum({o.untyped_storage()._cdata: o.untyped_storage().nbytes() for o in outs}.values())
@@ -140,6 +151,7 @@ def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
         act_bytes, out_bytes, fwd_counter.get_total_flops(), bwd_counter.get_total_flops(),
         fwd_temp_bytes=max(0, fwd_peak - act_bytes - out_bytes),
         bwd_temp_bytes=max(0, live.peak - act_bytes - out_bytes - param_grad_bytes),
+        selective=selective,
     )
 
 
@@ -173,6 +185,75 @@ class LiveBytes(TorchDispatchMode):
 
     def _freed(self, nbytes: int, _ref) -> None:
         self.now -= nbytes
+
+
+class _PolicyOps(TorchDispatchMode):
+    """A block's forward, op by op, as a selective policy splits it: what the policy's ops
+    return (kept), what the others read and write (recomputed).
+
+    [Note: a block's saved bytes, op by op] Selective recompute keeps what the ops its
+    policy names return (the checkpoint's cache holds each output, whether autograd saves it
+    or not) and runs every other op again before the backward, which then makes again the
+    saved tensors that those ops made. So per block: the bytes the policy's ops return, each
+    storage once (kept from the forward to the backward, beside the block's inputs); of the
+    storages autograd saves, those the policy's ops made (the rest is what the recompute
+    makes again); and what the other ops read and write against what every op does, the
+    recompute's share of the forward's memory traffic for the roofline (views move no
+    bytes; the policy's ops carry the FLOPs). A block that changes a kept output in place
+    (an in-place activation on a matmul's result) cannot run under the policy: the
+    checkpoint refuses a cached tensor changed after it was cached.
+    """
+
+    def __init__(self, names: frozenset[str]):
+        super().__init__()
+        self.names = names
+        # the kept storages while they live (weakly: holding them would hold what the block
+        # frees), and their bytes each counted once when made
+        self.kept = WeakIdKeyDictionary()
+        self.kept_bytes = 0
+        self.changed = False  # a kept storage was written in place
+        self.traffic_bytes = 0  # every op's
+        self.recompute_traffic_bytes = 0  # of the ops the policy does not name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(v, torch.Tensor) and v.untyped_storage() in self.kept
+               for v in _written(func, args, kwargs)):
+            self.changed = True
+        out = func(*args, **kwargs)
+        kept = func.overloadpacket.__name__ in self.names
+        if kept:
+            for storage in _storages(out):
+                if storage not in self.kept:
+                    self.kept[storage] = None
+                    self.kept_bytes += storage.nbytes()
+        if not func.is_view:
+            nbytes = sum(t.numel() * t.element_size() for t in (*_tensors(args), *_tensors(out)))
+            self.traffic_bytes += nbytes
+            self.recompute_traffic_bytes += 0 if kept else nbytes
+        return out
+
+    def figures(self, saved: dict[int, int]) -> Selective | None:
+        """The block's figures, given the storages it saved (saved_storages's: alive, so
+        their _cdata are theirs); None where a kept output was written in place."""
+        if self.changed:
+            return None
+        kept = {storage._cdata for storage in self.kept.keys()}
+        return Selective(
+            kept_bytes=self.kept_bytes,
+            kept_saved_bytes=sum(nbytes for cdata, nbytes in saved.items() if cdata in kept),
+            recompute_traffic_bytes=self.recompute_traffic_bytes,
+            forward_traffic_bytes=self.traffic_bytes)
+
+
+def _written(func, args, kwargs) -> list:
+    """The arguments an op writes in place (its schema's mutable ones, out= included)."""
+    schema = func._schema
+    written = [a for a, spec in zip(args, schema.arguments)
+               if spec.alias_info is not None and spec.alias_info.is_write]
+    return written + [kwargs[spec.name] for spec in schema.arguments
+                      if spec.name in kwargs and spec.alias_info is not None
+                      and spec.alias_info.is_write]
 
 
 class _Probe(torch.fx.Interpreter):

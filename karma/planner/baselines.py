@@ -16,6 +16,7 @@ from karma.planner.problem import Problem
 KEEP = Choice("keep")
 SWAP = Choice("swap")
 RECOMPUTE = Choice("recompute")
+SELECTIVE = Choice("selective")
 
 
 def keep_all(problem: Problem, capacity_bytes: int,
@@ -28,6 +29,15 @@ def recompute_all(problem: Problem, capacity_bytes: int,
                   training: Training = PLAIN) -> Plan:
     """Checkpoint every block (torch.utils.checkpoint around each layer)."""
     return Plan("recompute_all", (RECOMPUTE,) * len(problem.blocks))
+
+
+def selective_all(problem: Problem, capacity_bytes: int,
+                  training: Training = PLAIN) -> Plan:
+    """Selective checkpointing of every block its policy can run (torchtitan's default,
+    op-level selective activation checkpointing: keep what matmuls return, recompute the
+    rest); the others recompute whole."""
+    return Plan("selective_all", tuple(SELECTIVE if b.selective is not None else RECOMPUTE
+                                       for b in problem.blocks))
 
 
 def swap_all(problem: Problem, capacity_bytes: int,
@@ -77,6 +87,7 @@ def greedy(problem: Problem, capacity_bytes: int,
 BASELINES: dict[str, Callable[[Problem, int, Training], Plan]] = {
     "keep_all": keep_all,
     "recompute_all": recompute_all,
+    "selective_all": selective_all,
     "swap_all": swap_all,
     "offload_all": offload_all,
     "greedy": greedy,

@@ -322,5 +322,9 @@ CONSTRAINTS: tuple[Callable[[Formulation], None], ...] = (
 )
 
 
+_ACT_TAGS = {"keep": "k", "swap": "s", "recompute": "r", "selective": "c"}  # one letter each
+
+
 def _tag(c: Choice) -> str:
-    return f"{c.act[0]}{c.weights[0]}{c.optim[0]}{c.ahead}"
+    """A variable name's part for choice c, unique among choices."""
+    return f"{_ACT_TAGS[c.act]}{c.weights[0]}{c.optim[0]}{c.ahead}"

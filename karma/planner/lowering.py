@@ -39,6 +39,7 @@ from karma.schedule import (
     HOST_TEMP_PREFIX,
     OPTIM_CHOICES,
     PROCESS_BUFFER,
+    RECOMPUTE_ACTS,
     STREAMS,
     WEIGHT_CHOICES,
     Buffer,
@@ -53,7 +54,7 @@ from karma.schedule import (
 class Choice:
     """What a plan does with one block."""
 
-    act: str  # keep | swap | recompute
+    act: str  # keep | swap | recompute | selective
     weights: str = "resident"  # resident | streamed
     optim: str = "device"  # device | host
     ahead: int = 1  # stages before its use that a swap-in or weight fetch is issued (1 or 2)
@@ -67,10 +68,13 @@ class Choice:
 
 
 def valid_choices(problem: Problem, i: int) -> list[Choice]:
-    """Choices block i may take: the last block cannot swap (its backward comes next); a
-    block that copies nothing in has no prefetch distance to choose."""
+    """Choices block i may take: the last block cannot swap (its backward comes next); only a
+    block its policy can run is selective; a block that copies nothing in has no prefetch
+    distance to choose."""
     n = len(problem.blocks)
     acts = ("keep", "swap", "recompute") if i < n - 1 else ("keep", "recompute")
+    if problem.blocks[i].selective is not None:
+        acts += ("selective",)
     wo = [("resident", "device"), ("resident", "host"), ("streamed", "host")]
     out = []
     for a in acts:
@@ -181,8 +185,9 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
     st = Stages(n, problem.world_size)
     f = Fragment()
     fwd = f.op(("forward", i), "forward", i, st.fwd(i), "compute", b.fwd_s)
-    if c.act == "recompute":
-        f.op(("recompute", i), "recompute", i, st.bwd(i), "compute", b.fwd_s)
+    if c.act in RECOMPUTE_ACTS:
+        f.op(("recompute", i), "recompute", i, st.bwd(i), "compute",
+             b.fwd_s if c.act == "recompute" else b.selective.recompute_s)
     bwd = f.op(("backward", i), "backward", i, st.bwd(i), "compute", b.bwd_s)
     f.buffer(f"tmp.f.{i}", i, b.fwd_temp_bytes, fwd, fwd)
     f.buffer(f"tmp.b.{i}", i, b.bwd_temp_bytes, bwd, bwd)
@@ -216,8 +221,13 @@ def _activations(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice, f
         f.pinned_bytes += b.swap_bytes
     else:
         f.buffer(f"ckpt.{i}", i, b.ckpt_bytes, fwd, bwd)
-        # the recompute makes its own saved tensors again, shared ones it made included
-        f.buffer(f"act.{i}@re", i, b.act_bytes + b.shared_made_bytes, ("recompute", i), bwd)
+        # the recompute makes its own saved tensors again, shared ones it made included; a
+        # selective one all but those its policy's ops made, which it kept
+        remade = b.act_bytes + b.shared_made_bytes
+        if c.act == "selective":
+            f.buffer(f"sac.{i}", i, b.selective.kept_bytes, fwd, bwd)
+            remade = b.selective.recompute_bytes
+        f.buffer(f"act.{i}@re", i, remade, ("recompute", i), bwd)
         f.buffer(f"tmp.r.{i}", i, b.fwd_temp_bytes, ("recompute", i), ("recompute", i))
 
 
@@ -441,10 +451,12 @@ def _weight_uses(problem: Problem, choices: list[Choice]) -> dict[tuple, tuple[s
         fwd = tuple(weight_buffer(o, choices[o], "fwd", j, n) for o in owners)
         bwd = tuple(weight_buffer(o, choices[o], "bwd", j, n) for o in owners)
         uses[("forward", j)] = fwd
-        uses[("recompute", j)] = (f"ckpt.{j}",) + bwd
-        uses[("backward", j)] = (_act_buffer(j, choices[j]),) + bwd
+        kept = (f"sac.{j}",) if choices[j].act == "selective" else ()
+        uses[("recompute", j)] = (f"ckpt.{j}",) + kept + bwd
+        uses[("backward", j)] = (_act_buffer(j, choices[j]),) + kept + bwd
     return uses
 
 
 def _act_buffer(i: int, c: Choice) -> str:
-    return {"keep": f"act.{i}", "swap": f"act.{i}@in", "recompute": f"act.{i}@re"}[c.act]
+    return {"keep": f"act.{i}", "swap": f"act.{i}@in", "recompute": f"act.{i}@re",
+            "selective": f"act.{i}@re"}[c.act]

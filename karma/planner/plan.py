@@ -35,7 +35,8 @@ class InfeasiblePlan(KarmaError):
 class Plan:
     """A strategy's decision for every block."""
 
-    strategy: str  # ilp | keep_all | recompute_all | swap_all | offload_all | greedy
+    strategy: str  # ilp | keep_all | recompute_all | selective_all | swap_all | offload_all
+    # | greedy
     choices: tuple[Choice, ...]
     status: str = "heuristic"  # optimal | time-limit | heuristic | fallback
     solve_s: float = 0.0
@@ -47,6 +48,7 @@ class Plan:
             "keep": acts["keep"],
             "swap": acts["swap"],
             "recompute": acts["recompute"],
+            "selective": acts["selective"],
             "streamed_weights": sum(c.weights == "streamed" for c in self.choices),
             "host_optimizer": sum(c.optim == "host" for c in self.choices),
         }

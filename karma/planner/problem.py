@@ -24,7 +24,7 @@ from functools import cached_property
 from karma.ir.graph import ADAMW, Block, BlockGraph, OptimizerProfile
 from karma.planner.hardware import Hardware
 from karma.planner.simulate import INDEPENDENT, Contention
-from karma.schedule import DTYPES, HOST_STATES, is_sharded
+from karma.schedule import DTYPES, HOST_STATES, RECOMPUTE_ACTS, is_sharded
 
 # bytes an AdamW step reads and writes per fp32 parameter byte on the device: p, g, m, v
 # read; p, m, v written
@@ -61,6 +61,9 @@ class BlockCost:
     # it again
     held_in_bytes: int = 0  # of in_bytes, the shared saved tensors made by earlier blocks:
     # held for it already (HeldSaved), so a recompute's checkpoint keeps nothing more for them
+    # selective recompute (karma/schedule.py, [Note: selective recompute]); None: the block
+    # cannot run under the policy
+    selective: SelectiveCost | None = None
 
     @property
     def swap_bytes(self) -> int:
@@ -72,6 +75,23 @@ class BlockCost:
         """What a recompute keeps from its forward to its backward: its inputs, less those
         held anyway."""
         return self.in_bytes - self.held_in_bytes
+
+
+@dataclass(frozen=True)
+class SelectiveCost:
+    """A block's costs under selective recompute, beside its inputs' checkpoint (ckpt_bytes).
+
+    [Note: the selective recompute's time] Its recompute runs the ops the policy does not
+    name, whose time is measured where the blocks are (calibration), or else the forward's
+    in the share that the roofline gives them: their memory traffic at the memory bandwidth
+    over the forward's FLOPs and traffic (the policy's ops carry the FLOPs). Taken as a share
+    of the forward's time, it is never more than a whole recompute's.
+    """
+
+    kept_bytes: int  # what its policy's ops return, kept from its forward to its backward
+    recompute_bytes: int  # the saved bytes its recompute makes again (its own act_bytes and
+    # the shared ones it made, less what the policy's ops made)
+    recompute_s: float  # the recompute: the ops its policy does not name
 
 
 @dataclass(frozen=True)
@@ -101,7 +121,7 @@ class HeldSaved:
     def freed_after(self, first_reader_act: str) -> int:
         """The block whose backward frees them, given the first reader's act choice."""
         if first_reader_act == "keep" or (
-                first_reader_act == "recompute" and self.made_by < self.first_reader):
+                first_reader_act in RECOMPUTE_ACTS and self.made_by < self.first_reader):
             return self.first_reader
         return self.next_reader
 
@@ -203,6 +223,9 @@ class Measurements:
     optimizer_step_s: tuple[tuple[float, float], ...] | None = None
     process_bytes: int = 0  # the process outside its tensors while training (Problem's)
     loss_s: float | None = None  # the loss's forward and backward
+    # per block, its selective recompute's seconds (None where not measured: [Note: the
+    # selective recompute's time])
+    selective_s: tuple[float | None, ...] | None = None
 
     @property
     def blocks_measured(self) -> bool:
@@ -241,7 +264,7 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
     share = RankShare.of(hw, nproc_per_node)
     blocks = tuple(
         replace(_block_cost(b, i, shared_saved[i], hw, dtype, world_size, optimizer, measured,
-                            share),
+                            share, shared_made[i]),
                 in_bytes=in_bytes[i], shared_made_bytes=shared_made[i],
                 held_in_bytes=held_in[i])
         for i, b in enumerate(graph.blocks))
@@ -335,7 +358,7 @@ ALONE = RankShare(1, 1)  # one rank a node: the node to itself
 
 def _block_cost(b: Block, i: int, shared_saved_bytes: int, hw: Hardware, dtype: str,
                 world_size: int, optimizer: OptimizerProfile, measured: Measurements,
-                share: RankShare = ALONE) -> BlockCost:
+                share: RankShare = ALONE, shared_made_bytes: int = 0) -> BlockCost:
     """Block i's costs, but for the bytes it takes in from other blocks (build_problem's), on
     one rank of a node that `share` says how its ranks share."""
     traffic = b.act_bytes + shared_saved_bytes + b.out_bytes + b.param_bytes
@@ -350,8 +373,11 @@ def _block_cost(b: Block, i: int, shared_saved_bytes: int, hw: Hardware, dtype: 
     else:
         device_step_s = DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s
         host_step_s = b.param_bytes / hw.host_optim_bytes_per_s
+    selective = _selective_cost(b, i, fwd_s, traffic, shared_made_bytes, hw, dtype, measured)
     fwd_s, bwd_s, device_step_s = (t * share.compute for t in (fwd_s, bwd_s, device_step_s))
     host_step_s *= share.host
+    if selective is not None:
+        selective = replace(selective, recompute_s=selective.recompute_s * share.compute)
     net = (b.param_bytes, world_size, hw.net_bytes_per_s, hw.net_latency_s)
     return BlockCost(
         name=b.name, fwd_s=fwd_s, bwd_s=bwd_s, param_bytes=b.param_bytes,
@@ -361,4 +387,24 @@ def _block_cost(b: Block, i: int, shared_saved_bytes: int, hw: Hardware, dtype: 
         step_temp_bytes=int(optimizer.temp_factor * b.max_param_bytes),
         host_step_s=host_step_s, device_step_s=device_step_s,
         allreduce_s=ring_allreduce_s(*net), reduce_scatter_s=ring_half_s(*net),
-        all_gather_s=ring_half_s(*net), shared_saved_bytes=shared_saved_bytes)
+        all_gather_s=ring_half_s(*net), shared_saved_bytes=shared_saved_bytes,
+        selective=selective)
+
+
+def _selective_cost(b: Block, i: int, fwd_s: float, traffic: int, shared_made_bytes: int,
+                    hw: Hardware, dtype: str, measured: Measurements) -> SelectiveCost | None:
+    """Block i's selective costs (None where its policy cannot run it), its recompute timed
+    or a share of its forward ([Note: the selective recompute's time])."""
+    sel = b.selective
+    if sel is None:
+        return None
+    timed = measured.selective_s[i] if measured.selective_s is not None else None
+    if timed is None:
+        mem_s = traffic / hw.mem_bytes_per_s  # as _block_cost's roofline
+        whole_s = b.fwd_flops / hw.flops_per_s[dtype] + mem_s
+        share = mem_s * sel.recompute_traffic_bytes / max(sel.forward_traffic_bytes, 1)
+        timed = fwd_s * share / whole_s if whole_s > 0 else 0.0
+    return SelectiveCost(
+        kept_bytes=sel.kept_bytes,
+        recompute_bytes=max(0, b.act_bytes + shared_made_bytes - sel.kept_saved_bytes),
+        recompute_s=timed)
