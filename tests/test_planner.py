@@ -32,7 +32,7 @@ from karma.planner.lowering import Choice, valid_choices
 from karma.planner.memory import stage_memory
 from karma.planner.plan import Evaluation, InfeasiblePlan, Plan, evaluate
 from karma.planner.prefetch import refine_prefetch
-from karma.planner.problem import BlockCost, HeldSaved, Problem
+from karma.planner.problem import BlockCost, HeldSaved, Problem, SelectiveCost
 from karma.planner.simulate import ScheduleError, simulate
 from karma.units import format_bytes
 from tests.matrix import first_fast
@@ -115,8 +115,28 @@ def random_problem(rng: random.Random, n: int, world_size: int = 1) -> Problem:
         pinned_mem_bytes=rng.choice([HUGE, 2 * GB]),
         world_size=world_size,
     )
-    return with_shared_outputs(problem, [rng.choice([0, rng.randint(10, 200) * 10**6])
-                                         for _ in range(n - 1)])
+    problem = with_shared_outputs(problem, [rng.choice([0, rng.randint(10, 200) * 10**6])
+                                            for _ in range(n - 1)])
+    # drawn apart, so that the other draws stay those the cases were chosen with
+    return with_selective(problem, random.Random(f"selective {n} {world_size} {link}"))
+
+
+def with_selective(problem: Problem, rng: random.Random) -> Problem:
+    """Most blocks selective-capable, each keeping part of what it saves (some more than it
+    saves: outputs autograd does not save) and recomputing the rest in part of its forward's
+    time; the others cannot run under the policy."""
+    blocks = []
+    for b in problem.blocks:
+        if rng.random() < 0.25:
+            blocks.append(b)
+            continue
+        kept = int(b.act_bytes * rng.uniform(0.2, 1.1))
+        sel = SelectiveCost(kept_bytes=kept,
+                            recompute_bytes=max(0, b.act_bytes + b.shared_made_bytes
+                                                - min(kept, b.act_bytes)),
+                            recompute_s=b.fwd_s * rng.uniform(0.05, 0.6))
+        blocks.append(dataclasses.replace(b, selective=sel))
+    return dataclasses.replace(problem, blocks=tuple(blocks))
 
 
 def with_shared_outputs(problem: Problem, shared: list[int]) -> Problem:

@@ -1,0 +1,117 @@
+"""Selective recompute in the IR and the planner: what a block keeps and makes again, op by
+op, and the choice the ILP, the baselines and the schedule make of it (karma/schedule.py,
+[Note: selective recompute]). The runtime's replay of it: tests/test_selective.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from karma.ir.build import build_block_graph
+from karma.modelfile import load_model_file
+from karma.planner.baselines import selective_all
+from karma.planner.hardware import load_hardware
+from karma.planner.lowering import Choice, fragment, valid_choices
+from karma.planner.problem import Measurements, build_problem
+from karma.schedule import SELECTIVE_POLICY, ScheduleFileError, dump_schedule
+from karma.schedule_check import validate
+from karma.schedule_load import load_schedule
+from tests.conftest import EXAMPLES, MODELS, environment
+
+F32 = 4
+MLP_ENV = {"KARMA_MLP_WIDTH": "16", "KARMA_MLP_DEPTH": "2", "KARMA_MLP_IN": "8"}
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def mlp_graph():
+    with environment(MLP_ENV):
+        return build_block_graph(load_model_file(EXAMPLES / "mlp.py"), BATCH)
+
+
+def test_a_layer_keeps_its_matmul_output_and_makes_the_rest_again(mlp_graph):
+    # examples/mlp.py's Layer: x + gelu(layer_norm(fc(x))). Its forward saves fc's output
+    # (for the norm), the norm's mean and rstd and its output (for gelu); fc's input is the
+    # block's input. The policy keeps fc's output; the recompute makes the rest again.
+    width = int(MLP_ENV["KARMA_MLP_WIDTH"])
+    layer = next(b for b in mlp_graph.blocks if b.name.startswith("layers."))
+    sel = layer.selective
+    assert sel is not None
+    assert sel.kept_bytes == BATCH * width * F32
+    assert sel.kept_saved_bytes == sel.kept_bytes
+    assert layer.act_bytes - sel.kept_saved_bytes == BATCH * width * F32 + 2 * BATCH * F32
+    assert 0 < sel.recompute_traffic_bytes < sel.forward_traffic_bytes
+
+
+def test_a_kept_output_changed_in_place_rules_the_block_out():
+    graph = build_block_graph(load_model_file(MODELS / "inplace_matmul.py"), BATCH)
+    layers = [b for b in graph.blocks if b.name.startswith("layers.")]
+    assert [b.selective is None for b in layers] == [False, True, False]
+
+
+def test_gpt_keeps_matmul_outputs_autograd_does_not_save():
+    # an attention projection's and the MLP's last matmul's outputs are only added to the
+    # residual: nothing saves them, but the policy keeps them (the checkpoint caches every
+    # output of a kept op)
+    with environment({"KARMA_GPT": "tiny"}):
+        graph = build_block_graph(load_model_file(EXAMPLES / "gpt.py"), 2)
+    layer = next(b for b in graph.blocks if b.name.startswith("h."))
+    assert layer.selective.kept_bytes > layer.selective.kept_saved_bytes > 0
+    assert layer.selective.kept_saved_bytes < layer.act_bytes
+
+
+def test_the_selective_fragment_keeps_the_kept_bytes_and_recomputes_in_its_time(mlp_graph):
+    problem = build_problem(mlp_graph, load_hardware("v100-16g"))
+    i = next(k for k, b in enumerate(mlp_graph.blocks) if b.name.startswith("layers."))
+    b = problem.blocks[i]
+    assert Choice("selective") in valid_choices(problem, i)
+    f = fragment(problem, i, Choice("selective"))
+    recompute = next(op for op in f.ops if op.kind == "recompute")
+    assert recompute.dur_s == pytest.approx(b.selective.recompute_s, rel=1e-5)  # 6 digits
+    assert 0 < b.selective.recompute_s < b.fwd_s  # a share of the forward (roofline)
+    buffers = {buf.name: buf.bytes for buf in f.buffers}
+    assert buffers[f"sac.{i}"] == b.selective.kept_bytes
+    assert buffers[f"act.{i}@re"] == b.selective.recompute_bytes
+    assert buffers.get(f"ckpt.{i}", 0) == b.ckpt_bytes  # a buffer of no bytes is left out
+    whole = {buf.name: buf.bytes for buf in fragment(problem, i, Choice("recompute")).buffers}
+    assert f"sac.{i}" not in whole
+
+
+def test_a_measured_selective_recompute_is_its_op_time(mlp_graph):
+    n = len(mlp_graph.blocks)
+    measured = Measurements(block_s=((0.01, 0.02),) * n,
+                            selective_s=tuple(0.001 * (k + 1) for k in range(n)))
+    problem = build_problem(mlp_graph, load_hardware("cpu"), measured=measured)
+    for k, b in enumerate(problem.blocks):
+        if b.selective is not None:
+            assert b.selective.recompute_s == pytest.approx(0.001 * (k + 1))
+
+
+def test_blocks_the_policy_cannot_run_have_no_selective_choice():
+    graph = build_block_graph(load_model_file(MODELS / "inplace_matmul.py"), BATCH)
+    problem = build_problem(graph, load_hardware("v100-16g"))
+    plan = selective_all(problem, 1 << 40)
+    for i, (b, c) in enumerate(zip(problem.blocks, plan.choices)):
+        acts = {ch.act for ch in valid_choices(problem, i)}
+        assert ("selective" in acts) == (b.selective is not None)
+        assert c.act == ("selective" if b.selective is not None else "recompute")
+
+
+def test_a_selective_schedule_names_its_policy_and_the_validator_checks_it():
+    from karma.testing.exactness import plan
+
+    with environment(MLP_ENV):
+        mf = load_model_file(EXAMPLES / "mlp.py")
+        s = plan(mf, "selective_all", 1.5)  # keeping and remaking, more than keep_all
+    assert {b.act for b in s.blocks} == {"selective"}
+    assert {b.policy for b in s.blocks} == {SELECTIVE_POLICY}
+    assert load_schedule(dump_schedule(s)).blocks == s.blocks
+    validate(s)
+    blocks = list(s.blocks)
+    blocks[0] = dataclasses.replace(blocks[0], policy="")
+    with pytest.raises(ScheduleFileError, match="policy if and only if its act is selective"):
+        validate(dataclasses.replace(s, blocks=tuple(blocks)))
+    blocks[0] = dataclasses.replace(blocks[0], act="recompute", policy=SELECTIVE_POLICY)
+    with pytest.raises(ScheduleFileError, match="remove its policy"):
+        validate(dataclasses.replace(s, blocks=tuple(blocks)))
