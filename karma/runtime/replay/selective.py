@@ -53,9 +53,9 @@ def _save_named(names: Collection[str], ctx, op, *args, **kwargs) -> CheckpointP
 @contextlib.contextmanager
 def _recompute(block: BlockEntry, replay: AbstractContextManager,
                buffers: list[torch.Tensor]) -> Iterator[None]:
-    """The selective recompute inside the buffers' restore: the replaying dispatch mode
-    answers every op run under it from what the forward stored, so the restore's own copies
-    must run outside it."""
+    """The selective recompute inside the buffers' restore: the replaying dispatch mode looks
+    every op run under it up in what the forward recorded (one the forward did not run, such
+    as the restore's clone, is an error there), so the restore runs outside it."""
     try:
         with _restore_buffers(buffers), replay:
             yield
@@ -63,11 +63,11 @@ def _recompute(block: BlockEntry, replay: AbstractContextManager,
         if _MUTATED not in str(e):
             raise
         raise KarmaError(
-            f"block {block.index} ({block.name}) is selective ({block.policy}), and its forward "
+            f"block {block.index} ({block.name}) is selective ({block.policy}), and the model "
             "changed in place the output of an op its policy keeps (say an "
             "nn.ReLU(inplace=True) right after a linear layer or a convolution): the "
             "recompute cannot hand that output back; make that op out of place, or set the "
-            f"block's act to recompute and remove its policy in the schedule") from e
+            "block's act to recompute and remove its policy in the schedule") from e
 
 
 @contextlib.contextmanager
