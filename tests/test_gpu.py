@@ -8,6 +8,8 @@
   that has no deterministic kernel (memory-efficient attention then leaves its split-key path
   with atomics); the plain loop is first checked to reproduce itself, so that a failure says
   which of the two is at fault.
+- Selective blocks: recompute_all and offload_all of the three models, every block made
+  selective, in fp32 and bf16, bitwise equal to the plain loop on the GPU.
 - Races: with every copy and all-reduce started late (`torch.cuda._sleep` on its stream
   before the op) and every buffer a copy fills poisoned with NaN before it (deterministic
   mode's fill of uninitialized memory, and the streamed weights' storage filled by hand), a
@@ -50,6 +52,7 @@ from tests.dist_helpers import finish, start_ranks
 from tests.matrix import MODELS, STRATEGIES, cells
 from tests.runtime_helpers import load_small
 from tests.test_runtime import STEPS, load_model_pt
+from tests.test_selective import selective
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA (conftest.py)
 
@@ -134,6 +137,20 @@ def test_cuda_bf16_accumulation_and_clipping_follow_the_plain_loop(name, strateg
     report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
     assert max(ref.grad_norms) > 1.0, "the gradients never reached the clipping norm"
     assert report.losses == ref.losses and report.grad_norms == ref.grad_norms
+    assert_bitwise_equal(load_model_pt(tmp_path, STEPS), state(ref))
+
+
+@pytest.mark.parametrize("name,strategy,dtype", [
+    (name, strategy, dtype) for name in MODELS for strategy in ("recompute_all", "offload_all")
+    for dtype in ("fp32", "bf16")])
+def test_cuda_selective_blocks_follow_the_plain_loop(name, strategy, dtype, tmp_path):
+    """Every block selective (tests/test_selective.py: the same ops, the matmuls' outputs
+    kept), on the GPU against the plain loop on the GPU: bitwise."""
+    mf = load_small(name)
+    schedule = selective(plan(mf, strategy, hardware=HARDWARE, dtype=dtype))
+    ref = reference(mf, host_params(schedule), dtype=dtype)
+    report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
+    assert report.losses == ref.losses
     assert_bitwise_equal(load_model_pt(tmp_path, STEPS), state(ref))
 
 

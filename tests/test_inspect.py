@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 from karma.cli.inspect import main
-from karma.schedule import dump_schedule, schedule_sha256
+from karma.schedule import SELECTIVE_POLICY, dump_schedule, schedule_sha256
 from karma.schedule_load import load_schedule
 from karma.units import format_bytes
 from tests.schedule_fixtures import tiny_schedule
@@ -52,8 +53,8 @@ def test_summary_of_a_valid_schedule(capsys, path):
     assert f"examples/gpt.py  sha256 {s.model.sha256[:12]}  ir {s.model.ir_sha256[:12]}" in out
     assert "ilp (optimal)" in out
     assert "batch 2, fp32, 1 rank, seed 0, capacity 480 KiB, hardware v100-16g" in out
-    assert re.search(r"decisions\s+4 blocks: 2 keep, 1 swap, 1 recompute; 2 streamed weights, "
-                     r"3 host optimizer", out)
+    assert re.search(r"decisions\s+4 blocks: 2 keep, 1 swap, 1 recompute, 0 selective; "
+                     r"2 streamed weights, 3 host optimizer", out)
     peak = s.predicted.peak_device_bytes
     assert peak <= s.config.capacity_bytes
     assert re.search(rf"peak\s+{re.escape(format_bytes(peak))} of 480 KiB capacity "
@@ -64,6 +65,24 @@ def test_summary_of_a_valid_schedule(capsys, path):
                                 "MiB"]
     assert [row.split()[:5] for row in table[1:]] == [
         [str(b.index), b.name, b.act, b.weights, b.optim] for b in s.blocks]
+
+
+def test_selective_blocks_are_counted_and_listed(capsys, tmp_path):
+    """The tiny schedule's recompute block made selective: the same ops, another act."""
+    s = tiny_schedule()
+    blocks = tuple(dataclasses.replace(b, act="selective", policy=SELECTIVE_POLICY)
+                   if b.act == "recompute" else b for b in s.blocks)
+    p = tmp_path / "selective.yaml"
+    p.write_text(dump_schedule(dataclasses.replace(s, blocks=blocks)))
+    code, out, _ = run(capsys, p)
+    assert code == 0
+    assert re.search(r"decisions\s+4 blocks: 2 keep, 1 swap, 0 recompute, 1 selective;", out)
+    table = out[out.index("#  block"):].splitlines()
+    assert [row.split()[2] for row in table[1:]] == [b.act for b in blocks]
+    info = json.loads(run(capsys, p, "--json")[1])
+    assert (info["decisions"]["recompute"], info["decisions"]["selective"]) == (0, 1)
+    assert [b["policy"] for b in info["blocks"]] == [b.policy for b in blocks]
+    assert {b["policy"] for b in info["blocks"]} == {"", SELECTIVE_POLICY}
 
 
 def test_over_capacity_is_refused(capsys, tmp_path):
@@ -91,7 +110,7 @@ def test_json(capsys, path):
     s = load_schedule(path)
     assert info["schedule_sha256"] == schedule_sha256(s)
     assert info["decisions"] == {"blocks": 4, "keep": 2, "swap": 1, "recompute": 1,
-                                 "streamed_weights": 2, "host_optimizer": 3}
+                                 "selective": 0, "streamed_weights": 2, "host_optimizer": 3}
     assert info["predicted"]["peak_device_bytes"] == s.predicted.peak_device_bytes
     assert info["predicted"]["peak_fraction_of_capacity"] == pytest.approx(
         s.predicted.peak_device_bytes / 491520)

@@ -119,6 +119,7 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
             "keep": sum(b.act == "keep" for b in s.blocks),
             "swap": sum(b.act == "swap" for b in s.blocks),
             "recompute": sum(b.act == "recompute" for b in s.blocks),
+            "selective": sum(b.act == "selective" for b in s.blocks),
             "streamed_weights": sum(b.weights == "streamed" for b in s.blocks),
             "host_optimizer": sum(b.optim == "host" for b in s.blocks),
         },
@@ -146,8 +147,9 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
         "check": {"ops": len(s.ops), "buffers": len(s.buffers),
                   "simulated_step_s": sim.step_s,
                   "simulated_peak_device_bytes": sim.peak_device_bytes, "matches": True},
-        "blocks": [{"index": b.index, "name": b.name, "act": b.act, "weights": b.weights,
-                    "optim": b.optim, "param_bytes": b.param_bytes, "act_bytes": b.act_bytes}
+        "blocks": [{"index": b.index, "name": b.name, "act": b.act, "policy": b.policy,
+                    "weights": b.weights, "optim": b.optim, "param_bytes": b.param_bytes,
+                    "act_bytes": b.act_bytes}
                    for b in s.blocks],
     }
 
@@ -168,7 +170,8 @@ def render(info: dict) -> str:
         f"config      batch {c['batch_size']}, {c['dtype']}, {ranks}, seed {c['seed']}, "
         f"capacity {format_bytes(c['capacity_bytes'])}, hardware {info['hardware']}",
         f"decisions   {d['blocks']} blocks: {d['keep']} keep, {d['swap']} swap, "
-        f"{d['recompute']} recompute; {d['streamed_weights']} streamed weights, "
+        f"{d['recompute']} recompute, {d['selective']} selective; "
+        f"{d['streamed_weights']} streamed weights, "
         f"{d['host_optimizer']} host optimizer",
         f"step        {format_seconds(p['step_s'])} predicted ("
         + (f"{p['price_of_budget']:.2f}x the ideal {format_seconds(p['ideal_s'])} of "

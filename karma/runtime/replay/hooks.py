@@ -8,13 +8,13 @@ thread. `BlockHooks` tells the engine where that execution is:
 - while training, a gradient hook on block i's input made last: block i-1's backward starts
   when block i's has produced that gradient (`backward(i - 1)`); and a hook on the model's
   output: the last block's backward starts with the first gradient to reach it;
-- the modules of recompute blocks run under non-reentrant checkpointing, and a swap block's
-  forward under its `SwapStore`'s saved-tensors hooks (swap.py).
+- the modules of recompute and selective blocks run under non-reentrant checkpointing, in the
+  contexts of their act (selective.py), and a swap block's forward under its `SwapStore`'s
+  saved-tensors hooks (swap.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -23,9 +23,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from karma.modelfile import output_tensors
+from karma.runtime.replay.selective import checkpoint_contexts
 from karma.runtime.replay.swap import SwapStore
 from karma.runtime.replay.training_options import MixedPrecision
-from karma.schedule import BlockEntry
+from karma.schedule import RECOMPUTE_ACTS, BlockEntry
 
 
 class BlockHooks:
@@ -97,9 +98,9 @@ class BlockHooks:
             # parameter-free ones between them (activations, pooling, often in place) run
             # as they are, since checkpointing an in-place op's input breaks autograd.
             single = all(len(self.blocks[i].modules) == 1 for i in blocks)
-            if any(self.blocks[i].act == "recompute" for i in blocks) and (
+            if any(self.blocks[i].act in RECOMPUTE_ACTS for i in blocks) and (
                     single or any(True for _ in module.parameters())):
-                self._wrap_recompute(module)
+                self._wrap_recompute(module, blocks)
         self._handles.append(self.model.register_forward_hook(self._on_model_output))
 
     def _on_module(self, name: str, blocks: list[int], module, args, kwargs) -> None:
@@ -143,16 +144,16 @@ class BlockHooks:
             self._backward(block)
         return None
 
-    def _wrap_recompute(self, module: torch.nn.Module) -> None:
+    def _wrap_recompute(self, module: torch.nn.Module, blocks: list[int]) -> None:
+        """Checkpoint the module's forward, each call in the contexts of its own block (the
+        running one: the pre-hook has just set it; outside a followed forward, the first)."""
         forward = module.forward
         buffers = list(module.buffers())
 
-        def context_fn():
-            return contextlib.nullcontext(), _restore_buffers(buffers)
-
         def checkpointed(*args, **kwargs):
-            return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn,
-                              **kwargs)
+            block = self.blocks[self._current if self._current in blocks else blocks[0]]
+            return checkpoint(forward, *args, use_reentrant=False,
+                              context_fn=partial(checkpoint_contexts, block, buffers), **kwargs)
 
         self._restore.append((module, forward))
         module.forward = checkpointed
@@ -166,15 +167,3 @@ def _latest_made(values) -> torch.Tensor | None:
     if not made:
         return None
     return max(made, key=lambda t: t.grad_fn._sequence_nr() if t.grad_fn is not None else -1)
-
-
-@contextlib.contextmanager
-def _restore_buffers(buffers: list[torch.Tensor]):
-    """Recomputing a forward must not update running statistics a second time."""
-    saved = [b.clone() for b in buffers]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, s in zip(buffers, saved):
-                b.copy_(s)

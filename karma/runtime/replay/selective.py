@@ -1,0 +1,82 @@
+"""What a recomputed block keeps: the contexts its checkpointed forward runs in.
+
+    context_fn = partial(checkpoint_contexts, block, list(module.buffers()))
+    checkpoint(module.forward, x, use_reentrant=False, context_fn=context_fn)
+
+A recompute block keeps only its input and runs its whole forward again just before its
+backward. A selective block ([Note: selective recompute] in karma/schedule.py) keeps, beside
+its input, the outputs of the ops its policy names, and runs every other op again: its forward
+and its recompute run under torch.utils.checkpoint's selective contexts, one dispatch mode
+that stores what the policy saves and one that hands it back in the recompute. Either way the
+recompute restores the module's buffers afterwards (a BatchNorm's running statistics are
+updated once, by the forward). The same code serves the CPU and CUDA backends: the policy
+looks only at operator names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Iterator
+from contextlib import AbstractContextManager
+from functools import partial
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from karma.errors import KarmaError
+from karma.schedule import SELECTIVE_POLICIES, BlockEntry
+
+# what torch.utils.checkpoint says when a tensor its selective contexts keep changed in place
+_MUTATED = "cached during selective activation checkpoint has been mutated"
+
+
+def checkpoint_contexts(block: BlockEntry, buffers: list[torch.Tensor]
+                        ) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """checkpoint's `context_fn` for one call of a module of `block` (`buffers`: the module's):
+    (the context of its forward, that of its recompute)."""
+    if block.act != "selective":
+        return contextlib.nullcontext(), _restore_buffers(buffers)
+    forward, recompute = create_selective_checkpoint_contexts(
+        partial(_save_named, SELECTIVE_POLICIES[block.policy]))
+    return forward, _recompute(block, recompute, buffers)
+
+
+def _save_named(names: Collection[str], ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The policy: keep the outputs of the operators named (every overload), recompute the
+    others."""
+    packet = getattr(op, "overloadpacket", None)  # None: a higher-order operator
+    if packet is not None and packet.__name__ in names:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextlib.contextmanager
+def _recompute(block: BlockEntry, replay: AbstractContextManager,
+               buffers: list[torch.Tensor]) -> Iterator[None]:
+    """The selective recompute inside the buffers' restore: the replaying dispatch mode looks
+    every op run under it up in what the forward recorded (one the forward did not run, such
+    as the restore's clone, is an error there), so the restore runs outside it."""
+    try:
+        with _restore_buffers(buffers), replay:
+            yield
+    except RuntimeError as e:
+        if _MUTATED not in str(e):
+            raise
+        raise KarmaError(
+            f"block {block.index} ({block.name}) is selective ({block.policy}), and the model "
+            "changed in place the output of an op its policy keeps (say an "
+            "nn.ReLU(inplace=True) right after a linear layer or a convolution): the "
+            "recompute cannot hand that output back; make that op out of place, or set the "
+            "block's act to recompute and remove its policy in the schedule") from e
+
+
+@contextlib.contextmanager
+def _restore_buffers(buffers: list[torch.Tensor]) -> Iterator[None]:
+    """Recomputing a forward must not update running statistics a second time."""
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved):
+                b.copy_(s)
