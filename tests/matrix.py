@@ -22,8 +22,9 @@ import pytest
 # at KARMA_*=tiny (tests/conftest.py SMALL_ENV)
 MODELS = ("gpt", "resnet", "mlp")
 # every baseline, and the ILP at three budgets (fractions of keep_all's stage peak)
-STRATEGIES = (("keep_all", 1.0), ("recompute_all", 1.0), ("swap_all", 1.0),
-              ("offload_all", 1.0), ("greedy", 1.0), ("ilp", 0.4), ("ilp", 0.6), ("ilp", 0.8))
+STRATEGIES = (("keep_all", 1.0), ("recompute_all", 1.0), ("selective_all", 1.0),
+              ("swap_all", 1.0), ("offload_all", 1.0), ("greedy", 1.0), ("ilp", 0.4),
+              ("ilp", 0.6), ("ilp", 0.8))
 # every baseline and the ILP at one budget: the families that add a dimension of their own
 # (training options, LR schedules, input and output structures)
 ONE_BUDGET = tuple(s for s in STRATEGIES if s[0] != "ilp") + (("ilp", 0.6),)
