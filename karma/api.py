@@ -46,7 +46,8 @@ def plan(model_file: str | Path, gpu_mem: str | int = "16G", hardware: str | Har
     other options are PlanOptions' fields, as karma-plan's flags: world_size, dtype ("fp32",
     or "bf16" for mixed precision), accumulate, clip_grad_norm, nproc_per_node, host_mem,
     host_state, strategy, seed, time_limit_s, gap, blocks, measure ("cached", "fresh" or
-    "estimate"), host_optimizer ("fused" or "as-given"). `log` gets notes about the model and about measuring (default: stderr).
+    "estimate"), host_optimizer ("fused" or "as-given"), selective (False: no selective
+    recompute). `log` gets notes about the model and about measuring (default: stderr).
     Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
     return plan_report(model_file, plan_options(gpu_mem=gpu_mem, hardware=hardware,
                                                 batch_size=batch_size, **options), log).schedule

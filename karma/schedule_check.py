@@ -56,6 +56,7 @@ from karma.schedule import (
     WeightBuffer,
 )
 from karma.schedule_replay import HappensBefore, walk_peak_bytes
+from karma.selective_policy import parse_policy
 from karma.units import format_bytes
 
 _REPLAN = "re-plan with karma-plan"
@@ -185,6 +186,11 @@ class _Checker:
                               f"{b.optim} (rule: decisions: streamed weights are stepped on "
                               f"the host, where they live); set blocks[{b.index}].optim to "
                               f"host, {_FIX}")
+            if b.policy:
+                try:
+                    parse_policy(b.policy)
+                except ValueError as e:
+                    raise _Broken(f"{self.block(b.index)}: {e}; {_FIX}") from None
             if bool(b.policy) != (b.act == "selective"):
                 fix = (f"add policy: {SELECTIVE_POLICY}" if b.act == "selective"
                        else "remove its policy")

@@ -26,7 +26,6 @@ from karma.schedule import (
     OPTIM_CHOICES,
     READABLE_VERSIONS,
     SCHEDULE_VERSION,
-    SELECTIVE_POLICIES,
     STATUSES,
     STREAMS,
     WEIGHT_CHOICES,
@@ -40,6 +39,7 @@ from karma.schedule import (
     TrainConfig,
 )
 from karma.schedule_check import validate
+from karma.selective_policy import parse_policy
 from karma.yamltext import yaml_value
 
 _FIX = "re-plan with karma-plan to write a valid schedule"
@@ -221,6 +221,15 @@ def _clip_norm(v, path):
     return float(v)
 
 
+def _policy(v, path) -> str:
+    text = _text()(v, path)
+    try:
+        parse_policy(text)
+    except ValueError as e:
+        raise _Invalid(f"{path}: {e}") from None
+    return text
+
+
 def _hardware_value(v, path):
     if isinstance(v, dict):
         return {_text()(k, f"{path} key"): _hardware_value(x, _join(path, str(k)))
@@ -271,7 +280,7 @@ _BLOCK = _record(BlockEntry, {
     "weights": _text(WEIGHT_CHOICES, "a weights choice"),
     "optim": _text(OPTIM_CHOICES, "an optim choice"), "param_bytes": _COUNT,
     "act_bytes": _COUNT, "modules": _NAMES, "params": _NAMES, "shared_params": _NAMES,
-    "policy": _text(tuple(SELECTIVE_POLICIES), "a selective policy"),
+    "policy": _policy,
 }, "a block", optional=("policy",))
 _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_schedule, **fields), {
     "karma_schedule": _COUNT,

@@ -122,20 +122,26 @@ def random_problem(rng: random.Random, n: int, world_size: int = 1) -> Problem:
 
 
 def with_selective(problem: Problem, rng: random.Random) -> Problem:
-    """Most blocks selective-capable, each keeping part of what it saves (some more than it
-    saves: outputs autograd does not save) and recomputing the rest in part of its forward's
-    time; the others cannot run under the policy."""
+    """Most blocks selective-capable under one to three policies, each keeping part of what it
+    saves (some more than it saves: outputs autograd does not save) and recomputing the rest
+    in part of its forward's time, the next keeping less and recomputing more; the others
+    cannot run under a policy."""
     blocks = []
     for b in problem.blocks:
         if rng.random() < 0.25:
             blocks.append(b)
             continue
-        kept = int(b.act_bytes * rng.uniform(0.2, 1.1))
-        sel = SelectiveCost(kept_bytes=kept,
-                            recompute_bytes=max(0, b.act_bytes + b.shared_made_bytes
-                                                - min(kept, b.act_bytes)),
-                            recompute_s=b.fwd_s * rng.uniform(0.05, 0.6))
-        blocks.append(dataclasses.replace(b, selective=sel))
+        policies = []
+        kept, share = b.act_bytes * rng.uniform(0.2, 1.1), rng.uniform(0.05, 0.6)
+        for least in (0, 64, 512)[:rng.randint(1, 3)]:  # each keeps less, recomputes more
+            policies.append(SelectiveCost(
+                policy=f"save-matmuls@{least}" if least else "save-matmuls",
+                kept_bytes=int(kept),
+                recompute_bytes=max(0, b.act_bytes + b.shared_made_bytes
+                                    - min(int(kept), b.act_bytes)),
+                recompute_s=b.fwd_s * share))
+            kept, share = kept * rng.uniform(0.3, 0.8), min(1.0, share * rng.uniform(1.2, 2.0))
+        blocks.append(dataclasses.replace(b, selective=tuple(policies)))
     return dataclasses.replace(problem, blocks=tuple(blocks))
 
 

@@ -3,9 +3,9 @@
 A selective block ([Note: selective recompute] in karma/schedule.py) has the ops of a
 recompute block; what differs is what its checkpoint keeps: the outputs of the ops its policy
 names (save-matmuls: matmuls, convolutions, attention), every other op running again just
-before its backward. Until the planner plans selective blocks, the schedules here are
-recompute_all and offload_all (recompute with streamed weights and host steps) with every
-block made selective. They train three small models (dropout, whose recompute must draw the
+before its backward. The schedules here are recompute_all and offload_all (recompute with
+streamed weights and host steps) with every block made selective (the test matrix trains the
+planner's own selective plans: tests/matrix.py). They train three small models (dropout, whose recompute must draw the
 same numbers; BatchNorm, whose running statistics must be updated once; a plain residual
 stack) in fp32 and bf16, on one rank and on two, bitwise equal to karma.reference's loop.
 Counting the ATen ops each recompute runs shows that a selective block really is not a
@@ -50,12 +50,21 @@ RANKS = 2
 SAVED = SELECTIVE_POLICIES[SELECTIVE_POLICY]  # what the policy keeps: operator names
 
 
-def selective(schedule: Schedule) -> Schedule:
-    """`schedule` (every block recompute) with every block selective: the same ops."""
+def selective(schedule: Schedule, policies: list[str] | None = None) -> Schedule:
+    """`schedule` (every block recompute) with every block selective: the same ops; each
+    under its policy of `policies`, or SELECTIVE_POLICY (every matmul kept)."""
     assert {b.act for b in schedule.blocks} == {"recompute"}
-    blocks = tuple(dataclasses.replace(b, act="selective", policy=SELECTIVE_POLICY)
-                   for b in schedule.blocks)
+    policies = policies or [SELECTIVE_POLICY] * len(schedule.blocks)
+    blocks = tuple(dataclasses.replace(b, act="selective", policy=policy)
+                   for b, policy in zip(schedule.blocks, policies))
     return dataclasses.replace(schedule, blocks=blocks)
+
+
+def least_kept(name: str) -> list[str]:
+    """Each block's policy that keeps least (the cheapest matmuls recomputed too:
+    karma/selective_policy.py), as the IR offers them; SELECTIVE_POLICY where it offers none."""
+    return [b.selective[-1].policy if b.selective else SELECTIVE_POLICY
+            for b in block_graph(load_small(name)).blocks]
 
 
 @cache
@@ -184,6 +193,25 @@ def test_a_selective_recompute_runs_all_but_the_matmuls(name):
         assert kept[i] == Counter({op: n for op, n in ops.items() if op not in SAVED}), i
     for i in with_matmuls:  # a norm runs again: it is recomputed, not kept
         assert kept[i].keys() & {"native_layer_norm", "native_batch_norm"}, kept[i]
+
+
+def test_a_threshold_recomputes_the_cheaper_convolutions_and_trains_bitwise(tmp_path):
+    """A ResNet's bottlenecks under the policy that keeps least: the 3x3 convolution's output
+    kept, the 1x1 convolutions (fewer FLOPs an element) run again; bitwise as ever."""
+    policies = least_kept("resnet")
+    thresholds = [i for i, p in enumerate(policies) if "@" in p]
+    assert thresholds, policies
+    base = plan(load_small("resnet"), "recompute_all")
+    schedule = selective(base, policies)
+    ref = reference("resnet", "fp32", **host_stepped(schedule))
+    report = run(schedule, load_small("resnet"), STEPS, checkpoint_dir=tmp_path)
+    assert report.losses == ref.losses
+    assert_bitwise_equal(load_model_pt(tmp_path, STEPS), ref.model.state_dict())
+
+    whole = recomputed_ops("resnet", base)
+    kept = recomputed_ops("resnet", schedule)
+    for i in thresholds:
+        assert 0 < kept[i]["convolution"] < whole[i]["convolution"], (i, kept[i], whole[i])
 
 
 # A layer whose linear output an in-place ReLU changes: the policy keeps that output.

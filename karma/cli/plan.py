@@ -100,6 +100,9 @@ def _solver_flags(p: argparse.ArgumentParser) -> None:
                    help="ILP time limit in seconds (default 60)")
     p.add_argument("--gap", type=float, default=0.01,
                    help="relative optimality gap at which the ILP stops (default 0.01)")
+    p.add_argument("--no-selective", dest="selective", action="store_false",
+                   help="plan without selective recompute (keeping what a block's matmuls "
+                        "return and recomputing the rest), as before it existed")
 
 
 def _output_flags(p: argparse.ArgumentParser) -> None:
@@ -132,7 +135,8 @@ def options_from(args: argparse.Namespace, hardware: str | None = None) -> PlanO
         host_mem=args.host_mem, host_state=args.host_state, dtype=args.dtype,
         accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
         strategy=args.strategy, seed=args.seed, time_limit_s=args.time_limit, gap=args.gap,
-        blocks=args.blocks, measure=args.measure, host_optimizer=args.host_optimizer)
+        blocks=args.blocks, measure=args.measure, host_optimizer=args.host_optimizer,
+        selective=args.selective)
 
 
 def _plan(args: argparse.Namespace) -> int:

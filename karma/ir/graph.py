@@ -30,10 +30,12 @@ class Selective:
     recompute]), from its forward on its own: see [Note: a block's saved bytes, op by op] in
     karma/ir/measure.py."""
 
+    policy: str  # BlockEntry.policy: which ops it keeps
     kept_bytes: int  # what its policy's ops return, each storage once: kept to the backward
     kept_saved_bytes: int  # of the storages it saves, those its policy's ops made
     recompute_traffic_bytes: int  # what the other ops read and write: the recompute's
     forward_traffic_bytes: int  # what every op of its forward reads and writes
+    recompute_flops: int = 0  # of the matmuls and convolutions it recomputes
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ class Block:
     fwd_temp_bytes: int  # peak temporaries of its forward, beyond what it saves and returns
     bwd_temp_bytes: int  # peak temporaries of its backward (gradients of its inputs included)
     max_param_bytes: int  # its largest own parameter (an optimizer step's temporaries)
-    selective: Selective | None = None  # under selective recompute; None: it cannot run so
+    # under selective recompute, one per policy that can run it (keeping most first)
+    selective: tuple[Selective, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("param_bytes", "act_bytes", "out_bytes", "fwd_flops", "bwd_flops",
@@ -175,7 +178,7 @@ class BlockGraph:
                     "bwd_flops": b.bwd_flops,
                     "fwd_temp_bytes": b.fwd_temp_bytes,
                     "bwd_temp_bytes": b.bwd_temp_bytes,
-                    "selective": asdict(b.selective) if b.selective else None,
+                    "selective": [asdict(s) for s in b.selective],
                 }
                 for b in self.blocks
             ],

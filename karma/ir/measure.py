@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -47,7 +48,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from karma.ir.blocks import BlockSpec
 from karma.ir.compute import Compute
 from karma.ir.graph import Selective, SharedSaved
-from karma.schedule import SELECTIVE_POLICIES, SELECTIVE_POLICY
+from karma.schedule import SELECTIVE_POLICY
+from karma.selective_policy import UNBOUNDED, flops_per_element, parse_policy, policy_name
 
 aten = torch.ops.aten
 
@@ -60,7 +62,7 @@ class BlockFigures:
     bwd_flops: int
     fwd_temp_bytes: int  # peak of the forward's temporaries beyond what it saves and returns
     bwd_temp_bytes: int  # peak of the backward's beyond saved, outputs and weight gradients
-    selective: Selective | None = None  # None: its policy cannot run it (_PolicyOps)
+    selective: tuple[Selective, ...] = ()  # the policies that can run it (_PolicyOps)
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ def _measure_one(submod: torch.nn.Module, args: list, from_block: list[bool],
         for a, fb in zip(args, from_block)
     ]
     live = LiveBytes(known=[*fresh, *submod.parameters(), *submod.buffers()])
-    by_op = _PolicyOps(SELECTIVE_POLICIES[SELECTIVE_POLICY])
+    by_op = _PolicyOps(SELECTIVE_POLICY)
     with compute.forward(), FlopCounterMode(display=False) as fwd_counter, live, by_op:
         out, act_bytes, saved = saved_storages(submod, *fresh, skip=skip)
     selective = by_op.figures(saved)
@@ -188,62 +190,89 @@ class LiveBytes(TorchDispatchMode):
 
 
 class _PolicyOps(TorchDispatchMode):
-    """A block's forward, op by op, as a selective policy splits it: what the policy's ops
-    return (kept), what the others read and write (recomputed).
+    """A block's forward, op by op, as selective policies split it: what the ops a policy
+    keeps return, what the others read and write (recomputed).
 
     [Note: a block's saved bytes, op by op] Selective recompute keeps what the ops its
-    policy names return (the checkpoint's cache holds each output, whether autograd saves it
+    policy keeps return (the checkpoint's cache holds each output, whether autograd saves it
     or not) and runs every other op again before the backward, which then makes again the
-    saved tensors that those ops made. So per block: the bytes the policy's ops return, each
+    saved tensors that those ops made. So per policy: the bytes its kept ops return, each
     storage once (kept from the forward to the backward, beside the block's inputs); of the
-    storages autograd saves, those the policy's ops made (the rest is what the recompute
-    makes again); and what the other ops read and write against what every op does, the
-    recompute's share of the forward's memory traffic for the roofline (views move no
-    bytes; the policy's ops carry the FLOPs). A block that changes a kept output in place
-    (an in-place activation on a matmul's result) cannot run under the policy: the
-    checkpoint refuses a cached tensor changed after it was cached.
+    storages autograd saves, those its kept ops made (the rest is what the recompute makes
+    again); what the other ops read and write against what every op does (the recompute's
+    share of the forward's memory traffic for the roofline; views move no bytes), and the
+    FLOPs of the matmuls and convolutions it recomputes. The policies: the ops
+    SELECTIVE_POLICY names, all of them, or only those of the most FLOPs an element
+    (karma/selective_policy.py, [Note: FLOPs an element]), dropping the cheapest kind first,
+    up to MAX_THRESHOLDS times. A policy that keeps an output the block changes in place (an
+    in-place activation on a matmul's result) cannot run it: the checkpoint refuses a cached
+    tensor changed after it was cached.
     """
 
-    def __init__(self, names: frozenset[str]):
+    MAX_THRESHOLDS = 2  # policies beyond keeping every op the name lists
+
+    def __init__(self, name: str):
         super().__init__()
-        self.names = names
+        self.name = name
+        self.names, _ = parse_policy(name)
         # the kept storages while they live (weakly: holding them would hold what the block
-        # frees), and their bytes each counted once when made
+        # frees), each with its op's FLOPs an element
         self.kept = WeakIdKeyDictionary()
-        self.kept_bytes = 0
-        self.changed = False  # a kept storage was written in place
+        self.kept_bytes: dict[float, int] = defaultdict(int)  # by FLOPs an element, made
+        self.changed: set[float] = set()  # FLOPs an element of kept storages written in place
         self.traffic_bytes = 0  # every op's
-        self.recompute_traffic_bytes = 0  # of the ops the policy does not name
+        self.other_traffic_bytes = 0  # of the ops the policy's name does not list
+        self.kept_traffic_bytes: dict[float, int] = defaultdict(int)  # of those it lists
+        self.kept_flops: dict[float, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(isinstance(v, torch.Tensor) and v.untyped_storage() in self.kept
-               for v in _written(func, args, kwargs)):
-            self.changed = True
+        for v in _written(func, args, kwargs):
+            if isinstance(v, torch.Tensor) and v.untyped_storage() in self.kept:
+                self.changed.add(self.kept[v.untyped_storage()])
         out = func(*args, **kwargs)
-        kept = func.overloadpacket.__name__ in self.names
-        if kept:
+        name = func.overloadpacket.__name__
+        listed = name in self.names
+        per_element = flops_per_element(name, args) if listed else 0.0
+        if listed:
             for storage in _storages(out):
                 if storage not in self.kept:
-                    self.kept[storage] = None
-                    self.kept_bytes += storage.nbytes()
+                    self.kept[storage] = per_element
+                    self.kept_bytes[per_element] += storage.nbytes()
+            if per_element != UNBOUNDED:
+                self.kept_flops[per_element] += int(
+                    per_element * sum(t.numel() for t in _tensors(out)))
         if not func.is_view:
             nbytes = sum(t.numel() * t.element_size() for t in (*_tensors(args), *_tensors(out)))
             self.traffic_bytes += nbytes
-            self.recompute_traffic_bytes += 0 if kept else nbytes
+            if listed:
+                self.kept_traffic_bytes[per_element] += nbytes
+            else:
+                self.other_traffic_bytes += nbytes
         return out
 
-    def figures(self, saved: dict[int, int]) -> Selective | None:
-        """The block's figures, given the storages it saved (saved_storages's: alive, so
-        their _cdata are theirs); None where a kept output was written in place."""
-        if self.changed:
-            return None
-        kept = {storage._cdata for storage in self.kept.keys()}
-        return Selective(
-            kept_bytes=self.kept_bytes,
-            kept_saved_bytes=sum(nbytes for cdata, nbytes in saved.items() if cdata in kept),
-            recompute_traffic_bytes=self.recompute_traffic_bytes,
-            forward_traffic_bytes=self.traffic_bytes)
+    def figures(self, saved: dict[int, int]) -> tuple[Selective, ...]:
+        """The block under each policy that can run it, given the storages it saved
+        (saved_storages's: alive, so their _cdata are theirs)."""
+        saved_by: dict[float, int] = defaultdict(int)
+        for storage, per_element in self.kept.items():
+            saved_by[per_element] += saved.get(storage._cdata, 0)
+        finite = sorted(k for k in self.kept_bytes if k != UNBOUNDED)
+        out = []
+        for least in [0, *finite[1:1 + self.MAX_THRESHOLDS]]:
+            kept = [k for k in self.kept_bytes if k >= least]
+            if any(k in kept for k in self.changed) or not kept:
+                continue  # cannot run it; or it keeps nothing: a whole recompute
+            dropped = [k for k in self.kept_bytes if k < least]
+            out.append(Selective(
+                policy=policy_name(self.name, int(least)),
+                kept_bytes=sum(self.kept_bytes[k] for k in kept),
+                kept_saved_bytes=sum(saved_by[k] for k in kept),
+                recompute_traffic_bytes=self.other_traffic_bytes + sum(
+                    self.kept_traffic_bytes[k] for k in dropped),
+                forward_traffic_bytes=self.traffic_bytes,
+                recompute_flops=sum(self.kept_flops[k] for k in dropped)))
+        return tuple(out)
 
 
 def _written(func, args, kwargs) -> list:

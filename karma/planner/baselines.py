@@ -16,7 +16,6 @@ from karma.planner.problem import Problem
 KEEP = Choice("keep")
 SWAP = Choice("swap")
 RECOMPUTE = Choice("recompute")
-SELECTIVE = Choice("selective")
 
 
 def keep_all(problem: Problem, capacity_bytes: int,
@@ -34,10 +33,11 @@ def recompute_all(problem: Problem, capacity_bytes: int,
 def selective_all(problem: Problem, capacity_bytes: int,
                   training: Training = PLAIN) -> Plan:
     """Selective checkpointing of every block its policy can run (torchtitan's default,
-    op-level selective activation checkpointing: keep what matmuls return, recompute the
-    rest); the others recompute whole."""
-    return Plan("selective_all", tuple(SELECTIVE if b.selective is not None else RECOMPUTE
-                                       for b in problem.blocks))
+    op-level selective activation checkpointing: keep what every matmul returns, recompute
+    the rest); the others recompute whole."""
+    return Plan("selective_all", tuple(
+        Choice("selective", policy=b.selective[0].policy) if b.selective else RECOMPUTE
+        for b in problem.blocks))
 
 
 def swap_all(problem: Problem, capacity_bytes: int,

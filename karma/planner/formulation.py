@@ -326,5 +326,7 @@ _ACT_TAGS = {"keep": "k", "swap": "s", "recompute": "r", "selective": "c"}  # on
 
 
 def _tag(c: Choice) -> str:
-    """A variable name's part for choice c, unique among choices."""
-    return f"{_ACT_TAGS[c.act]}{c.weights[0]}{c.optim[0]}{c.ahead}"
+    """A variable name's part for choice c, unique among choices (a selective policy's
+    threshold after its letter: karma/selective_policy.py)."""
+    least = c.policy.partition("@")[2] if c.act == "selective" else ""
+    return f"{_ACT_TAGS[c.act]}{least}{c.weights[0]}{c.optim[0]}{c.ahead}"

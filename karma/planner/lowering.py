@@ -58,30 +58,32 @@ class Choice:
     weights: str = "resident"  # resident | streamed
     optim: str = "device"  # device | host
     ahead: int = 1  # stages before its use that a swap-in or weight fetch is issued (1 or 2)
+    policy: str = ""  # selective: which ops it keeps (BlockEntry.policy); "" for other acts
 
     def __post_init__(self) -> None:
         if self.act not in ACT_CHOICES or self.weights not in WEIGHT_CHOICES \
-                or self.optim not in OPTIM_CHOICES or self.ahead not in (1, 2):
+                or self.optim not in OPTIM_CHOICES or self.ahead not in (1, 2) \
+                or bool(self.policy) != (self.act == "selective"):
             raise ValueError(f"not a choice: {self}")
         if self.weights == "streamed" and self.optim != "host":
             raise ValueError("streamed weights are stepped on the host")
 
 
 def valid_choices(problem: Problem, i: int) -> list[Choice]:
-    """Choices block i may take: the last block cannot swap (its backward comes next); only a
-    block its policy can run is selective; a block that copies nothing in has no prefetch
-    distance to choose."""
+    """Choices block i may take: the last block cannot swap (its backward comes next); it is
+    selective under each policy that can run it; a block that copies nothing in has no
+    prefetch distance to choose."""
     n = len(problem.blocks)
-    acts = ("keep", "swap", "recompute") if i < n - 1 else ("keep", "recompute")
-    if problem.blocks[i].selective is not None:
-        acts += ("selective",)
+    acts = [(a, "") for a in (("keep", "swap", "recompute") if i < n - 1
+                               else ("keep", "recompute"))]
+    acts += [("selective", s.policy) for s in problem.blocks[i].selective]
     wo = [("resident", "device"), ("resident", "host"), ("streamed", "host")]
     out = []
-    for a in acts:
+    for a, policy in acts:
         for w, o in wo:
             fetches = a == "swap" or w == "streamed"
             for ahead in (1, 2) if fetches and i + 2 <= n - 1 else (1,):
-                out.append(Choice(a, w, o, ahead))
+                out.append(Choice(a, w, o, ahead, policy))
     return out
 
 
@@ -187,7 +189,7 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
     fwd = f.op(("forward", i), "forward", i, st.fwd(i), "compute", b.fwd_s)
     if c.act in RECOMPUTE_ACTS:
         f.op(("recompute", i), "recompute", i, st.bwd(i), "compute",
-             b.fwd_s if c.act == "recompute" else b.selective.recompute_s)
+             b.fwd_s if c.act == "recompute" else b.selective_under(c.policy).recompute_s)
     bwd = f.op(("backward", i), "backward", i, st.bwd(i), "compute", b.bwd_s)
     f.buffer(f"tmp.f.{i}", i, b.fwd_temp_bytes, fwd, fwd)
     f.buffer(f"tmp.b.{i}", i, b.bwd_temp_bytes, bwd, bwd)
@@ -225,8 +227,9 @@ def _activations(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice, f
         # selective one all but those its policy's ops made, which it kept
         remade = b.act_bytes + b.shared_made_bytes
         if c.act == "selective":
-            f.buffer(f"sac.{i}", i, b.selective.kept_bytes, fwd, bwd)
-            remade = b.selective.recompute_bytes
+            sel = b.selective_under(c.policy)
+            f.buffer(f"sac.{i}", i, sel.kept_bytes, fwd, bwd)
+            remade = sel.recompute_bytes
         f.buffer(f"act.{i}@re", i, remade, ("recompute", i), bwd)
         f.buffer(f"tmp.r.{i}", i, b.fwd_temp_bytes, ("recompute", i), ("recompute", i))
 

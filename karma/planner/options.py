@@ -56,6 +56,9 @@ class PlanOptions:
     # the kernel host-stepped blocks step with, one of HOST_OPTIMIZERS (--host-optimizer):
     # torch's fused CPU kernel where it is the same optimizer, or the model file's as given
     host_optimizer: str = "fused"
+    # whether a block may recompute selectively (--no-selective: not; karma/schedule.py,
+    # [Note: selective recompute])
+    selective: bool = True
     # derived and checked in __post_init__
     profile: Hardware = field(init=False, repr=False, compare=False)  # `hardware`, loaded
     # ranks per node: nproc_per_node, or the profile's default where it is None

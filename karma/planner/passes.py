@@ -25,7 +25,7 @@ from karma.planner.lowering import Training
 from karma.planner.options import PlanOptions
 from karma.planner.plan import Evaluation, Plan, evaluate
 from karma.planner.prefetch import refine_prefetch
-from karma.planner.problem import Measurements, Problem, build_problem
+from karma.planner.problem import Measurements, Problem, build_problem, without_selective
 
 
 @dataclass(frozen=True)
@@ -62,14 +62,19 @@ class Planning:
     def problem_with(self, host_state: str) -> Problem:
         """The problem with this host state, on the options' ranks."""
         o = self.options
-        return build_problem(self.graph, o.profile, o.dtype, o.world_size, self.optimizer,
-                             self.measured, o.ranks_per_node, host_state, o.host_mem)
+        return self._choosable(build_problem(
+            self.graph, o.profile, o.dtype, o.world_size, self.optimizer, self.measured,
+            o.ranks_per_node, host_state, o.host_mem))
 
     def one_rank(self) -> Problem:
         """The same training on one rank (what the scaling efficiency is against)."""
         o = self.options
-        return build_problem(self.graph, o.profile, o.dtype, 1, self.optimizer, self.measured,
-                             1, "replicated", o.host_mem)
+        return self._choosable(build_problem(self.graph, o.profile, o.dtype, 1, self.optimizer,
+                                             self.measured, 1, "replicated", o.host_mem))
+
+    def _choosable(self, problem: Problem) -> Problem:
+        """`problem` with the choices the options allow (--no-selective: none selective)."""
+        return problem if self.options.selective else without_selective(problem)
 
     def evaluate(self, plan: Plan, problem: Problem | None = None) -> Evaluation:
         return evaluate(problem or self.problem, plan, self.capacity_bytes, self.training)

@@ -22,7 +22,7 @@ from karma.planner.passes import PASSES, Planning
 from karma.planner.plan import Evaluation, InfeasiblePlan, Plan
 from karma.planner.problem import ESTIMATED, Measurements
 from karma.planner.report import PlanReport
-from karma.schedule import SELECTIVE_POLICY, BlockEntry, ModelRef, Predicted, Schedule, TrainConfig
+from karma.schedule import BlockEntry, ModelRef, Predicted, Schedule, TrainConfig
 from karma.units import format_bytes
 
 
@@ -113,7 +113,7 @@ def schedule_from(graph: BlockGraph, model: ModelRef, options: PlanOptions, ev: 
             index=b.index, name=b.name, modules=b.modules, params=b.params,
             shared_params=b.shared_params, act=c.act, weights=c.weights, optim=c.optim,
             param_bytes=b.param_bytes, act_bytes=b.act_bytes,
-            policy=SELECTIVE_POLICY if c.act == "selective" else "",
+            policy=c.policy,
         )
         for b, c in zip(graph.blocks, ev.plan.choices)
     )

@@ -18,6 +18,7 @@ are one process's, alone on the machine; a rank shares its node with the node's 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -61,9 +62,13 @@ class BlockCost:
     # it again
     held_in_bytes: int = 0  # of in_bytes, the shared saved tensors made by earlier blocks:
     # held for it already (HeldSaved), so a recompute's checkpoint keeps nothing more for them
-    # selective recompute (karma/schedule.py, [Note: selective recompute]); None: the block
-    # cannot run under the policy
-    selective: SelectiveCost | None = None
+    # selective recompute (karma/schedule.py, [Note: selective recompute]), one per policy
+    # that can run the block (keeping most first); none: it cannot
+    selective: tuple[SelectiveCost, ...] = ()
+
+    def selective_under(self, policy: str) -> SelectiveCost:
+        """Its costs under `policy`, one of those that can run it."""
+        return next(s for s in self.selective if s.policy == policy)
 
     @property
     def swap_bytes(self) -> int:
@@ -82,12 +87,14 @@ class SelectiveCost:
     """A block's costs under selective recompute, beside its inputs' checkpoint (ckpt_bytes).
 
     [Note: the selective recompute's time] Its recompute runs the ops the policy does not
-    name, whose time is measured where the blocks are (calibration), or else the forward's
+    keep, whose time is measured where the blocks are (calibration), or else the forward's
     in the share that the roofline gives them: their memory traffic at the memory bandwidth
-    over the forward's FLOPs and traffic (the policy's ops carry the FLOPs). Taken as a share
-    of the forward's time, it is never more than a whole recompute's.
+    and the FLOPs of the matmuls among them at the matmul rate, over the forward's FLOPs and
+    traffic. Taken as a share of the forward's time, it is never more than a whole
+    recompute's.
     """
 
+    policy: str  # BlockEntry.policy: which ops it keeps
     kept_bytes: int  # what its policy's ops return, kept from its forward to its backward
     recompute_bytes: int  # the saved bytes its recompute makes again (its own act_bytes and
     # the shared ones it made, less what the policy's ops made)
@@ -223,9 +230,9 @@ class Measurements:
     optimizer_step_s: tuple[tuple[float, float], ...] | None = None
     process_bytes: int = 0  # the process outside its tensors while training (Problem's)
     loss_s: float | None = None  # the loss's forward and backward
-    # per block, its selective recompute's seconds (None where not measured: [Note: the
-    # selective recompute's time])
-    selective_s: tuple[float | None, ...] | None = None
+    # per block, its selective recompute's seconds by policy (a policy left out: not
+    # measured; [Note: the selective recompute's time])
+    selective_s: tuple[Mapping[str, float], ...] | None = None
 
     @property
     def blocks_measured(self) -> bool:
@@ -293,6 +300,11 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         nproc_per_node=nproc_per_node,
         host_state=host_state,
     )
+
+
+def without_selective(problem: Problem) -> Problem:
+    """`problem` with no block able to recompute selectively (karma-plan --no-selective)."""
+    return replace(problem, blocks=tuple(replace(b, selective=()) for b in problem.blocks))
 
 
 def _shared_saved(graph: BlockGraph) -> tuple[list[int], list[int], list[int],
@@ -373,11 +385,10 @@ def _block_cost(b: Block, i: int, shared_saved_bytes: int, hw: Hardware, dtype: 
     else:
         device_step_s = DEVICE_STEP_TRAFFIC * b.param_bytes / hw.mem_bytes_per_s
         host_step_s = b.param_bytes / hw.host_optim_bytes_per_s
-    selective = _selective_cost(b, i, fwd_s, traffic, shared_made_bytes, hw, dtype, measured)
+    selective = _selective_costs(b, i, fwd_s, traffic, shared_made_bytes, hw, dtype, measured)
     fwd_s, bwd_s, device_step_s = (t * share.compute for t in (fwd_s, bwd_s, device_step_s))
     host_step_s *= share.host
-    if selective is not None:
-        selective = replace(selective, recompute_s=selective.recompute_s * share.compute)
+    selective = tuple(replace(s, recompute_s=s.recompute_s * share.compute) for s in selective)
     net = (b.param_bytes, world_size, hw.net_bytes_per_s, hw.net_latency_s)
     return BlockCost(
         name=b.name, fwd_s=fwd_s, bwd_s=bwd_s, param_bytes=b.param_bytes,
@@ -391,20 +402,23 @@ def _block_cost(b: Block, i: int, shared_saved_bytes: int, hw: Hardware, dtype: 
         selective=selective)
 
 
-def _selective_cost(b: Block, i: int, fwd_s: float, traffic: int, shared_made_bytes: int,
-                    hw: Hardware, dtype: str, measured: Measurements) -> SelectiveCost | None:
-    """Block i's selective costs (None where its policy cannot run it), its recompute timed
-    or a share of its forward ([Note: the selective recompute's time])."""
-    sel = b.selective
-    if sel is None:
-        return None
-    timed = measured.selective_s[i] if measured.selective_s is not None else None
-    if timed is None:
-        mem_s = traffic / hw.mem_bytes_per_s  # as _block_cost's roofline
-        whole_s = b.fwd_flops / hw.flops_per_s[dtype] + mem_s
-        share = mem_s * sel.recompute_traffic_bytes / max(sel.forward_traffic_bytes, 1)
-        timed = fwd_s * share / whole_s if whole_s > 0 else 0.0
-    return SelectiveCost(
-        kept_bytes=sel.kept_bytes,
-        recompute_bytes=max(0, b.act_bytes + shared_made_bytes - sel.kept_saved_bytes),
-        recompute_s=timed)
+def _selective_costs(b: Block, i: int, fwd_s: float, traffic: int, shared_made_bytes: int,
+                     hw: Hardware, dtype: str, measured: Measurements
+                     ) -> tuple[SelectiveCost, ...]:
+    """Block i's costs under each policy that can run it, its recompute timed or a share of
+    its forward ([Note: the selective recompute's time])."""
+    timed = measured.selective_s[i] if measured.selective_s is not None else {}
+    mem_s = traffic / hw.mem_bytes_per_s  # as _block_cost's roofline
+    whole_s = b.fwd_flops / hw.flops_per_s[dtype] + mem_s
+    out = []
+    for sel in b.selective:
+        recompute_s = timed.get(sel.policy)
+        if recompute_s is None:
+            part_s = (mem_s * sel.recompute_traffic_bytes / max(sel.forward_traffic_bytes, 1)
+                      + sel.recompute_flops / hw.flops_per_s[dtype])
+            recompute_s = fwd_s * min(part_s / whole_s, 1.0) if whole_s > 0 else 0.0
+        out.append(SelectiveCost(
+            policy=sel.policy, kept_bytes=sel.kept_bytes,
+            recompute_bytes=max(0, b.act_bytes + shared_made_bytes - sel.kept_saved_bytes),
+            recompute_s=recompute_s))
+    return tuple(out)

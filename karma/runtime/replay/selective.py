@@ -10,13 +10,13 @@ and its recompute run under torch.utils.checkpoint's selective contexts, one dis
 that stores what the policy saves and one that hands it back in the recompute. Either way the
 recompute restores the module's buffers afterwards (a BatchNorm's running statistics are
 updated once, by the forward). The same code serves the CPU and CUDA backends: the policy
-looks only at operator names.
+looks only at operator names and their arguments' shapes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from functools import partial
 
@@ -24,7 +24,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from karma.errors import KarmaError
-from karma.schedule import SELECTIVE_POLICIES, BlockEntry
+from karma.schedule import BlockEntry
+from karma.selective_policy import kept_by
 
 # what torch.utils.checkpoint says when a tensor its selective contexts keep changed in place
 _MUTATED = "cached during selective activation checkpoint has been mutated"
@@ -37,17 +38,15 @@ def checkpoint_contexts(block: BlockEntry, buffers: list[torch.Tensor]
     if block.act != "selective":
         return contextlib.nullcontext(), _restore_buffers(buffers)
     forward, recompute = create_selective_checkpoint_contexts(
-        partial(_save_named, SELECTIVE_POLICIES[block.policy]))
+        partial(_save_kept, kept_by(block.policy)))
     return forward, _recompute(block, recompute, buffers)
 
 
-def _save_named(names: Collection[str], ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """The policy: keep the outputs of the operators named (every overload), recompute the
-    others."""
-    packet = getattr(op, "overloadpacket", None)  # None: a higher-order operator
-    if packet is not None and packet.__name__ in names:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def _save_kept(keeps: Callable[[object, tuple], bool], ctx, op, *args,
+               **kwargs) -> CheckpointPolicy:
+    """The policy: keep the outputs of the ops it keeps (karma/selective_policy.py),
+    recompute the others."""
+    return CheckpointPolicy.MUST_SAVE if keeps(op, args) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @contextlib.contextmanager
