@@ -2,13 +2,15 @@
 the CPU backend.
 
     .venv/bin/python bench/price.py [--budgets 400M,600M,800M] [--rounds 3] [--steps 9]
-                                    [--no-trace] [--json FILE] [--keep DIR]
+                                    [--no-trace] [--json FILE] [--keep DIR] [--no-selective-too]
 
 The GPT of 8 layers, width 512, 8 heads, a vocabulary of 8192, sequence 256, batch 8
 (examples/gpt.py, KARMA_GPT=8x512x8x8192; keep_all peaks at 1.1 GiB; at GPT-2's vocabulary of
 50257 its output layer alone would need 1.4 GiB at this batch) is planned for this machine (`--hardware cpu`, block
 times measured in keep_all steps, taken again here with `--remeasure` so that every planned
-time is of this sitting): keep_all with unlimited memory, and the ILP at each budget.
+time is of this sitting): keep_all with unlimited memory, and the ILP at each budget (with
+--no-selective-too, at each budget also without selective recompute: karma-plan
+--no-selective, the budget's name followed by "-nosel").
 
 Then `--rounds` rounds, each training every plan `--steps` steps in a fresh karma-run, the
 plans' order rotated by one each round. A run's step time is the median of its steps after
@@ -49,11 +51,16 @@ def run(cmd: list[str], env: dict) -> str:
     return done.stdout
 
 
-def plan(env: dict, out: Path, gpu_mem: str, keep_all: bool = False) -> dict:
+NO_SELECTIVE = "-nosel"  # a budget's name with this suffix: planned with --no-selective
+
+
+def plan(env: dict, out: Path, name: str, keep_all: bool = False) -> dict:
+    gpu_mem = name.removesuffix(NO_SELECTIVE)
     return json.loads(run([str(BIN / "karma-plan"), "examples/gpt.py", "--hardware", "cpu",
                            "--gpu-mem", gpu_mem, "--batch-size", str(BATCH), "--json",
                            "-o", str(out),
-                           *(["--strategy", "keep_all", "--remeasure"] if keep_all else [])],
+                           *(["--strategy", "keep_all", "--remeasure"] if keep_all else []),
+                           *(["--no-selective"] if name.endswith(NO_SELECTIVE) else [])],
                           env))
 
 
@@ -133,12 +140,17 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=9)
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--json", type=Path)
+    p.add_argument("--no-selective-too", action="store_true",
+                   help="plan each budget without selective recompute too (karma-plan "
+                        "--no-selective), beside the default")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="leave the schedules, reports and traces in DIR (default: a temporary "
                         "directory, removed)")
     args = p.parse_args()
     env = {**os.environ, **ENV}
-    names = ["keep_all", *args.budgets.split(",")]
+    budgets = args.budgets.split(",")
+    names = ["keep_all", *(b + s for b in budgets
+                           for s in (("", NO_SELECTIVE) if args.no_selective_too else ("",)))]
     where = contextlib.nullcontext(args.keep) if args.keep else \
         tempfile.TemporaryDirectory(prefix="karma-price-")
     with where as tmp:
@@ -171,7 +183,7 @@ def main() -> int:
         prices = [a / b for a, b in zip(runs, keep)]
         predicted = plans[n]["step_s"] / plans["keep_all"]["step_s"]
         rows.append({
-            "plan": n, "predicted_s": plans[n]["step_s"],
+            "plan": n, "predicted_s": plans[n]["step_s"], "decisions": plans[n]["decisions"],
             "measured_s": statistics.median(runs), "runs_s": runs,
             "predicted_price": predicted, "measured_price": statistics.median(prices),
             "prices": prices,
@@ -183,8 +195,9 @@ def main() -> int:
     print("side streams as calibrated: " + ", ".join(f"{k} {v:g}" for k, v in fitted.items()))
     print("| plan | predicted step | measured step | predicted price | measured price (median) "
           "| range over rounds | within 10% | step spread (max/min) | "
-          + " | ".join(f"{s} busy / planned" for s in SIDE_STREAMS) + " |")
-    print("|---|---:|---:|---:|---:|---|---|---:|" + "---:|" * len(SIDE_STREAMS))
+          + " | ".join(f"{s} busy / planned" for s in SIDE_STREAMS)
+          + " | keep / swap / recompute / selective |")
+    print("|---|---:|---:|---:|---:|---|---|---:|" + "---:|" * len(SIDE_STREAMS) + "---|")
     keep_spread = rows[0]["step_spread"]
     for r in rows:
         within = abs(r["measured_price"] / r["predicted_price"] - 1) <= 0.10
@@ -194,7 +207,9 @@ def main() -> int:
         print(f"| {r['plan']} | {r['predicted_s']:.2f} s | {r['measured_s']:.2f} s "
               f"| {r['predicted_price']:.3f} | {r['measured_price']:.3f} "
               f"| {min(r['prices']):.3f}-{max(r['prices']):.3f} | {'yes' if within else 'no'} "
-              f"| {r['step_spread']:.2f} | {busy_cells} |")
+              f"| {r['step_spread']:.2f} | {busy_cells} | "
+              + " / ".join(str(r["decisions"].get(a, 0))
+                           for a in ("keep", "swap", "recompute", "selective")) + " |")
     print(f"keep_all's step spread {keep_spread:.2f}; out-of-core plans within it + 10%: "
           + ", ".join(f"{r['plan']} {'yes' if r['step_spread'] <= keep_spread + 0.10 else 'no'}"
                       for r in rows[1:]))
