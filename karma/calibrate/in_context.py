@@ -47,6 +47,15 @@ GPT layer's 40 ops took 0.98 ms under the caching mode, 0.33 ms plain: 16 us an 
 selective recompute costs more than a whole one; the roofline's share said 0.2x for the tiny
 GPT's layers, and 0.02x for GPT-2 small's.
 Ratios of blocks under a millisecond vary by 10-20% from run to run.
+Against the runtime (karma-run training every block selective, one thread): a selective
+layer's backward took longer than a kept one's by 1.16-1.33 ms on the tiny GPT (predicted
+0.96 ms) and by 9.8-10.5 ms on a 2x256x4 GPT at sequence 128, batch 4 (predicted 4.4 ms: its
+forward in context 16.4 ms times 0.29). Alone, that layer's recompute inside checkpoint took
+4.15 ms (timed here 3.75 ms), and checkpoint added about 2 ms more to its backward, as it
+does to a whole recompute's, which neither time counts; the rest came with the context, so
+the prediction errs fast. A selective block's forward runs under the caching mode too: 1.30-
+1.38 ms against 0.45-0.53 ms kept on the tiny GPT, 17.2-17.5 against 13.1-15.2 ms on the
+wider one, which the planner does not count either (it charges the plain forward).
 
 Then, with the block times just measured, the runtime trains PROBE_STEPS steps of an
 out-of-core probe, and the side streams' contention fractions and wait are fitted to its traced
