@@ -3,9 +3,10 @@
     cal = calibrate(mf, graph, options, planning)   # options: PlanOptions; planning: FromPlanning
     cal.hardware        # the profile to plan with: built-in sizes, this machine's rates (on
                         # the CPU, the side streams' fractions and wait fitted in context)
-    cal.measured        # planner.problem.Measurements: per block (fwd s, bwd s) and (device s,
-                        # host s) of its optimizer step, the process outside its tensors
-                        # (CPU), the loss; None or 0 where estimated
+    cal.measured        # planner.problem.Measurements: per block (fwd s, bwd s), its
+                        # selective recompute's s and (device s, host s) of its optimizer
+                        # step, the process outside its tensors (CPU), the loss; None or 0
+                        # where estimated
     cal.summary         # one line for karma-plan: where the block times came from
 
 One way through: `calibrate` is the entry, and what it needs from planning (the roofline
@@ -42,9 +43,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
-from karma.calibrate.blocks import Timed, blocks_key, read_times, timed_alone
+from karma.calibrate.blocks import Timed, blocks_key, read_times, selective_ratios, timed_alone
 from karma.calibrate.cache import cache_path, write
 from karma.calibrate.host_step import host_step_times
 from karma.calibrate.in_context import timed_in_context
@@ -152,11 +154,11 @@ def _block_times(mf: ModelFile, graph: BlockGraph, planning: FromPlanning, devic
                  blocks_regex: str | None, say: Callable[[str], None],
                  in_context_hw: Hardware | None = None, remeasure: bool = False,
                  host_optimizer: str = "fused") -> tuple[Timed, Path, bool]:
-    """Every block's (fwd s, bwd s) at the graph's batch and (device s, host s) of its
-    optimizer step, where they were timed, and whether now (else from the cache). With
-    `in_context_hw` (this machine's CPU profile), in a whole training step if one fits
-    ([Note: block times in context]), else block by block. `host_optimizer`: the host
-    kernel (blocks_key)."""
+    """Every block's (fwd s, bwd s) at the graph's batch, its selective recompute's s and
+    (device s, host s) of its optimizer step, where they were timed, and whether now (else
+    from the cache). With `in_context_hw` (this machine's CPU profile), in a whole training
+    step if one fits ([Note: block times in context]), else block by block.
+    `host_optimizer`: the host kernel (blocks_key)."""
     key = blocks_key(mf, graph, device, blocks_regex, in_context_hw is not None,
                      host_optimizer)
     path = cache_path("blocks", key)
@@ -165,8 +167,10 @@ def _block_times(mf: ModelFile, graph: BlockGraph, planning: FromPlanning, devic
         return cached, path, False
     timed, how = None, {}
     if in_context_hw is not None:
+        ratios = partial(selective_ratios, mf, graph, planning.roofline_s, device,
+                         blocks_regex, say)
         timed = timed_in_context(graph, in_context_hw, planning.keep_all, path, say, remeasure,
-                                 planning.probe)
+                                 planning.probe, ratios)
     if timed is None:  # not in context, or a keep_all step does not fit or failed
         timed, how = timed_alone(mf, graph, planning.roofline_s, device, blocks_regex, path,
                                  say, remeasure)

@@ -1,5 +1,5 @@
-"""Block times: every distinct block's forward and backward and the model file's optimizer
-stepping its weights, measured on this machine and cached.
+"""Block times: every distinct block's forward, backward and selective recompute and the
+model file's optimizer stepping its weights, measured on this machine and cached.
 
 The cache key: the machine, the model file's sha256 and KARMA_* environment, the block
 graph's hash, the batch size, the dtype, --blocks, and whether the times were taken in a
@@ -9,8 +9,8 @@ keep_all step (in_context.py) or block by block (karma.ir.timing).
 a CPU (GPT-2 small's output layer alone does 1.9 TFLOP per step at batch 8). Blocks are timed
 at the largest batch whose roofline estimate from the profile given (not the measured one:
 a quick matmul's rate varies threefold between runs on a shared machine), one forward and
-backward of each distinct block, stays under _TIMING_BUDGET_S, and their times are scaled by
-the plan's batch over that one. A block's work is proportional to its batch, so this is close
+backward of each distinct block, stays under _TIMING_BUDGET_S, and their times (the
+selective recompute's too) are scaled by the plan's batch over that one. A block's work is proportional to its batch, so this is close
 once a batch fills the device; what does not grow with the batch (per-call overheads, an
 embedding's dense weight gradient) is scaled up too, which errs slow. GPT-2 small (sequence
 1024) on the 2-core machine: timed at batch 2, its layers' time per sample is 1.445 s against
@@ -35,6 +35,9 @@ from karma.planner.problem import Measurements
 from karma.schedule import model_env
 
 _TIMING_BUDGET_S = 15.0  # see [Note: timing at a smaller batch]
+# the blocks' forwards and selective recomputes timed alone, for their ratio in context: see
+# [Note: the selective recompute in context] in in_context.py
+_RATIO_BUDGET_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,16 @@ class Timed:
     # steps (in context: [Note: side streams timed in context] in planner/fit_contention.py),
     # else None
     side_streams: dict[str, float] | None = None
+    # per block, its selective recompute's seconds (None where its policy cannot run it), or
+    # None: not timed (Measurements.selective_s)
+    selective_s: tuple[float | None, ...] | None = None
 
     @property
     def measured(self) -> Measurements:
         """What the planner takes from it."""
         return Measurements(tuple(map(tuple, self.fwd_bwd_s)), tuple(map(tuple, self.step_s)),
-                        self.process_bytes, self.loss_s)
+                            self.process_bytes, self.loss_s,
+                            None if self.selective_s is None else tuple(self.selective_s))
 
 
 def blocks_key(mf: ModelFile, graph: BlockGraph, device: str, blocks_regex: str | None,
@@ -86,14 +93,19 @@ def read_times(path: Path, n_blocks: int) -> Timed | None:
         loss_s = None if data.get("loss_s") is None else float(data["loss_s"])
         side = data.get("side_streams")
         side = None if side is None else {str(k): float(v) for k, v in side.items()}
+        selective = data["selective_s"]  # a file without it holds other numbers: measure
+        selective = None if selective is None else tuple(
+            None if s is None else float(s) for s in selective)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
     ok = (len(times) == len(steps) == n_blocks
           and all(math.isfinite(t) and t >= 0 for p in (*times, *steps) for t in p)
           and isinstance(process_bytes, int) and process_bytes >= 0
           and (loss_s is None or (math.isfinite(loss_s) and loss_s >= 0))
-          and (side is None or all(0 <= v < 1 for v in side.values())))
-    return Timed(times, steps, process_bytes, where, loss_s, side) if ok else None
+          and (side is None or all(0 <= v < 1 for v in side.values()))
+          and (selective is None or (len(selective) == n_blocks and all(
+              s is None or (math.isfinite(s) and s >= 0) for s in selective))))
+    return Timed(times, steps, process_bytes, where, loss_s, side, selective) if ok else None
 
 
 def timed_alone(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float], device: str,
@@ -114,23 +126,44 @@ def timed_alone(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float], d
                          f"{', '.join(timed.names)}, not the plan's; plan with --no-measure")
     scale = graph.batch_size / batch
     times = tuple((fwd * scale, bwd * scale) for fwd, bwd in timed.fwd_bwd_s)
+    selective = tuple(None if s is None else s * scale for s in timed.selective_s)
     steps = tuple(_owned_share(b.param_bytes, stepped, step)
                   for b, stepped, step in zip(graph.blocks, timed.stepped_bytes, timed.step_s))
     how = {"timed_batch_size": batch, "distinct_blocks": timed.distinct}
-    return Timed(times, steps, 0, "block by block"), how
+    return Timed(times, steps, 0, "block by block", selective_s=selective), how
 
 
-def timing_batch(graph: BlockGraph, roofline_s: Sequence[float]) -> int:
+def selective_ratios(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float],
+                     device: str, blocks_regex: str | None, say: Callable[[str], None]
+                     ) -> tuple[float | None, ...]:
+    """Each block's selective recompute over its forward, both timed alone (karma.ir.timing,
+    forward only) at the batch `timing_batch` picks within _RATIO_BUDGET_S; None where its
+    policy cannot run it ([Note: the selective recompute in context] in in_context.py)."""
+    batch = timing_batch(graph, roofline_s, _RATIO_BUDGET_S)
+    say(f"timing the forwards and selective recomputes of {graph.model}'s blocks alone "
+        f"({device}, batch {batch}) for their ratio")
+    with allocating_as_the_runtime_does(device):
+        timed = time_blocks(mf, batch, blocks_regex, device, graph.dtype, forward_only=True)
+    if timed.names != tuple(b.name for b in graph.blocks):
+        raise KarmaError(f"timing {graph.model} at batch {batch} found the blocks "
+                         f"{', '.join(timed.names)}, not the plan's; plan with --no-measure")
+    return tuple(None if s is None or fwd <= 0 else s / fwd
+                 for (fwd, _), s in zip(timed.fwd_bwd_s, timed.selective_s))
+
+
+def timing_batch(graph: BlockGraph, roofline_s: Sequence[float],
+                 budget_s: float = _TIMING_BUDGET_S) -> int:
     """The batch to time blocks at, from each block's forward and backward seconds by the
-    profile's roofline (see [Note: timing at a smaller batch])."""
+    profile's roofline: the largest whose distinct blocks take `budget_s` at most (see [Note:
+    timing at a smaller batch])."""
     distinct = {}
     for b, seconds in zip(graph.blocks, roofline_s):
         shape = (b.param_bytes, b.act_bytes, b.out_bytes, b.fwd_flops, b.bwd_flops)
         distinct[shape] = seconds
     estimate_s = sum(distinct.values())
-    if estimate_s <= _TIMING_BUDGET_S:
+    if estimate_s <= budget_s:
         return graph.batch_size
-    return max(1, math.floor(graph.batch_size * _TIMING_BUDGET_S / estimate_s))
+    return max(1, math.floor(graph.batch_size * budget_s / estimate_s))
 
 
 def _owned_share(param_bytes: int, stepped_bytes: int, step_s: tuple[float, float]

@@ -22,6 +22,41 @@ third step alone ran 0.82-1.21x their predictions. So the trace's times are scal
 median of the steps after the first over the third's own time.
 Otherwise, or if that fails, the blocks are timed alone (blocks.py).
 
+[Note: the selective recompute in context] A keep_all step runs no selective recompute, and
+the runtime's trace would not time one apart from the backward it precedes. So a block's
+selective recompute in context is its forward in context times the ratio of the two timed
+alone (blocks.selective_ratios; karma.ir.timing's [Note: timing the selective recompute]).
+A ratio rather than the time alone, because in context the blocks run slower than alone (the
+tiny GPT's forwards 1.3-3.1x) and the planner weighs a selective recompute against a whole
+one, which is the forward in context. The ratio's timing is kept cheap: forward and selective
+recompute only (no backward, no optimizer step), each distinct block once (median of three
+after a warm-up), at the largest batch whose roofline estimate of a forward and backward of
+every distinct block stays within blocks._RATIO_BUDGET_S (5 s); the result is cached in the
+blocks file with the rest. Where that timing fails, the roofline's share of the forward
+stands in (problem.py, [Note: the selective recompute's time]). Measured on the 2-core
+machine (one thread, under other jobs' load), forward alone, selective recompute alone, ratio:
+  tiny GPT (KARMA_GPT=tiny, batch 4): a layer 0.34 ms, 0.63 ms, 1.8x; head and tail 1.9x;
+  in context a layer's forward took 0.53-0.55 ms, its selective recompute so 0.96 ms; the
+  ratios' timing (trace included) took 0.2-0.4 s of a 14.5 s calibration;
+  tiny ResNet (KARMA_RESNET=tiny, batch 8): the bottlenecks 0.25-0.45 ms, 0.31-0.56 ms,
+  0.87-1.7x (0.68-1.4x in the forward-only timing); the ratios' timing took 0.5 s;
+  GPT-2 small at sequence 128: a layer 87 ms, 9.5 ms, 0.11 at batch 4, and 0.13 at batch 1
+  (a smaller batch errs slow: the Python per op weighs more).
+At the tiny sizes the dispatch modes' Python outweighs the matmuls the recompute skips (a tiny
+GPT layer's 40 ops took 0.98 ms under the caching mode, 0.33 ms plain: 16 us an op), so a
+selective recompute costs more than a whole one; the roofline's share said 0.2x for the tiny
+GPT's layers, and 0.02x for GPT-2 small's.
+Ratios of blocks under a millisecond vary by 10-20% from run to run.
+Against the runtime (karma-run training every block selective, one thread): a selective
+layer's backward took longer than a kept one's by 1.16-1.33 ms on the tiny GPT (predicted
+0.96 ms) and by 9.8-10.5 ms on a 2x256x4 GPT at sequence 128, batch 4 (predicted 4.4 ms: its
+forward in context 16.4 ms times 0.29). Alone, that layer's recompute inside checkpoint took
+4.15 ms (timed here 3.75 ms), and checkpoint added about 2 ms more to its backward, as it
+does to a whole recompute's, which neither time counts; the rest came with the context, so
+the prediction errs fast. A selective block's forward runs under the caching mode too: 1.30-
+1.38 ms against 0.45-0.53 ms kept on the tiny GPT, 17.2-17.5 against 13.1-15.2 ms on the
+wider one, which the planner does not count either (it charges the plain forward).
+
 Then, with the block times just measured, the runtime trains PROBE_STEPS steps of an
 out-of-core probe, and the side streams' contention fractions and wait are fitted to its traced
 steps ([Note: side streams timed in context] in karma/planner/fit_contention.py).
@@ -79,10 +114,14 @@ _BUDGET_S = 120.0  # the keep_all steps at most this long (roofline): [Note: blo
 
 def timed_in_context(graph: BlockGraph, hw: Hardware, keep_all: Callable[[Hardware], Schedule],
                      path: Path, say: Callable[[str], None], remeasure: bool = False,
-                     probe: Callable[[Hardware, Timed], Probe] | None = None) -> Timed | None:
+                     probe: Callable[[Hardware, Timed], Probe] | None = None,
+                     ratios: Callable[[], tuple[float | None, ...]] | None = None
+                     ) -> Timed | None:
     """Every block of `graph` timed in keep_all steps on this machine (`keep_all(hw)`: the
     keep_all schedule of `graph` on `hw`, this machine's profile), or None where a step does
-    not fit or fails; with `probe`, the side streams' fractions and wait too, fitted to a probe's
+    not fit or fails; with `ratios` (each block's selective recompute over its forward, timed
+    alone: blocks.selective_ratios), its selective recompute ([Note: the selective recompute
+    in context]); with `probe`, the side streams' fractions and wait too, fitted to a probe's
     steps ([Note: side streams timed in context])."""
     schedule = keep_all(hw)
     need, free = schedule.predicted.peak_device_bytes, mem_available_bytes()
@@ -107,7 +146,25 @@ def timed_in_context(graph: BlockGraph, hw: Hardware, keep_all: Callable[[Hardwa
     steps = tuple((took.get(("device_step", i), 0.0),) * 2 for i in range(n))
     timed = Timed(times, steps, int(run["outside_private_bytes"]), "in a keep_all step",
                   took.get(("loss", n - 1)))
+    if ratios is not None:
+        timed = _with_selective(timed, ratios, say)
     return timed if probe is None else _with_side_streams(timed, hw, probe, say)
+
+
+def _with_selective(timed: Timed, ratios: Callable[[], tuple[float | None, ...]],
+                    say: Callable[[str], None]) -> Timed:
+    """`timed` with each block's selective recompute: its forward in context times the ratio
+    timed alone ([Note: the selective recompute in context]); as it was (the roofline's
+    share) where timing them alone fails."""
+    try:
+        alone = ratios()
+    except KarmaError as e:
+        say(f"timing the selective recomputes alone failed ({e}); planning them with the "
+            "roofline's share of the forward")
+        return timed
+    return replace(timed, selective_s=tuple(
+        None if r is None else fwd * r for (fwd, _), r in zip(timed.fwd_bwd_s, alone,
+                                                              strict=True)))
 
 
 def _with_side_streams(timed: Timed, hw: Hardware, probe: Callable[[Hardware, Timed], Probe],

@@ -2,6 +2,7 @@
 
     times = time_blocks(load_model_file("examples/gpt.py"), batch_size=1)
     times.fwd_bwd_s[3]      # (forward s, backward s) of block 3
+    times.selective_s[3]    # its selective recompute's seconds (None: the policy cannot run it)
     times.distinct          # how many blocks were actually run (same-shaped ones share)
 
 The model is traced on the meta device and split per block as for measuring; a forward of
@@ -12,8 +13,24 @@ weights are materialised (random), its inputs come from the real example batch w
 the model's inputs, and are made up, with the recorded shapes, dtypes and strides, where they
 come from another block (see [Note: made-up block inputs]). The time is the median of a few
 timed runs after a warm-up (see [Note: how often a block runs]), forward and backward (from
-gradients of ones) separately, then the model file's optimizer stepping the block's weights
-(see [Note: timing the optimizer step]).
+gradients of ones) separately, its selective recompute (see [Note: timing the selective
+recompute]), then the model file's optimizer stepping the block's weights (see [Note: timing
+the optimizer step]).
+
+[Note: timing the selective recompute] A selective block (karma/schedule.py, [Note: selective
+recompute]) runs its forward under torch.utils.checkpoint's selective contexts with the
+planner's policy (SELECTIVE_POLICIES[SELECTIVE_POLICY]): one dispatch mode caches what the
+policy's ops return, the other, in the recompute before the backward, hands that back and runs
+every other op again. Each timed run does as the runtime does, with PyTorch's own contexts: a
+forward under the caching context fills a fresh cache (untimed), then the same forward on fresh
+inputs that require grad as the forward's did, with grad enabled (the recompute builds the
+autograd graph the backward uses), is timed under the recompute context. Warm-up, repeats and
+median are the forward's ([Note: how often a block runs]). The time includes the dispatch
+modes' own Python per op, which the runtime pays too; it leaves out what checkpoint adds
+around them (its saved-tensor hooks, an early stop once the backward has all it saves, which
+skips trailing ops such as a last residual add), so it errs slow. Where the recompute fails
+(an op changed a cached output in place, or the recompute met other ops than the forward),
+the block's selective time is None: its policy cannot run it.
 
 [Note: timing the optimizer step] The optimizer step is timed per block, with the model file's
 own optimizer (`make_optimizer` over the block's weights, as the runtime makes one per block),
@@ -45,10 +62,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.passes.split_module import split_module
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from karma.errors import IRError
 from karma.ir.blocks import find_units, group_nodes
@@ -56,6 +75,7 @@ from karma.ir.compute import _drop_metadata_asserts
 from karma.ir.measure import _Probe, _tensors
 from karma.ir.trace import retarget_device, trace
 from karma.modelfile import ModelFile
+from karma.schedule import SELECTIVE_POLICIES, SELECTIVE_POLICY
 
 _AUTOCAST = {"bf16": torch.bfloat16}
 _LONG_RUN_S = 0.5  # a run this long needs no warm-up of its own
@@ -67,6 +87,9 @@ class BlockTimes:
     """Measured block times at one batch size."""
 
     fwd_bwd_s: tuple[tuple[float, float], ...]  # (forward s, backward s) per block, in order
+    # per block, its selective recompute's seconds; None where the policy cannot run it
+    # ([Note: timing the selective recompute])
+    selective_s: tuple[float | None, ...]
     step_s: tuple[tuple[float, float], ...]  # (device s, host s) of the optimizer step of the
     # weights each block was timed with ([Note: timing the optimizer step])
     stepped_bytes: tuple[int, ...]  # those weights' bytes (a tied weight in each of its blocks)
@@ -77,9 +100,11 @@ class BlockTimes:
 
 def time_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
                 device: str = "cpu", dtype: str = "fp32", repeats: int = 3,
-                log: Callable[[str], None] | None = None) -> BlockTimes:
+                log: Callable[[str], None] | None = None,
+                forward_only: bool = False) -> BlockTimes:
     """Time every block of the model at `batch_size` on `device`, in `dtype` (bf16: the
-    forward under autocast, as training runs it)."""
+    forward under autocast, as training runs it). `forward_only`: only the forward and the
+    selective recompute (backward and optimizer step 0)."""
     dev = torch.empty(0, device=device).device  # with its index (cuda:0), as graphs compare it
     traced = trace(mf, batch_size)
     specs = group_nodes(traced.gm, find_units(traced.model, blocks_regex))
@@ -98,7 +123,7 @@ def time_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
     submods = [getattr(split, f"submod_{i}") for i in range(len(specs))]
     sigs = [_signature(submod, *probe.args[i]) for i, submod in enumerate(submods)]
     first_of: dict[str, int] = {}  # signature -> the first block that has it
-    times: list[tuple[float, float, float, float, int]] = []
+    times: list[_Times] = []
     for i, spec in enumerate(specs):
         if sigs[i] in first_of:
             times.append(times[first_of[sigs[i]]])
@@ -109,16 +134,29 @@ def time_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
             log(f"timing block {spec.name}" + (f" (and {alike} alike)" if alike else ""))
         try:
             times.append(_time_block(submods[i], probe.args[i][0], real_of, names, dev,
-                                     dtype, repeats, mf.make_optimizer))
+                                     dtype, repeats, mf.make_optimizer, forward_only))
         except torch.OutOfMemoryError as e:
             raise IRError(f"timing block {spec.name} ran out of memory on {dev} at batch "
                           f"{batch_size}; plan with --no-measure or a smaller --batch-size") from e
         except Exception as e:  # noqa: BLE001 - user code; name the block
             raise IRError(f"timing block {spec.name} on {dev} failed: {type(e).__name__}: "
                           f"{str(e)[:300]}") from e
-    return BlockTimes(tuple((f, b) for f, b, *_ in times), tuple((d, h) for _, _, d, h, _ in times),
-                      tuple(n for *_, n in times), batch_size, len(first_of),
+    return BlockTimes(tuple((t.fwd_s, t.bwd_s) for t in times),
+                      tuple(t.selective_s for t in times),
+                      tuple((t.device_step_s, t.host_step_s) for t in times),
+                      tuple(t.stepped_bytes for t in times), batch_size, len(first_of),
                       tuple(s.name for s in specs))
+
+
+class _Times(NamedTuple):
+    """One block's times (_time_block's)."""
+
+    fwd_s: float
+    bwd_s: float
+    selective_s: float | None  # None: the policy cannot run it
+    device_step_s: float
+    host_step_s: float
+    stepped_bytes: int
 
 
 def _flat_real(inputs, traced) -> tuple[torch.Tensor, ...]:
@@ -224,11 +262,12 @@ def _fill(x: torch.Tensor, name: str, weight: bool) -> None:
 
 
 def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: dict,
-                dev: torch.device, dtype: str, repeats: int, make_optimizer: Callable
-                ) -> tuple[float, float, float, float, int]:
-    """Median forward and backward seconds of `submod` over up to `repeats` runs after a
-    warm-up (see [Note: how often a block runs]), then its optimizer step's on the device and
-    on the host, and the bytes stepped ([Note: timing the optimizer step])."""
+                dev: torch.device, dtype: str, repeats: int, make_optimizer: Callable,
+                forward_only: bool = False) -> _Times:
+    """Median forward, backward and selective recompute seconds of `submod` over up to
+    `repeats` runs after a warm-up (see [Note: how often a block runs], [Note: timing the
+    selective recompute]), then its optimizer step's on the device and on the host, and the
+    bytes stepped ([Note: timing the optimizer step]). `forward_only`: no backward, no step."""
     retarget_device(submod, torch.device("meta"), dev)  # arange(T, device=x.device) in forward
     _as_on_device(submod, dev)
     if dtype in _AUTOCAST:
@@ -239,34 +278,51 @@ def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: 
             _fill(t, name, weight=isinstance(t, torch.nn.Parameter))
     real, weights = _real_args(args, real_of, names, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    autocast = (torch.autocast(dev.type, dtype=_AUTOCAST[dtype]) if dtype in _AUTOCAST
-                else None)
-    fwd, bwd = [], []
+
+    def fresh() -> list:
+        """The arguments as fresh leaves: the gradients land on them and go with them."""
+        return [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
+                else a for a in real]
+
+    def forward(fresh_args: list):
+        if dtype not in _AUTOCAST:
+            return submod(*fresh_args)
+        with torch.autocast(dev.type, dtype=_AUTOCAST[dtype]):
+            return submod(*fresh_args)
+
+    fwd, bwd, sel = [], [], []
+    selective = True  # until its recompute fails: the policy cannot run the block
     while len(fwd) < repeats + 1:
-        if len(fwd) >= 2 and sum(fwd[1:]) + sum(bwd[1:]) >= _BLOCK_BUDGET_S:
+        if len(fwd) >= 2 and sum(fwd[1:]) + sum(bwd[1:]) + sum(sel[1:]) >= _BLOCK_BUDGET_S:
             break  # enough seconds of samples (see [Note: how often a block runs])
-        # fresh leaves each run: the gradients land on them and go with them
-        fresh = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
-                 else a for a in real]
+        args = fresh()
         sync()
         t0 = time.perf_counter()
-        if autocast is None:
-            out = submod(*fresh)
-        else:
-            with autocast:
-                out = submod(*fresh)
+        out = forward(args)
         outs = [o for o in _tensors(out) if o.requires_grad]
         sync()
         t1 = time.perf_counter()
-        if outs:
+        if outs and not forward_only:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         sync()
         t2 = time.perf_counter()
-        # fwd[0], bwd[0]: the warm-up; a long one is a timed run too
-        copies = 2 if not fwd and t2 - t0 >= _LONG_RUN_S else 1
+        del out, outs, args
+        sel_s = None
+        if selective:
+            try:
+                sel_s = _selective_recompute_s(forward, fresh, sync)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:  # noqa: BLE001 - the forward ran: the policy cannot run it
+                selective = False  # (a cached output changed in place, another op met)
+        # fwd[0], bwd[0], sel[0]: the warm-up; a long one is a timed run too
+        copies = 2 if not fwd and t2 - t0 + (sel_s or 0.0) >= _LONG_RUN_S else 1
         fwd += [t1 - t0] * copies
         bwd += [t2 - t1] * copies
-        del out, outs, fresh
+        sel += [sel_s or 0.0] * copies
+    selective_s = statistics.median(sel[1:]) if selective else None
+    if forward_only:
+        return _Times(statistics.median(fwd[1:]), 0.0, selective_s, 0.0, 0.0, 0)
     params = [torch.nn.Parameter(w.detach()) for w in weights if w.requires_grad]
     params += [p for p in submod.parameters() if p.requires_grad]
     device_step_s = _time_step(params, make_optimizer, sync, repeats)
@@ -278,8 +334,36 @@ def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: 
             h.grad = None if p.grad is None else p.grad.cpu()
         host_step_s = _time_step(on_host, make_optimizer, lambda: None, repeats)
     stepped = sum(p.numel() * p.element_size() for p in params)
-    return (statistics.median(fwd[1:]), statistics.median(bwd[1:]), device_step_s,
-            host_step_s, stepped)
+    return _Times(statistics.median(fwd[1:]), statistics.median(bwd[1:]), selective_s,
+                  device_step_s, host_step_s, stepped)
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The planner's selective policy (SELECTIVE_POLICIES[SELECTIVE_POLICY]) for
+    create_selective_checkpoint_contexts: keep what the ops it names return (every overload),
+    recompute the others."""
+    packet = getattr(op, "overloadpacket", None)  # None: a higher-order operator
+    if packet is not None and packet.__name__ in SELECTIVE_POLICIES[SELECTIVE_POLICY]:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_recompute_s(forward: Callable, fresh: Callable[[], list],
+                           sync: Callable[[], None]) -> float:
+    """Seconds of one selective recompute of `forward`, as the runtime runs it ([Note:
+    timing the selective recompute]); an error where the policy cannot run it."""
+    cache, recompute = create_selective_checkpoint_contexts(_selective_policy)
+    with torch.enable_grad(), cache:
+        forward(fresh())  # fills the cache; what it returns goes at once
+    args = fresh()
+    sync()
+    t0 = time.perf_counter()
+    with torch.enable_grad(), recompute:
+        out = forward(args)
+    sync()
+    seconds = time.perf_counter() - t0
+    del out
+    return seconds
 
 
 def _time_step(params: list[torch.nn.Parameter], make_optimizer: Callable,
