@@ -43,7 +43,7 @@ def test_a_budget_sweep_plans_every_point_and_says_what_ran_out(capsys, monkeypa
     for p in fits:
         assert p["samples_per_s"] == pytest.approx(p["batch_size"] / p["step_s"])
         assert p["peak_device_bytes"] <= p["gpu_mem_bytes"]
-        assert set(p["baselines"]) == {"keep_all", "recompute_all", "swap_all",
+        assert set(p["baselines"]) == {"keep_all", "recompute_all", "selective_all", "swap_all",
                                        "offload_all", "greedy"}
         assert all(t is None or t >= p["step_s"] * (1 - 1e-9)
                    for t in p["baselines"].values())

@@ -53,9 +53,9 @@ class Timed:
     # steps (in context: [Note: side streams timed in context] in planner/fit_contention.py),
     # else None
     side_streams: dict[str, float] | None = None
-    # per block, its selective recompute's seconds (None where its policy cannot run it), or
-    # None: not timed (Measurements.selective_s)
-    selective_s: tuple[float | None, ...] | None = None
+    # per block, its selective recompute's seconds by policy (those that ran it), or None:
+    # not timed (Measurements.selective_s)
+    selective_s: tuple[dict[str, float], ...] | None = None
 
     @property
     def measured(self) -> Measurements:
@@ -95,7 +95,8 @@ def read_times(path: Path, n_blocks: int) -> Timed | None:
         side = None if side is None else {str(k): float(v) for k, v in side.items()}
         selective = data["selective_s"]  # a file without it holds other numbers: measure
         selective = None if selective is None else tuple(
-            None if s is None else float(s) for s in selective)
+            {str(policy): float(s) for policy, s in by_policy.items()}
+            for by_policy in selective)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
     ok = (len(times) == len(steps) == n_blocks
@@ -104,7 +105,7 @@ def read_times(path: Path, n_blocks: int) -> Timed | None:
           and (loss_s is None or (math.isfinite(loss_s) and loss_s >= 0))
           and (side is None or all(0 <= v < 1 for v in side.values()))
           and (selective is None or (len(selective) == n_blocks and all(
-              s is None or (math.isfinite(s) and s >= 0) for s in selective))))
+              math.isfinite(s) and s >= 0 for by in selective for s in by.values()))))
     return Timed(times, steps, process_bytes, where, loss_s, side, selective) if ok else None
 
 
@@ -120,13 +121,15 @@ def timed_alone(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float], d
         + (f", scaled to {graph.batch_size}" if batch != graph.batch_size else "")
         + f"; {'again' if remeasure else 'once'}, cached in {path})")
     with allocating_as_the_runtime_does(device):
-        timed = time_blocks(mf, batch, blocks_regex, device, graph.dtype, log=say)
+        timed = time_blocks(mf, batch, blocks_regex, device, graph.dtype, log=say,
+                            policies=policies_of(graph))
     if timed.names != tuple(b.name for b in graph.blocks):
         raise KarmaError(f"timing {graph.model} at batch {batch} found the blocks "
                          f"{', '.join(timed.names)}, not the plan's; plan with --no-measure")
     scale = graph.batch_size / batch
     times = tuple((fwd * scale, bwd * scale) for fwd, bwd in timed.fwd_bwd_s)
-    selective = tuple(None if s is None else s * scale for s in timed.selective_s)
+    selective = tuple({policy: s * scale for policy, s in by.items()}
+                      for by in timed.selective_s)
     steps = tuple(_owned_share(b.param_bytes, stepped, step)
                   for b, stepped, step in zip(graph.blocks, timed.stepped_bytes, timed.step_s))
     how = {"timed_batch_size": batch, "distinct_blocks": timed.distinct}
@@ -135,20 +138,27 @@ def timed_alone(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float], d
 
 def selective_ratios(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float],
                      device: str, blocks_regex: str | None, say: Callable[[str], None]
-                     ) -> tuple[float | None, ...]:
-    """Each block's selective recompute over its forward, both timed alone (karma.ir.timing,
-    forward only) at the batch `timing_batch` picks within _RATIO_BUDGET_S; None where its
-    policy cannot run it ([Note: the selective recompute in context] in in_context.py)."""
+                     ) -> tuple[dict[str, float], ...]:
+    """Each block's selective recompute over its forward, by policy, both timed alone
+    (karma.ir.timing, forward only) at the batch `timing_batch` picks within _RATIO_BUDGET_S;
+    a policy that cannot run the block left out ([Note: the selective recompute in context]
+    in in_context.py)."""
     batch = timing_batch(graph, roofline_s, _RATIO_BUDGET_S)
     say(f"timing the forwards and selective recomputes of {graph.model}'s blocks alone "
         f"({device}, batch {batch}) for their ratio")
     with allocating_as_the_runtime_does(device):
-        timed = time_blocks(mf, batch, blocks_regex, device, graph.dtype, forward_only=True)
+        timed = time_blocks(mf, batch, blocks_regex, device, graph.dtype, forward_only=True,
+                            policies=policies_of(graph))
     if timed.names != tuple(b.name for b in graph.blocks):
         raise KarmaError(f"timing {graph.model} at batch {batch} found the blocks "
                          f"{', '.join(timed.names)}, not the plan's; plan with --no-measure")
-    return tuple(None if s is None or fwd <= 0 else s / fwd
-                 for (fwd, _), s in zip(timed.fwd_bwd_s, timed.selective_s))
+    return tuple({policy: s / fwd for policy, s in by.items()} if fwd > 0 else {}
+                 for (fwd, _), by in zip(timed.fwd_bwd_s, timed.selective_s))
+
+
+def policies_of(graph: BlockGraph) -> tuple[tuple[str, ...], ...]:
+    """Per block, the selective policies the block graph offers it: those timed."""
+    return tuple(tuple(s.policy for s in b.selective) for b in graph.blocks)
 
 
 def timing_batch(graph: BlockGraph, roofline_s: Sequence[float],

@@ -17,7 +17,7 @@ from karma.fileio import cache_dir, write_text_atomic
 
 # part of every cache file's key: bump it when what a file holds changes meaning, so that
 # files written before are measured again
-CACHE_VERSION = 10
+CACHE_VERSION = 11
 
 
 def cache_path(kind: str, key: dict) -> Path:

@@ -151,7 +151,7 @@ def timed_in_context(graph: BlockGraph, hw: Hardware, keep_all: Callable[[Hardwa
     return timed if probe is None else _with_side_streams(timed, hw, probe, say)
 
 
-def _with_selective(timed: Timed, ratios: Callable[[], tuple[float | None, ...]],
+def _with_selective(timed: Timed, ratios: Callable[[], tuple[dict[str, float], ...]],
                     say: Callable[[str], None]) -> Timed:
     """`timed` with each block's selective recompute: its forward in context times the ratio
     timed alone ([Note: the selective recompute in context]); as it was (the roofline's
@@ -163,8 +163,8 @@ def _with_selective(timed: Timed, ratios: Callable[[], tuple[float | None, ...]]
             "roofline's share of the forward")
         return timed
     return replace(timed, selective_s=tuple(
-        None if r is None else fwd * r for (fwd, _), r in zip(timed.fwd_bwd_s, alone,
-                                                              strict=True)))
+        {policy: fwd * r for policy, r in by.items()}
+        for (fwd, _), by in zip(timed.fwd_bwd_s, alone, strict=True)))
 
 
 def _with_side_streams(timed: Timed, hw: Hardware, probe: Callable[[Hardware, Timed], Probe],

@@ -2,7 +2,7 @@
 
     times = time_blocks(load_model_file("examples/gpt.py"), batch_size=1)
     times.fwd_bwd_s[3]      # (forward s, backward s) of block 3
-    times.selective_s[3]    # its selective recompute's seconds (None: the policy cannot run it)
+    times.selective_s[3]    # its selective recompute's seconds by policy (those that ran it)
     times.distinct          # how many blocks were actually run (same-shaped ones share)
 
 The model is traced on the meta device and split per block as for measuring; a forward of
@@ -18,9 +18,9 @@ recompute]), then the model file's optimizer stepping the block's weights (see [
 the optimizer step]).
 
 [Note: timing the selective recompute] A selective block (karma/schedule.py, [Note: selective
-recompute]) runs its forward under torch.utils.checkpoint's selective contexts with the
-planner's policy (SELECTIVE_POLICIES[SELECTIVE_POLICY]): one dispatch mode caches what the
-policy's ops return, the other, in the recompute before the backward, hands that back and runs
+recompute]) runs its forward under torch.utils.checkpoint's selective contexts with its policy
+(karma/selective_policy.py; the policies timed are those the block graph offers the block,
+else SELECTIVE_POLICY's every matmul): one dispatch mode caches what the policy keeps, the other, in the recompute before the backward, hands that back and runs
 every other op again. Each timed run does as the runtime does, with PyTorch's own contexts: a
 forward under the caching context fills a fresh cache (untimed), then the same forward on fresh
 inputs that require grad as the forward's did, with grad enabled (the recompute builds the
@@ -30,7 +30,7 @@ modes' own Python per op, which the runtime pays too; it leaves out what checkpo
 around them (its saved-tensor hooks, an early stop once the backward has all it saves, which
 skips trailing ops such as a last residual add), so it errs slow. Where the recompute fails
 (an op changed a cached output in place, or the recompute met other ops than the forward),
-the block's selective time is None: its policy cannot run it.
+the policy has no time: it cannot run the block.
 
 [Note: timing the optimizer step] The optimizer step is timed per block, with the model file's
 own optimizer (`make_optimizer` over the block's weights, as the runtime makes one per block),
@@ -60,8 +60,9 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -75,7 +76,8 @@ from karma.ir.compute import _drop_metadata_asserts
 from karma.ir.measure import _Probe, _tensors
 from karma.ir.trace import retarget_device, trace
 from karma.modelfile import ModelFile
-from karma.schedule import SELECTIVE_POLICIES, SELECTIVE_POLICY
+from karma.schedule import SELECTIVE_POLICY
+from karma.selective_policy import kept_by
 
 _AUTOCAST = {"bf16": torch.bfloat16}
 _LONG_RUN_S = 0.5  # a run this long needs no warm-up of its own
@@ -87,9 +89,9 @@ class BlockTimes:
     """Measured block times at one batch size."""
 
     fwd_bwd_s: tuple[tuple[float, float], ...]  # (forward s, backward s) per block, in order
-    # per block, its selective recompute's seconds; None where the policy cannot run it
-    # ([Note: timing the selective recompute])
-    selective_s: tuple[float | None, ...]
+    # per block, its selective recompute's seconds by policy, those that can run it ([Note:
+    # timing the selective recompute])
+    selective_s: tuple[dict[str, float], ...]
     step_s: tuple[tuple[float, float], ...]  # (device s, host s) of the optimizer step of the
     # weights each block was timed with ([Note: timing the optimizer step])
     stepped_bytes: tuple[int, ...]  # those weights' bytes (a tied weight in each of its blocks)
@@ -101,10 +103,12 @@ class BlockTimes:
 def time_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
                 device: str = "cpu", dtype: str = "fp32", repeats: int = 3,
                 log: Callable[[str], None] | None = None,
-                forward_only: bool = False) -> BlockTimes:
+                forward_only: bool = False,
+                policies: Sequence[Sequence[str]] | None = None) -> BlockTimes:
     """Time every block of the model at `batch_size` on `device`, in `dtype` (bf16: the
     forward under autocast, as training runs it). `forward_only`: only the forward and the
-    selective recompute (backward and optimizer step 0)."""
+    selective recompute (backward and optimizer step 0). `policies`: per block, the selective
+    policies to time (default: SELECTIVE_POLICY for every block)."""
     dev = torch.empty(0, device=device).device  # with its index (cuda:0), as graphs compare it
     traced = trace(mf, batch_size)
     specs = group_nodes(traced.gm, find_units(traced.model, blocks_regex))
@@ -134,7 +138,8 @@ def time_blocks(mf: ModelFile, batch_size: int, blocks_regex: str | None = None,
             log(f"timing block {spec.name}" + (f" (and {alike} alike)" if alike else ""))
         try:
             times.append(_time_block(submods[i], probe.args[i][0], real_of, names, dev,
-                                     dtype, repeats, mf.make_optimizer, forward_only))
+                                     dtype, repeats, mf.make_optimizer, forward_only,
+                                     policies[i] if policies else (SELECTIVE_POLICY,)))
         except torch.OutOfMemoryError as e:
             raise IRError(f"timing block {spec.name} ran out of memory on {dev} at batch "
                           f"{batch_size}; plan with --no-measure or a smaller --batch-size") from e
@@ -153,7 +158,7 @@ class _Times(NamedTuple):
 
     fwd_s: float
     bwd_s: float
-    selective_s: float | None  # None: the policy cannot run it
+    selective_s: dict[str, float]  # by policy, those that can run it
     device_step_s: float
     host_step_s: float
     stepped_bytes: int
@@ -263,7 +268,8 @@ def _fill(x: torch.Tensor, name: str, weight: bool) -> None:
 
 def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: dict,
                 dev: torch.device, dtype: str, repeats: int, make_optimizer: Callable,
-                forward_only: bool = False) -> _Times:
+                forward_only: bool = False,
+                policies: Sequence[str] = (SELECTIVE_POLICY,)) -> _Times:
     """Median forward, backward and selective recompute seconds of `submod` over up to
     `repeats` runs after a warm-up (see [Note: how often a block runs], [Note: timing the
     selective recompute]), then its optimizer step's on the device and on the host, and the
@@ -290,10 +296,11 @@ def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: 
         with torch.autocast(dev.type, dtype=_AUTOCAST[dtype]):
             return submod(*fresh_args)
 
-    fwd, bwd, sel = [], [], []
-    selective = True  # until its recompute fails: the policy cannot run the block
+    fwd, bwd = [], []
+    sel: dict[str, list[float]] = {p: [] for p in policies}  # a policy that fails: dropped
     while len(fwd) < repeats + 1:
-        if len(fwd) >= 2 and sum(fwd[1:]) + sum(bwd[1:]) + sum(sel[1:]) >= _BLOCK_BUDGET_S:
+        spent_s = sum(fwd[1:]) + sum(bwd[1:]) + sum(sum(s[1:]) for s in sel.values())
+        if len(fwd) >= 2 and spent_s >= _BLOCK_BUDGET_S:
             break  # enough seconds of samples (see [Note: how often a block runs])
         args = fresh()
         sync()
@@ -307,20 +314,21 @@ def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: 
         sync()
         t2 = time.perf_counter()
         del out, outs, args
-        sel_s = None
-        if selective:
+        sel_s = {}
+        for policy in list(sel):
             try:
-                sel_s = _selective_recompute_s(forward, fresh, sync)
+                sel_s[policy] = _selective_recompute_s(forward, fresh, sync, policy)
             except torch.OutOfMemoryError:
                 raise
             except Exception:  # noqa: BLE001 - the forward ran: the policy cannot run it
-                selective = False  # (a cached output changed in place, another op met)
-        # fwd[0], bwd[0], sel[0]: the warm-up; a long one is a timed run too
-        copies = 2 if not fwd and t2 - t0 + (sel_s or 0.0) >= _LONG_RUN_S else 1
+                del sel[policy]  # (a cached output changed in place, another op met)
+        # fwd[0], bwd[0], sel[..][0]: the warm-up; a long one is a timed run too
+        copies = 2 if not fwd and t2 - t0 + sum(sel_s.values()) >= _LONG_RUN_S else 1
         fwd += [t1 - t0] * copies
         bwd += [t2 - t1] * copies
-        sel += [sel_s or 0.0] * copies
-    selective_s = statistics.median(sel[1:]) if selective else None
+        for policy in sel:
+            sel[policy] += [sel_s[policy]] * copies
+    selective_s = {policy: statistics.median(s[1:]) for policy, s in sel.items()}
     if forward_only:
         return _Times(statistics.median(fwd[1:]), 0.0, selective_s, 0.0, 0.0, 0)
     params = [torch.nn.Parameter(w.detach()) for w in weights if w.requires_grad]
@@ -338,21 +346,18 @@ def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: 
                   device_step_s, host_step_s, stepped)
 
 
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """The planner's selective policy (SELECTIVE_POLICIES[SELECTIVE_POLICY]) for
-    create_selective_checkpoint_contexts: keep what the ops it names return (every overload),
-    recompute the others."""
-    packet = getattr(op, "overloadpacket", None)  # None: a higher-order operator
-    if packet is not None and packet.__name__ in SELECTIVE_POLICIES[SELECTIVE_POLICY]:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def _save_kept(keeps: Callable[[object, tuple], bool], ctx, op, *args,
+               **kwargs) -> CheckpointPolicy:
+    """A policy for create_selective_checkpoint_contexts: keep what `keeps` keeps
+    (karma/selective_policy.py), recompute the others."""
+    return CheckpointPolicy.MUST_SAVE if keeps(op, args) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_recompute_s(forward: Callable, fresh: Callable[[], list],
-                           sync: Callable[[], None]) -> float:
-    """Seconds of one selective recompute of `forward`, as the runtime runs it ([Note:
-    timing the selective recompute]); an error where the policy cannot run it."""
-    cache, recompute = create_selective_checkpoint_contexts(_selective_policy)
+                           sync: Callable[[], None], policy: str) -> float:
+    """Seconds of one selective recompute of `forward` under `policy`, as the runtime runs
+    it ([Note: timing the selective recompute]); an error where the policy cannot run it."""
+    cache, recompute = create_selective_checkpoint_contexts(partial(_save_kept, kept_by(policy)))
     with torch.enable_grad(), cache:
         forward(fresh())  # fills the cache; what it returns goes at once
     args = fresh()
