@@ -3,12 +3,14 @@ the CPU backend.
 
     .venv/bin/python bench/price.py [--budgets 400M,600M,800M] [--rounds 3] [--steps 9]
                                     [--no-trace] [--json FILE] [--keep DIR] [--no-selective-too]
+                                    [--model FILE --env K=V,... --batch N] [--host-mem SIZE]
 
 The GPT of 8 layers, width 512, 8 heads, a vocabulary of 8192, sequence 256, batch 8
 (examples/gpt.py, KARMA_GPT=8x512x8x8192; keep_all peaks at 1.1 GiB; at GPT-2's vocabulary of
 50257 its output layer alone would need 1.4 GiB at this batch) is planned for this machine (`--hardware cpu`, block
 times measured in keep_all steps, taken again here with `--remeasure` so that every planned
-time is of this sitting): keep_all with unlimited memory, and the ILP at each budget (with
+time is of this sitting; or --model, its --env and --batch; --host-mem: the host memory the
+plans have): keep_all with unlimited memory, and the ILP at each budget (with
 --no-selective-too, at each budget also without selective recompute: karma-plan
 --no-selective, the budget's name followed by "-nosel").
 
@@ -54,11 +56,13 @@ def run(cmd: list[str], env: dict) -> str:
 NO_SELECTIVE = "-nosel"  # a budget's name with this suffix: planned with --no-selective
 
 
-def plan(env: dict, out: Path, name: str, keep_all: bool = False) -> dict:
+def plan(env: dict, out: Path, name: str, keep_all: bool = False, model: str = "examples/gpt.py",
+         batch: int = BATCH, host_mem: str | None = None) -> dict:
     gpu_mem = name.removesuffix(NO_SELECTIVE)
-    return json.loads(run([str(BIN / "karma-plan"), "examples/gpt.py", "--hardware", "cpu",
-                           "--gpu-mem", gpu_mem, "--batch-size", str(BATCH), "--json",
+    return json.loads(run([str(BIN / "karma-plan"), model, "--hardware", "cpu",
+                           "--gpu-mem", gpu_mem, "--batch-size", str(batch), "--json",
                            "-o", str(out),
+                           *(["--host-mem", host_mem] if host_mem and not keep_all else []),
                            *(["--strategy", "keep_all", "--remeasure"] if keep_all else []),
                            *(["--no-selective"] if name.endswith(NO_SELECTIVE) else [])],
                           env))
@@ -140,6 +144,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=9)
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--json", type=Path)
+    p.add_argument("--model", default="examples/gpt.py", help="the model file")
+    p.add_argument("--env", default=None, metavar="K=V,...",
+                   help="its environment (default, for the GPT: "
+                        + ",".join(f"{k}={v}" for k, v in ENV.items()) + ")")
+    p.add_argument("--batch", type=int, default=BATCH)
+    p.add_argument("--host-mem", default=None, help="the node's host memory the plans have")
     p.add_argument("--no-selective-too", action="store_true",
                    help="plan each budget without selective recompute too (karma-plan "
                         "--no-selective), beside the default")
@@ -147,7 +157,10 @@ def main() -> int:
                    help="leave the schedules, reports and traces in DIR (default: a temporary "
                         "directory, removed)")
     args = p.parse_args()
-    env = {**os.environ, **ENV}
+    model_env = ENV if args.env is None else dict(kv.split("=", 1)
+                                                    for kv in args.env.split(",") if kv)
+    env = {**os.environ, **model_env}
+    shape = {"model": args.model, "batch": args.batch, "host_mem": args.host_mem}
     budgets = args.budgets.split(",")
     names = ["keep_all", *(b + s for b in budgets
                            for s in (("", NO_SELECTIVE) if args.no_selective_too else ("",)))]
@@ -157,10 +170,10 @@ def main() -> int:
         tmp = Path(tmp)
         tmp.mkdir(parents=True, exist_ok=True)
         files = {n: tmp / f"{k}.yaml" for k, n in enumerate(names)}
-        plans = {"keep_all": plan(env, files["keep_all"], "64G", keep_all=True)}
+        plans = {"keep_all": plan(env, files["keep_all"], "64G", keep_all=True, **shape)}
         fitted = side_streams(files["keep_all"])
         for n in names[1:]:
-            plans[n] = plan(env, files[n], n)
+            plans[n] = plan(env, files[n], n, **shape)
         steps: dict[str, list[list[float]]] = {n: [] for n in names}
         for r in range(args.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
@@ -190,7 +203,9 @@ def main() -> int:
             "step_spread": statistics.median(max(s[1:]) / min(s[1:]) for s in steps[n]),
             "busy_over_planned": {s: statistics.median(v) for s, v in busy.get(n, {}).items()},
         })
-    print(f"{' '.join(f'{k}={v}' for k, v in ENV.items())}, batch {BATCH}; {args.rounds} "
+    print(f"{args.model} {' '.join(f'{k}={v}' for k, v in model_env.items())}, batch "
+          f"{args.batch}" + (f", host memory {args.host_mem}" if args.host_mem else "")
+          + f"; {args.rounds} "
           f"rounds of {args.steps} steps a plan, each run's median of steps 2..{args.steps}")
     print("side streams as calibrated: " + ", ".join(f"{k} {v:g}" for k, v in fitted.items()))
     print("| plan | predicted step | measured step | predicted price | measured price (median) "
