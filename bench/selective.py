@@ -75,7 +75,7 @@ def table(rows: list[dict]) -> str:
         d = r["decisions"]
         lines.append(
             f"| {r['model']} | {r['batch']} | {ideal:.3f} s | {r['before_s']:.3f} s, "
-            f"{r['before_s'] / ideal:.2f}x | {r['after_s']:.3f} s, **{r['after_s'] / ideal:.2f}x** "
+            f"{r['before_s'] / ideal:.3f}x | {r['after_s']:.3f} s, **{r['after_s'] / ideal:.3f}x** "
             f"| {sel} | {vs} | {d['keep']} / {d['swap']} / {d['recompute']} / {d['selective']} |")
     return "\n".join(lines)
 

@@ -29,7 +29,7 @@ from karma.calibrate.cache import read
 from karma.calibrate.machine import allocating_as_the_runtime_does, machine_key
 from karma.errors import KarmaError
 from karma.ir.graph import BlockGraph
-from karma.ir.timing import time_blocks
+from karma.ir.timing import BlockTimes, time_blocks
 from karma.modelfile import ModelFile
 from karma.planner.problem import Measurements
 from karma.schedule import model_env
@@ -120,12 +120,7 @@ def timed_alone(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[float], d
     say(f"timing the blocks of {graph.model} on this machine ({device}, batch {batch}"
         + (f", scaled to {graph.batch_size}" if batch != graph.batch_size else "")
         + f"; {'again' if remeasure else 'once'}, cached in {path})")
-    with allocating_as_the_runtime_does(device):
-        timed = time_blocks(mf, batch, blocks_regex, device, graph.dtype, log=say,
-                            policies=policies_of(graph))
-    if timed.names != tuple(b.name for b in graph.blocks):
-        raise KarmaError(f"timing {graph.model} at batch {batch} found the blocks "
-                         f"{', '.join(timed.names)}, not the plan's; plan with --no-measure")
+    timed = _time_graph_blocks(mf, graph, batch, device, blocks_regex, log=say)
     scale = graph.batch_size / batch
     times = tuple((fwd * scale, bwd * scale) for fwd, bwd in timed.fwd_bwd_s)
     selective = tuple({policy: s * scale for policy, s in by.items()}
@@ -146,14 +141,22 @@ def selective_ratios(mf: ModelFile, graph: BlockGraph, roofline_s: Sequence[floa
     batch = timing_batch(graph, roofline_s, _RATIO_BUDGET_S)
     say(f"timing the forwards and selective recomputes of {graph.model}'s blocks alone "
         f"({device}, batch {batch}) for their ratio")
+    timed = _time_graph_blocks(mf, graph, batch, device, blocks_regex, forward_only=True)
+    return tuple({policy: s / fwd for policy, s in by.items()} if fwd > 0 else {}
+                 for (fwd, _), by in zip(timed.fwd_bwd_s, timed.selective_s))
+
+
+def _time_graph_blocks(mf: ModelFile, graph: BlockGraph, batch: int, device: str,
+                       blocks_regex: str | None, **how) -> BlockTimes:
+    """time_blocks of `graph`'s model at `batch`, with the selective policies the graph
+    offers, under the runtime's allocator; a KarmaError where it finds other blocks."""
     with allocating_as_the_runtime_does(device):
-        timed = time_blocks(mf, batch, blocks_regex, device, graph.dtype, forward_only=True,
-                            policies=policies_of(graph))
+        timed = time_blocks(mf, batch, blocks_regex, device, graph.dtype,
+                            policies=policies_of(graph), **how)
     if timed.names != tuple(b.name for b in graph.blocks):
         raise KarmaError(f"timing {graph.model} at batch {batch} found the blocks "
                          f"{', '.join(timed.names)}, not the plan's; plan with --no-measure")
-    return tuple({policy: s / fwd for policy, s in by.items()} if fwd > 0 else {}
-                 for (fwd, _), by in zip(timed.fwd_bwd_s, timed.selective_s))
+    return timed
 
 
 def policies_of(graph: BlockGraph) -> tuple[tuple[str, ...], ...]:
