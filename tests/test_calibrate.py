@@ -198,7 +198,8 @@ def test_a_keep_all_step_too_big_for_memory_times_the_blocks_alone(own_cache, mo
     (blocks,) = own_cache.glob("blocks-*.json")
     selective_s = json.loads(blocks.read_text())["selective_s"]
     assert any(selective_s) and all(s > 0 for by in selective_s for s in by.values())
-    assert [b.selective.recompute_s for b in report.problem.blocks] == selective_s
+    assert [{s.policy: s.recompute_s for s in b.selective} for b in report.problem.blocks] \
+        == selective_s
     # timed alone, the loss keeps the roofline's estimate
     problem = report.problem
     mem_bytes_per_s = float(dict(report.schedule.hardware)["mem_bytes_per_s"])
