@@ -40,7 +40,7 @@ MODELS = (
 HARDWARE = ("v100-16g", "h100-80g")
 BUDGET_FRACTIONS = (0.3, 0.5, 0.7)
 COLUMNS = ("model", "hardware", "budget", "ILP step s", "status", "solve s",
-           "lower bound s", "ILP/LB", "best baseline", "ILP/best", "keep/swap/recompute/"
+           "lower bound s", "ILP/LB", "best baseline", "ILP/best", "keep/swap/recompute/selective/"
            "streamed/host-opt", "feasible baselines")
 
 
@@ -63,7 +63,7 @@ def row(label: str, p: Planning, fraction: float) -> list[str]:
         ev = improve(p, ev)
     plan = ev.plan
     c = plan.counts()
-    counts = "/".join(str(c[k]) for k in ("keep", "swap", "recompute", "streamed_weights",
+    counts = "/".join(str(c[k]) for k in ("keep", "swap", "recompute", "selective", "streamed_weights",
                                            "host_optimizer"))
     lb = ev.sim.lower_bound_s
     return [
