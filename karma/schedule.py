@@ -105,28 +105,8 @@ OPTIMIZER_STEP_KINDS = ("device_step", "host_step")
 
 # a block's decisions (BlockEntry.act, .weights, .optim)
 ACT_CHOICES = ("keep", "swap", "recompute", "selective")
-# [Note: selective recompute] A selective block runs its forward under non-reentrant
-# checkpointing with a per-op policy (torch.utils.checkpoint's selective contexts): the
-# outputs of the ops its policy names are kept from the forward to the backward, every
-# other op runs again in the recompute. BlockEntry.policy names the ops, as a key of
-# SELECTIVE_POLICIES (one so far), optionally with @N: only those of its ops whose output
-# took N FLOPs an element or more (karma/selective_policy.py, [Note: FLOPs an element]):
-#   save-matmuls: keep what matmuls, convolutions and attention return (nearly all the
-#   FLOPs), recompute normalizations, activations, dropout, residual adds and casts (often
-#   most of the bytes), as torchtitan's op-level selective checkpointing does;
-#   save-matmuls@N: the same, but recompute the matmuls and convolutions of fewer FLOPs an
-#   output element than N too (a ResNet bottleneck's 1x1 convolutions: large outputs that
-#   are cheap to make again).
-# The names are ATen operator packets (OpOverloadPacket.__name__), every overload included.
-SELECTIVE_POLICIES: dict[str, frozenset[str]] = {
-    "save-matmuls": frozenset({
-        "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "convolution",
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_flash_attention_forward", "_efficient_attention_forward",
-    }),
-}
-SELECTIVE_POLICY = "save-matmuls"  # the ops the planner's policies name
+# selective: what the ops of BlockEntry.policy return is kept, the rest recomputed
+# (karma/selective_policy.py, [Note: selective recompute])
 RECOMPUTE_ACTS = ("recompute", "selective")  # the acts whose backward a recompute precedes
 WEIGHT_CHOICES = ("resident", "streamed")
 OPTIM_CHOICES = ("device", "host")
@@ -338,7 +318,7 @@ class BlockEntry:
     optim: str  # device | host
     param_bytes: int
     act_bytes: int
-    policy: str = ""  # a selective block's policy (SELECTIVE_POLICIES); "" for the others
+    policy: str = ""  # a selective block's policy (karma/selective_policy.py); "" otherwise
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,6 @@ from karma.schedule import (
     OP_KINDS,
     OPTIMIZER_STEP_KINDS,
     RECOMPUTE_ACTS,
-    SELECTIVE_POLICY,
     STREAM_OF_KIND,
     BlockEntry,
     Op,
@@ -56,7 +55,7 @@ from karma.schedule import (
     WeightBuffer,
 )
 from karma.schedule_replay import HappensBefore, walk_peak_bytes
-from karma.selective_policy import parse_policy
+from karma.selective_policy import SELECTIVE_POLICY, parse_policy
 from karma.units import format_bytes
 
 _REPLAN = "re-plan with karma-plan"

@@ -3,7 +3,7 @@
     keeps = kept_by("save-matmuls@64")
     keeps(torch.ops.aten.mm.default, (a, b))   # True where a.shape[-1] >= 32
 
-A policy (BlockEntry.policy; [Note: selective recompute] in karma/schedule.py) is a name of
+A policy (BlockEntry.policy; [Note: selective recompute] below) is a name of
 SELECTIVE_POLICIES, and optionally `@N`: of the ops the name lists, keep only those whose
 output took N or more FLOPs an element to make.
 
@@ -16,7 +16,8 @@ width), and the last 1x1's output is four times the others'. The IR (karma/ir/me
 the runtime both read it from the op's arguments, so they agree on every op; attention and
 grouped matmuls (no single K) are always kept.
 
-Shared by the IR and the runtime: torch and the schedule only.
+Shared by the IR, the planner's schedule checks and the runtime: nothing but the standard
+library (an op and its arguments come in as they are).
 """
 
 from __future__ import annotations
@@ -24,8 +25,28 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from karma.schedule import SELECTIVE_POLICIES
-
+# [Note: selective recompute] A selective block runs its forward under non-reentrant
+# checkpointing with a per-op policy (torch.utils.checkpoint's selective contexts): the
+# outputs of the ops its policy keeps stay from the forward to the backward, every other op
+# runs again in the recompute. BlockEntry.policy names the ops, as a key of
+# SELECTIVE_POLICIES (one so far), optionally with @N: only those of its ops whose output
+# took N FLOPs an element or more ([Note: FLOPs an element]):
+#   save-matmuls: keep what matmuls, convolutions and attention return (nearly all the
+#   FLOPs), recompute normalizations, activations, dropout, residual adds and casts (often
+#   most of the bytes), as torchtitan's op-level selective checkpointing does;
+#   save-matmuls@N: the same, but recompute the matmuls and convolutions of fewer FLOPs an
+#   output element than N too (a ResNet bottleneck's 1x1 convolutions: large outputs that
+#   are cheap to make again).
+# The names are ATen operator packets (OpOverloadPacket.__name__), every overload included.
+SELECTIVE_POLICIES: dict[str, frozenset[str]] = {
+    "save-matmuls": frozenset({
+        "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "convolution",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward", "_efficient_attention_forward",
+    }),
+}
+SELECTIVE_POLICY = "save-matmuls"  # the ops the planner's policies name
 _REDUCTION = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}  # where the left factor is
 UNBOUNDED = math.inf  # an op of no single reduction: kept at every threshold
 

@@ -19,7 +19,8 @@ from karma.modelfile import load_model_file
 from karma.planner.hardware import load_hardware
 from karma.planner.lowering import Choice, fragment
 from karma.planner.problem import build_problem
-from karma.schedule import SELECTIVE_POLICY, round_seconds
+from karma.schedule import round_seconds
+from karma.selective_policy import SELECTIVE_POLICY
 
 S = SELECTIVE_POLICY  # every matmul kept: the policy every block with a matmul offers
 

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from karma.cli.inspect import main
-from karma.schedule import SELECTIVE_POLICY, dump_schedule, schedule_sha256
+from karma.schedule import dump_schedule, schedule_sha256
 from karma.schedule_load import load_schedule
+from karma.selective_policy import SELECTIVE_POLICY
 from karma.units import format_bytes
 from tests.schedule_fixtures import tiny_schedule
 

@@ -1,6 +1,6 @@
 """Selective blocks train bitwise equal to plain PyTorch and keep what their policy names.
 
-A selective block ([Note: selective recompute] in karma/schedule.py) has the ops of a
+A selective block ([Note: selective recompute] in karma/selective_policy.py) has the ops of a
 recompute block; what differs is what its checkpoint keeps: the outputs of the ops its policy
 names (save-matmuls: matmuls, convolutions, attention), every other op running again just
 before its backward. The schedules here are recompute_all and offload_all (recompute with
@@ -28,8 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import karma.runtime.replay.selective as contexts
 from karma.errors import KarmaError
 from karma.reference import train_reference
-from karma.schedule import SELECTIVE_POLICIES, SELECTIVE_POLICY, Schedule, dump_schedule
+from karma.schedule import Schedule, dump_schedule
 from karma.schedule_load import load_schedule
+from karma.selective_policy import SELECTIVE_POLICIES, SELECTIVE_POLICY
 from karma.testing.exactness import (
     assert_bitwise_equal,
     block_graph,

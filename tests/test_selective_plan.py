@@ -14,9 +14,10 @@ from karma.planner.baselines import selective_all
 from karma.planner.hardware import load_hardware
 from karma.planner.lowering import Choice, fragment, valid_choices
 from karma.planner.problem import Measurements, build_problem
-from karma.schedule import SELECTIVE_POLICY, ScheduleFileError, dump_schedule
+from karma.schedule import ScheduleFileError, dump_schedule
 from karma.schedule_check import validate
 from karma.schedule_load import load_schedule
+from karma.selective_policy import SELECTIVE_POLICY
 from tests.conftest import EXAMPLES, MODELS, environment
 
 F32 = 4

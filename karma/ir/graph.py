@@ -26,7 +26,7 @@ import networkx as nx
 
 @dataclass(frozen=True)
 class Selective:
-    """What a block costs under selective recompute (karma/schedule.py, [Note: selective
+    """What a block costs under selective recompute (karma/selective_policy.py, [Note: selective
     recompute]), from its forward on its own: see [Note: a block's saved bytes, op by op] in
     karma/ir/measure.py."""
 

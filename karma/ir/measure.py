@@ -48,8 +48,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from karma.ir.blocks import BlockSpec
 from karma.ir.compute import Compute
 from karma.ir.graph import Selective, SharedSaved
-from karma.schedule import SELECTIVE_POLICY
-from karma.selective_policy import UNBOUNDED, flops_per_element, parse_policy, policy_name
+from karma.selective_policy import (
+    SELECTIVE_POLICY,
+    UNBOUNDED,
+    flops_per_element,
+    parse_policy,
+    policy_name,
+)
 
 aten = torch.ops.aten
 

@@ -17,7 +17,7 @@ gradients of ones) separately, its selective recompute (see [Note: timing the se
 recompute]), then the model file's optimizer stepping the block's weights (see [Note: timing
 the optimizer step]).
 
-[Note: timing the selective recompute] A selective block (karma/schedule.py, [Note: selective
+[Note: timing the selective recompute] A selective block (karma/selective_policy.py, [Note: selective
 recompute]) runs its forward under torch.utils.checkpoint's selective contexts with its policy
 (karma/selective_policy.py; the policies timed are those the block graph offers the block,
 else SELECTIVE_POLICY's every matmul): one dispatch mode caches what the policy keeps, the other, in the recompute before the backward, hands that back and runs
@@ -76,8 +76,7 @@ from karma.ir.compute import _drop_metadata_asserts
 from karma.ir.measure import _Probe, _tensors
 from karma.ir.trace import retarget_device, trace
 from karma.modelfile import ModelFile
-from karma.schedule import SELECTIVE_POLICY
-from karma.selective_policy import kept_by
+from karma.selective_policy import SELECTIVE_POLICY, kept_by
 
 _AUTOCAST = {"bf16": torch.bfloat16}
 _LONG_RUN_S = 0.5  # a run this long needs no warm-up of its own

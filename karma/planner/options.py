@@ -56,7 +56,7 @@ class PlanOptions:
     # the kernel host-stepped blocks step with, one of HOST_OPTIMIZERS (--host-optimizer):
     # torch's fused CPU kernel where it is the same optimizer, or the model file's as given
     host_optimizer: str = "fused"
-    # whether a block may recompute selectively (--no-selective: not; karma/schedule.py,
+    # whether a block may recompute selectively (--no-selective: not; karma/selective_policy.py,
     # [Note: selective recompute])
     selective: bool = True
     # derived and checked in __post_init__

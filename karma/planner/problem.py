@@ -62,7 +62,7 @@ class BlockCost:
     # it again
     held_in_bytes: int = 0  # of in_bytes, the shared saved tensors made by earlier blocks:
     # held for it already (HeldSaved), so a recompute's checkpoint keeps nothing more for them
-    # selective recompute (karma/schedule.py, [Note: selective recompute]), one per policy
+    # selective recompute (karma/selective_policy.py, [Note: selective recompute]), one per policy
     # that can run the block (keeping most first); none: it cannot
     selective: tuple[SelectiveCost, ...] = ()
 

@@ -4,7 +4,7 @@
     checkpoint(module.forward, x, use_reentrant=False, context_fn=context_fn)
 
 A recompute block keeps only its input and runs its whole forward again just before its
-backward. A selective block ([Note: selective recompute] in karma/schedule.py) keeps, beside
+backward. A selective block ([Note: selective recompute] in karma/selective_policy.py) keeps, beside
 its input, the outputs of the ops its policy names, and runs every other op again: its forward
 and its recompute run under torch.utils.checkpoint's selective contexts, one dispatch mode
 that stores what the policy saves and one that hands it back in the recompute. Either way the
