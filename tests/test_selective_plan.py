@@ -148,3 +148,16 @@ def test_a_selective_schedule_names_its_policy_and_the_validator_checks_it():
     text = dump_schedule(s).replace(f"policy: {SELECTIVE_POLICY},", "policy: save-all,", 1)
     with pytest.raises(ScheduleFileError, match="'save-all' is not a selective policy"):
         load_schedule(text)
+
+
+def test_no_selective_plans_without_the_choice():
+    import karma
+
+    with environment(MLP_ENV):
+        path = EXAMPLES / "mlp.py"
+        kw = {"gpu_mem": "1G", "hardware": "v100-16g", "batch_size": BATCH,
+              "measure": "estimate", "strategy": "selective_all", "log": lambda note: None}
+        offered = karma.plan(path, **kw)
+        without = karma.plan(path, selective=False, **kw)
+    assert {b.act for b in offered.blocks} == {"selective"}
+    assert {b.act for b in without.blocks} == {"recompute"}  # no block is offered a policy
