@@ -63,8 +63,8 @@ def row(label: str, p: Planning, fraction: float) -> list[str]:
         ev = improve(p, ev)
     plan = ev.plan
     c = plan.counts()
-    counts = "/".join(str(c[k]) for k in ("keep", "swap", "recompute", "selective", "streamed_weights",
-                                           "host_optimizer"))
+    counts = "/".join(str(c[k]) for k in ("keep", "swap", "recompute", "selective",
+                                           "streamed_weights", "host_optimizer"))
     lb = ev.sim.lower_bound_s
     return [
         label, hw_name, budget, f"{ev.step_s:.3f}", plan.status + ("" if ev.feasible

@@ -28,7 +28,8 @@ _VARIANTS = {
 
 VARIANT = os.environ.get("KARMA_RESNET", "50")
 if VARIANT not in _VARIANTS:
-    raise ValueError(f"KARMA_RESNET={VARIANT!r} is not a known variant; use one of 50, 152, 200, tiny")
+    raise ValueError(f"KARMA_RESNET={VARIANT!r} is not a known variant; "
+                     "use one of 50, 152, 200, tiny")
 LAYERS, WIDTH, _DEFAULT_IMAGE, NUM_CLASSES, BATCH_SIZE = _VARIANTS[VARIANT]
 IMAGE_SIZE = int(os.environ.get("KARMA_RESNET_IMAGE", _DEFAULT_IMAGE))
 

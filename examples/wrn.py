@@ -3,8 +3,8 @@
     karma-plan examples/wrn.py --hardware v100-16g --gpu-mem 16G --batch-size 1024
 
 Plain PyTorch: pre-activation basic blocks (BatchNorm, ReLU, 3x3 convolution, twice, with
-dropout between), four of them in each of three nn.Sequential stages (layer1..layer3) of widths 160, 320 and
-640. Depth and width by KARMA_WRN=DEPTHxWIDTH (default 28x10).
+dropout between), four of them in each of three nn.Sequential stages (layer1..layer3) of
+widths 160, 320 and 640. Depth and width by KARMA_WRN=DEPTHxWIDTH (default 28x10).
 """
 
 import os

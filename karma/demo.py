@@ -5,7 +5,8 @@ The demo plans it for an 800 MiB budget, shows plain PyTorch dying under a hard 
 budget plus the process's fixed baseline (`prlimit --data`), then trains it with karma-run
 under the same cap, on the CPU backend, and checks its losses against the unlimited plain
 PyTorch run that steps the schedule's host-stepped blocks with karma's host kernel
-(`python -m karma.reference ... --schedule`). The text is Python's own documentation, byte by byte (examples/gpt.py), so the
+(`python -m karma.reference ... --schedule`). The text is Python's own documentation, byte
+by byte (examples/gpt.py), so the
 loss falls visibly within the few steps. With a CUDA GPU it does the same on the GPU: GPT-2
 large planned for a smaller GPU, emulated with `karma-run --cap-device-memory`. Run it as
 `python -m karma.demo`.

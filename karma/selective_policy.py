@@ -16,8 +16,8 @@ width), and the last 1x1's output is four times the others'. The IR (karma/ir/me
 the runtime both read it from the op's arguments, so they agree on every op; attention and
 grouped matmuls (no single K) are always kept.
 
-Shared by the IR, the planner's schedule checks and the runtime: nothing but the standard
-library (an op and its arguments come in as they are).
+Shared by the IR, the calibration, the schedule's checks and the runtime; torch only inside
+checkpoint_policy (the planner parses policies without it).
 """
 
 from __future__ import annotations
@@ -77,6 +77,21 @@ def flops_per_element(op_name: str, args: tuple) -> float:
         kernel = math.prod(weight.shape[2:])
         return 2 * kernel * (weight.shape[0] // groups if transposed else weight.shape[1])
     return UNBOUNDED
+
+
+def checkpoint_policy(policy: str) -> Callable:
+    """`policy` as create_selective_checkpoint_contexts takes it: MUST_SAVE for the ops it
+    keeps, PREFER_RECOMPUTE for the others (torch imported here only: the planner's checks
+    parse policies without it)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    keeps = kept_by(policy)
+
+    def decide(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if keeps(op, args) else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+
+    return decide
 
 
 def kept_by(policy: str) -> Callable[[object, tuple], bool]:

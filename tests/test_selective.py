@@ -5,11 +5,12 @@ recompute block; what differs is what its checkpoint keeps: the outputs of the o
 names (save-matmuls: matmuls, convolutions, attention), every other op running again just
 before its backward. The schedules here are recompute_all and offload_all (recompute with
 streamed weights and host steps) with every block made selective (the test matrix trains the
-planner's own selective plans: tests/matrix.py). They train three small models (dropout, whose recompute must draw the
-same numbers; BatchNorm, whose running statistics must be updated once; a plain residual
-stack) in fp32 and bf16, on one rank and on two, bitwise equal to karma.reference's loop.
-Counting the ATen ops each recompute runs shows that a selective block really is not a
-whole-block recompute: it runs every op the plain recompute runs but the matmuls.
+planner's own selective plans: tests/matrix.py). They train three small models (dropout, whose
+recompute must draw the same numbers; BatchNorm, whose running statistics must be updated
+once; a plain residual stack) in fp32 and bf16, on one rank and on two, bitwise equal to
+karma.reference's loop. Counting the ATen ops each recompute runs shows that a selective block
+really is not a whole-block recompute: it runs every op the plain recompute runs but the
+matmuls.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ a CPU (GPT-2 small's output layer alone does 1.9 TFLOP per step at batch 8). Blo
 at the largest batch whose roofline estimate from the profile given (not the measured one:
 a quick matmul's rate varies threefold between runs on a shared machine), one forward and
 backward of each distinct block, stays under _TIMING_BUDGET_S, and their times (the
-selective recompute's too) are scaled by the plan's batch over that one. A block's work is proportional to its batch, so this is close
+selective recompute's too) are scaled by the plan's batch over that one. A block's work is
+proportional to its batch, so this is close
 once a batch fills the device; what does not grow with the batch (per-call overheads, an
 embedding's dense weight gradient) is scaled up too, which errs slow. GPT-2 small (sequence
 1024) on the 2-core machine: timed at batch 2, its layers' time per sample is 1.445 s against

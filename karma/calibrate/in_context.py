@@ -115,7 +115,7 @@ _BUDGET_S = 120.0  # the keep_all steps at most this long (roofline): [Note: blo
 def timed_in_context(graph: BlockGraph, hw: Hardware, keep_all: Callable[[Hardware], Schedule],
                      path: Path, say: Callable[[str], None], remeasure: bool = False,
                      probe: Callable[[Hardware, Timed], Probe] | None = None,
-                     ratios: Callable[[], tuple[float | None, ...]] | None = None
+                     ratios: Callable[[], tuple[dict[str, float], ...]] | None = None
                      ) -> Timed | None:
     """Every block of `graph` timed in keep_all steps on this machine (`keep_all(hw)`: the
     keep_all schedule of `graph` on `hw`, this machine's profile), or None where a step does

@@ -17,20 +17,21 @@ gradients of ones) separately, its selective recompute (see [Note: timing the se
 recompute]), then the model file's optimizer stepping the block's weights (see [Note: timing
 the optimizer step]).
 
-[Note: timing the selective recompute] A selective block (karma/selective_policy.py, [Note: selective
-recompute]) runs its forward under torch.utils.checkpoint's selective contexts with its policy
-(karma/selective_policy.py; the policies timed are those the block graph offers the block,
-else SELECTIVE_POLICY's every matmul): one dispatch mode caches what the policy keeps, the other, in the recompute before the backward, hands that back and runs
-every other op again. Each timed run does as the runtime does, with PyTorch's own contexts: a
-forward under the caching context fills a fresh cache (untimed), then the same forward on fresh
-inputs that require grad as the forward's did, with grad enabled (the recompute builds the
-autograd graph the backward uses), is timed under the recompute context. Warm-up, repeats and
-median are the forward's ([Note: how often a block runs]). The time includes the dispatch
-modes' own Python per op, which the runtime pays too; it leaves out what checkpoint adds
-around them (its saved-tensor hooks, an early stop once the backward has all it saves, which
-skips trailing ops such as a last residual add), so it errs slow. Where the recompute fails
-(an op changed a cached output in place, or the recompute met other ops than the forward),
-the policy has no time: it cannot run the block.
+[Note: timing the selective recompute] A selective block (karma/selective_policy.py, [Note:
+selective recompute]) runs its forward under torch.utils.checkpoint's selective contexts with
+its policy (the policies timed are those the block graph offers the block, else
+SELECTIVE_POLICY's every matmul): one dispatch mode caches what the policy keeps, the other,
+in the recompute before the backward, hands that back and runs every other op again. Each
+timed run does as the runtime does, with PyTorch's own contexts: a forward under the caching
+context fills a fresh cache (untimed), then the same forward on fresh inputs that require grad
+as the forward's did, with grad enabled (the recompute builds the autograd graph the backward
+uses), is timed under the recompute context. Warm-up, repeats and median are the forward's
+([Note: how often a block runs]). The time includes the dispatch modes' own Python per op,
+which the runtime pays too; it leaves out what checkpoint adds around them (its saved-tensor
+hooks, an early stop once the backward has all it saves, which skips trailing ops such as a
+last residual add), so it errs slow. Where the recompute fails (an op changed a cached output
+in place, or the recompute met other ops than the forward), the policy has no time: it cannot
+run the block.
 
 [Note: timing the optimizer step] The optimizer step is timed per block, with the model file's
 own optimizer (`make_optimizer` over the block's weights, as the runtime makes one per block),
@@ -62,13 +63,12 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 from torch.fx.passes.split_module import split_module
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from karma.errors import IRError
 from karma.ir.blocks import find_units, group_nodes
@@ -76,7 +76,7 @@ from karma.ir.compute import _drop_metadata_asserts
 from karma.ir.measure import _Probe, _tensors
 from karma.ir.trace import retarget_device, trace
 from karma.modelfile import ModelFile
-from karma.selective_policy import SELECTIVE_POLICY, kept_by
+from karma.selective_policy import SELECTIVE_POLICY, checkpoint_policy
 
 _AUTOCAST = {"bf16": torch.bfloat16}
 _LONG_RUN_S = 0.5  # a run this long needs no warm-up of its own
@@ -345,18 +345,11 @@ def _time_block(submod: torch.fx.GraphModule, args: list, real_of: dict, names: 
                   device_step_s, host_step_s, stepped)
 
 
-def _save_kept(keeps: Callable[[object, tuple], bool], ctx, op, *args,
-               **kwargs) -> CheckpointPolicy:
-    """A policy for create_selective_checkpoint_contexts: keep what `keeps` keeps
-    (karma/selective_policy.py), recompute the others."""
-    return CheckpointPolicy.MUST_SAVE if keeps(op, args) else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def _selective_recompute_s(forward: Callable, fresh: Callable[[], list],
                            sync: Callable[[], None], policy: str) -> float:
     """Seconds of one selective recompute of `forward` under `policy`, as the runtime runs
     it ([Note: timing the selective recompute]); an error where the policy cannot run it."""
-    cache, recompute = create_selective_checkpoint_contexts(partial(_save_kept, kept_by(policy)))
+    cache, recompute = create_selective_checkpoint_contexts(checkpoint_policy(policy))
     with torch.enable_grad(), cache:
         forward(fresh())  # fills the cache; what it returns goes at once
     args = fresh()

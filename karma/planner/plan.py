@@ -35,8 +35,7 @@ class InfeasiblePlan(KarmaError):
 class Plan:
     """A strategy's decision for every block."""
 
-    strategy: str  # ilp | keep_all | recompute_all | selective_all | swap_all | offload_all
-    # | greedy
+    strategy: str  # "ilp" or a baseline's name (baselines.BASELINES)
     choices: tuple[Choice, ...]
     status: str = "heuristic"  # optimal | time-limit | heuristic | fallback
     solve_s: float = 0.0

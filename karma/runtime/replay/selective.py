@@ -4,8 +4,9 @@
     checkpoint(module.forward, x, use_reentrant=False, context_fn=context_fn)
 
 A recompute block keeps only its input and runs its whole forward again just before its
-backward. A selective block ([Note: selective recompute] in karma/selective_policy.py) keeps, beside
-its input, the outputs of the ops its policy names, and runs every other op again: its forward
+backward. A selective block ([Note: selective recompute] in karma/selective_policy.py) keeps,
+beside its input, the outputs of the ops its policy names, and runs every other op again: its
+forward
 and its recompute run under torch.utils.checkpoint's selective contexts, one dispatch mode
 that stores what the policy saves and one that hands it back in the recompute. Either way the
 recompute restores the module's buffers afterwards (a BatchNorm's running statistics are
@@ -16,16 +17,15 @@ looks only at operator names and their arguments' shapes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from functools import partial
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from karma.errors import KarmaError
 from karma.schedule import BlockEntry
-from karma.selective_policy import kept_by
+from karma.selective_policy import checkpoint_policy
 
 # what torch.utils.checkpoint says when a tensor its selective contexts keep changed in place
 _MUTATED = "cached during selective activation checkpoint has been mutated"
@@ -37,16 +37,8 @@ def checkpoint_contexts(block: BlockEntry, buffers: list[torch.Tensor]
     (the context of its forward, that of its recompute)."""
     if block.act != "selective":
         return contextlib.nullcontext(), _restore_buffers(buffers)
-    forward, recompute = create_selective_checkpoint_contexts(
-        partial(_save_kept, kept_by(block.policy)))
+    forward, recompute = create_selective_checkpoint_contexts(checkpoint_policy(block.policy))
     return forward, _recompute(block, recompute, buffers)
-
-
-def _save_kept(keeps: Callable[[object, tuple], bool], ctx, op, *args,
-               **kwargs) -> CheckpointPolicy:
-    """The policy: keep the outputs of the ops it keeps (karma/selective_policy.py),
-    recompute the others."""
-    return CheckpointPolicy.MUST_SAVE if keeps(op, args) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @contextlib.contextmanager
