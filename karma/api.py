@@ -98,8 +98,10 @@ def _prepare(model_file: str | Path, options: PlanOptions, log: Log | None) -> _
     for note in graph.notes:
         say(note)
     optimizer = optimizer_profile(mf)
-    return _Prepared(graph, ModelRef.now(str(model_file), mf.sha256, graph.to_json()),
-                     calibration(mf, graph, options, optimizer, say), optimizer)
+    command = replace(options, batch_size=graph.batch_size).plan_command(str(model_file))
+    model = ModelRef.now(str(model_file), mf.sha256, graph.to_json(), model_file=mf,
+                         plan_command=command)
+    return _Prepared(graph, model, calibration(mf, graph, options, optimizer, say), optimizer)
 
 
 def _solve(prepared: _Prepared, options: PlanOptions) -> PlanReport:

@@ -51,20 +51,17 @@ from karma.schedule_load import load_schedule
 __all__ = ["Runtime", "StepStats", "open_model_file"]
 
 
-def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile:
-    """The schedule's model file, with its environment, checked against its fingerprint."""
+def open_model_file(schedule: Schedule, schedule_path: Path | None,
+                    log: Callable[[str], None] | None = None) -> ModelFile:
+    """The schedule's model file, with its environment, checked against the model the
+    schedule was planned for (karma/fingerprint.py, check_model: `log` gets its note that
+    the file changed but not the model; default stderr)."""
+    from karma.fingerprint import check_model, model_file_path
+
     for key, value in schedule.model.env:
         os.environ[key] = value
-    path = Path(schedule.model.path)
-    if not path.is_absolute() and not path.exists() and schedule_path is not None:
-        beside = schedule_path.resolve().parent / path
-        path = beside if beside.exists() else path
-    mf = load_model_file(path)
-    if mf.sha256 != schedule.model.sha256:
-        raise KarmaError(
-            f"model file {path} has changed since the schedule was planned (fingerprint "
-            f"{mf.sha256[:12]}, schedule has {schedule.model.sha256[:12]}); re-plan it with "
-            f"karma-plan {schedule.model.path} ... -o SCHEDULE.yaml")
+    mf = load_model_file(model_file_path(schedule, schedule_path))
+    check_model(schedule, mf, schedule_path, log)
     return mf
 
 
