@@ -113,8 +113,10 @@ def _prepare(model: Model, options: PlanOptions, log: Log | None) -> _Prepared:
     for note in graph.notes:
         say(note)
     optimizer = optimizer_profile(mf)
-    return _Prepared(graph, ModelRef.now(name, mf.sha256, graph.to_json(), entry=mf.entry),
-                     calibration(mf, graph, options, optimizer, say), optimizer)
+    command = None if mf.entry is not None else \
+        replace(options, batch_size=graph.batch_size).plan_command(name)
+    model = ModelRef.now(name, mf.sha256, graph.to_json(), model_file=mf, plan_command=command)
+    return _Prepared(graph, model, calibration(mf, graph, options, optimizer, say), optimizer)
 
 
 def _solve(prepared: _Prepared, options: PlanOptions) -> PlanReport:
@@ -227,8 +229,7 @@ def calibration(mf: ModelFile, graph: BlockGraph, options: PlanOptions,
     roofline = build_problem(graph, options.profile, graph.dtype)
 
     # the model file by its absolute path: karma-run trains it from another directory
-    model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json(),
-                         entry=mf.entry)
+    model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json())
 
     def unlimited(measured_hw) -> PlanOptions:
         return PlanOptions(gpu_mem=1 << 62, hardware=measured_hw, batch_size=graph.batch_size,

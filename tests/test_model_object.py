@@ -152,3 +152,10 @@ def test_functions_of_other_modules_are_recorded_by_module_and_name():
                                      ("loss_fn", entry["loss_fn"])))
     assert again.loss_fn is default_loss_fn
     assert type(again.build_model()).__name__ == "Net"  # the file imported again
+
+
+def test_a_runtime_given_another_model_than_planned_says_the_schedule_is_stale(tmp_path):
+    schedule, _ = planned(model(), tmp_path)
+    wider = karma.model(lambda: net.Net(layers=5), net.make_batch, make_optimizer=net.sgd)
+    with pytest.raises(KarmaError, match="stale.*karma.plan"):
+        karma.Runtime(schedule, model=wider, log=lambda line: None)

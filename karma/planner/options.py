@@ -13,7 +13,8 @@ KarmaError that names the option, its flag and the fix.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import shlex
+from dataclasses import dataclass, field, fields
 
 from karma.errors import KarmaError
 from karma.planner.baselines import BASELINES
@@ -112,6 +113,37 @@ class PlanOptions:
         if self.gpu_mem is None:
             raise KarmaError("--gpu-mem is required to plan, e.g. --gpu-mem 16G (or use "
                              "--print-ir to see the block graph)")
+
+    def plan_command(self, model: str) -> str:
+        """The karma-plan command that plans `model` (the path as given) with these options,
+        without -o: --hardware always (its default may change), --gpu-mem and --batch-size
+        where given, every other option where it is not its default."""
+        flags = {  # each option's flag, in this order; measure and selective are switches
+            "gpu_mem": "--gpu-mem", "batch_size": "--batch-size", "world_size": "--world-size",
+            "nproc_per_node": "--nproc-per-node", "host_mem": "--host-mem",
+            "host_state": "--host-state", "dtype": "--dtype", "accumulate": "--accumulate",
+            "clip_grad_norm": "--clip-grad-norm", "strategy": "--strategy", "seed": "--seed",
+            "time_limit_s": "--time-limit", "gap": "--gap", "blocks": "--blocks",
+            "measure": None, "host_optimizer": "--host-optimizer", "selective": None}
+        defaults = {f.name: f.default for f in fields(PlanOptions)}
+        hardware = self.hardware if isinstance(self.hardware, str) else self.hardware.name
+        args = ["karma-plan", model, "--hardware", hardware]
+        for name, flag in flags.items():
+            value = getattr(self, name)
+            if value is None or (value == defaults[name] and name not in ("gpu_mem",
+                                                                           "batch_size")):
+                continue
+            if name == "measure":
+                args.append("--no-measure" if value == "estimate" else "--remeasure")
+            elif name == "selective":
+                args.append("--no-selective")
+            elif name in ("gpu_mem", "host_mem"):  # exactly, in the largest unit that divides
+                unit, power = next((u, k) for u, k in (("T", 4), ("G", 3), ("M", 2), ("K", 1),
+                                                       ("", 0)) if value % 1024 ** k == 0)
+                args += [flag, f"{value // 1024 ** power}{unit}"]
+            else:
+                args += [flag, str(value)]
+        return " ".join(map(shlex.quote, args))
 
     @property
     def searches_batch(self) -> bool:
