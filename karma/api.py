@@ -63,8 +63,10 @@ def plan(model: Model, gpu_mem: str | int = "16G", hardware: str | Hardware | No
         model = as_model(model, **functions)
     if hardware is not None:
         options["hardware"] = hardware
-    return plan_report(model, plan_options(gpu_mem=gpu_mem, batch_size=batch_size, **options),
-                       log).schedule
+    chosen = plan_options(gpu_mem=gpu_mem, batch_size=batch_size, **options)
+    for note in chosen.machine_notes:  # which hardware "this machine" is
+        (log or _note_to_stderr)(note)
+    return plan_report(model, chosen, log).schedule
 
 
 def plan_options(**options) -> PlanOptions:
