@@ -38,7 +38,8 @@ class RunOptions:
     checkpoint_every: int = 0  # 0: only the final step
     resume: bool = False
     timeout_s: float = 60.0  # how long a collective waits for the other ranks
-    # CUDA: emulate a GPU of the schedule's budget (True) or of this many bytes
+    # CUDA: emulate a GPU of the schedule's budget (True) or of this many bytes; the CPU
+    # backend: True caps the process's data segment from the plan (--cap-memory, memcap.py)
     cap_device_memory: bool | int = False
     dist_backend: str | None = None  # several ranks: nccl or gloo (None: nccl on CUDA, else gloo)
     eval_every: int = 0  # evaluate on the model file's eval_batches every N steps (0: never)

@@ -103,7 +103,8 @@ class Runtime:
         progress lines go (default: the "karma" logger, at INFO).
         `timeout_s`: on several ranks, how long to wait for a rank that stops answering.
         `cap_device_memory`: on CUDA, emulate a GPU of this many bytes (True: of the
-        schedule's budget). `agree`: further options every rank must share (karma-run's
+        schedule's budget); on the CPU backend, True caps the process's data segment from
+        the plan (karma-run --cap-memory, runtime/host/memcap.py). `agree`: further options every rank must share (karma-run's
         steps, checkpoints). `dist_backend`: the all-reduces' backend on several ranks, nccl
         or gloo (default nccl on CUDA, gloo on the CPU). `host_optimizer`: the kernel of
         host-stepped blocks, "fused" or "as-given" (default: the schedule's
