@@ -12,6 +12,10 @@ As a library (the command-line tools are built on the same calls):
     with karma.Runtime(schedule, seed=0) as rt:
         loss = rt.step(inputs, targets)             # one planned optimizer step
         eval_loss = rt.evaluate(inputs, targets)    # forward only, under the same budget
+        rt.save("checkpoints")                      # karma-export and karma-run --resume read it
+
+A model object instead of a file: `m = karma.model(net, example_batch, loss_fn=...)`, then
+`karma.plan(m, ...)` and `karma.Runtime(schedule, model=m)` (karma/model_object.py).
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 __all__ = ["InfeasiblePlan", "KarmaError", "PlanOptions", "Runtime", "Schedule", "load_schedule",
-           "plan"]
+           "model", "plan"]
 
 if TYPE_CHECKING:
     from karma.api import plan
     from karma.errors import KarmaError
+    from karma.model_object import model
     from karma.planner.options import PlanOptions
     from karma.planner.plan import InfeasiblePlan
     from karma.runtime.runtime import Runtime
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "plan": "karma.api",
     "KarmaError": "karma.errors",
+    "model": "karma.model_object",
     "InfeasiblePlan": "karma.planner.plan",
     "PlanOptions": "karma.planner.options",
     "Runtime": "karma.runtime.runtime",

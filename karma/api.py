@@ -27,6 +27,7 @@ from karma.errors import KarmaError
 from karma.ir.build import build_block_graph
 from karma.ir.graph import BlockGraph, OptimizerProfile
 from karma.ir.optimizer import optimizer_profile
+from karma.model_object import as_model
 from karma.modelfile import ModelFile, load_model_file
 from karma.planner.fit_contention import fit_side_streams
 from karma.planner.hardware import Hardware
@@ -37,20 +38,33 @@ from karma.planner.problem import build_problem
 from karma.schedule import ModelRef, Schedule
 
 Log = Callable[[str], None]
+Model = str | Path | ModelFile  # a model file's path, or karma.model(...)
+MODEL_KEYWORDS = ("example_batch", "loss_fn", "make_optimizer", "make_scheduler", "batches",
+                  "eval_batches")  # karma.plan's keyword arguments that describe the model
 
 
-def plan(model_file: str | Path, gpu_mem: str | int = "16G", hardware: str | Hardware = "v100-16g",
+def plan(model: Model, gpu_mem: str | int = "16G", hardware: str | Hardware | None = None,
          batch_size: int | None = None, *, log: Log | None = None, **options) -> Schedule:
-    """Plan training of a model file within `gpu_mem` bytes of device memory ("16G" or an
-    int) on `hardware` (a built-in profile's name, a karma-profile file, or a Hardware). The
+    """Plan training of a model within `gpu_mem` bytes of device memory ("16G" or an int)
+    on `hardware` (a built-in profile's name, a karma-profile file, or a Hardware; default:
+    this machine).
+
+    `model`: a model file's path, `karma.model(...)`, or an nn.Module (or a function that
+    builds one) with karma.model's keyword arguments here: example_batch, loss_fn,
+    make_optimizer, make_scheduler, batches, eval_batches (karma/model_object.py). The
     other options are PlanOptions' fields, as karma-plan's flags: world_size, dtype ("fp32",
     or "bf16" for mixed precision), accumulate, clip_grad_norm, nproc_per_node, host_mem,
     host_state, strategy, seed, time_limit_s, gap, blocks, measure ("cached", "fresh" or
     "estimate"), host_optimizer ("fused" or "as-given"), selective (False: no selective
-    recompute). `log` gets notes about the model and about measuring (default: stderr).
-    Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
-    return plan_report(model_file, plan_options(gpu_mem=gpu_mem, hardware=hardware,
-                                                batch_size=batch_size, **options), log).schedule
+    recompute). `log` gets notes about the model and about measuring (default: the "karma"
+    logger). Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
+    functions = {name: options.pop(name) for name in MODEL_KEYWORDS if name in options}
+    if functions or not isinstance(model, (str, Path, ModelFile)):
+        model = as_model(model, **functions)
+    if hardware is not None:
+        options["hardware"] = hardware
+    return plan_report(model, plan_options(gpu_mem=gpu_mem, batch_size=batch_size, **options),
+                       log).schedule
 
 
 def plan_options(**options) -> PlanOptions:
@@ -63,7 +77,7 @@ def plan_options(**options) -> PlanOptions:
     return PlanOptions(**options)
 
 
-def plan_report(model_file: str | Path, options: PlanOptions,
+def plan_report(model_file: Model, options: PlanOptions,
                 log: Log | None = None) -> PlanReport:
     """`plan`, with everything karma-plan prints: the chosen plan's evaluation and every
     baseline's, and where the block times came from. A batch size of max or best is
@@ -88,17 +102,18 @@ class _Prepared:
     optimizer: OptimizerProfile
 
 
-def _prepare(model_file: str | Path, options: PlanOptions, log: Log | None) -> _Prepared:
+def _prepare(model: Model, options: PlanOptions, log: Log | None) -> _Prepared:
     """The model traced and calibrated for `options`: what its plans are made from."""
     say = log or _note_to_stderr
     options.check_plannable()  # before tracing
-    mf = load_model_file(model_file)
+    mf = model if isinstance(model, ModelFile) else load_model_file(model)
+    name = str(mf.path) if isinstance(model, ModelFile) else str(model)  # as given
     graph = build_block_graph(mf, options.batch_size, options.blocks,
-                              model_name=str(model_file), dtype=options.dtype)
+                              model_name=name, dtype=options.dtype)
     for note in graph.notes:
         say(note)
     optimizer = optimizer_profile(mf)
-    return _Prepared(graph, ModelRef.now(str(model_file), mf.sha256, graph.to_json()),
+    return _Prepared(graph, ModelRef.now(name, mf.sha256, graph.to_json(), entry=mf.entry),
                      calibration(mf, graph, options, optimizer, say), optimizer)
 
 
@@ -117,7 +132,7 @@ def _solve(prepared: _Prepared, options: PlanOptions) -> PlanReport:
 SWEEPS = {"gpu-mem": "gpu_mem", "batch-size": "batch_size"}  # the quantity -> its option
 
 
-def sweep(model_file: str | Path, quantity: str, values: Sequence[int],
+def sweep(model_file: Model, quantity: str, values: Sequence[int],
           options: PlanOptions, log: Log | None = None) -> list[dict]:
     """Plan at every value of `quantity` ("gpu-mem": device memory budgets in bytes;
     "batch-size"), the other options as given; one record per point, an infeasible one
@@ -141,7 +156,7 @@ def sweep(model_file: str | Path, quantity: str, values: Sequence[int],
 MAX_BATCH = 1 << 16  # the search's ceiling
 
 
-def choose_batch(model_file: str | Path, how: str, options: PlanOptions,
+def choose_batch(model_file: Model, how: str, options: PlanOptions,
                  log: Log | None = None) -> tuple[int, list[dict]]:
     """The batch `how` asks for ("max": the largest any plan fits in the budget; "best": the
     one of most predicted samples per second, up to that), and the points searched (sweep's
@@ -212,7 +227,8 @@ def calibration(mf: ModelFile, graph: BlockGraph, options: PlanOptions,
     roofline = build_problem(graph, options.profile, graph.dtype)
 
     # the model file by its absolute path: karma-run trains it from another directory
-    model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json())
+    model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json(),
+                         entry=mf.entry)
 
     def unlimited(measured_hw) -> PlanOptions:
         return PlanOptions(gpu_mem=1 << 62, hardware=measured_hw, batch_size=graph.batch_size,

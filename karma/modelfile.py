@@ -43,6 +43,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from karma.errors import ModelFileError
+from karma.schedule import MODEL_FUNCTIONS
 
 Batch = tuple[Any, Any]
 
@@ -131,7 +132,7 @@ class ModelFile:
 
     path: Path
     sha256: str  # fingerprint of the file's bytes; schedules record it
-    module: ModuleType
+    module: ModuleType | None  # None: a model object whose functions were given
     build_model: Callable[[], torch.nn.Module]
     example_batch: Callable[[int], Batch]
     loss_fn: Callable[[Any, Any], torch.Tensor]
@@ -140,6 +141,10 @@ class ModelFile:
     user_batches: Callable[[int, int, int], Iterator[Batch]] | None
     eval_batches: Callable[[int], Iterable[Batch]] | None = None
     make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None  # None: constant lr
+    # None: a model file, its functions by the protocol's names. A model object (model()):
+    # (protocol name, the function's name in `path`) for each function given, "" for one
+    # that cannot be imported again (a lambda, a local function, a module instance)
+    entry: tuple[tuple[str, str], ...] | None = None
 
     def build(self, log: Callable[[str], None] | None = None) -> torch.nn.Module:
         """build_model(), with a Hugging Face model's KV cache turned off (see use_cache_off)."""
@@ -284,8 +289,11 @@ def user_frame(e: BaseException, path: Path) -> str:
     return f" (at {f.filename}:{f.lineno}: {(f.line or '').strip()})"
 
 
-def load_model_file(path: str | Path) -> ModelFile:
-    """Import a model file and check that it follows the protocol."""
+def load_model_file(path: str | Path,
+                    entry: tuple[tuple[str, str], ...] | None = None) -> ModelFile:
+    """Import a model file and check that it follows the protocol. `entry`: a model
+    object's functions by their names in the file (karma/model_object.py), instead of the
+    protocol's names."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(
@@ -317,29 +325,42 @@ def load_model_file(path: str | Path) -> ModelFile:
             f"importing model file {path} failed: {type(e).__name__}: {e}{user_frame(e, path)}"
         ) from e
 
+    names = dict(entry) if entry is not None else {name: name for name in PROTOCOL}
     for required in ("build_model", "example_batch"):
-        if not callable(getattr(module, required, None)):
+        if not callable(getattr(module, names.get(required, ""), None)):
             raise ModelFileError(
-                f"model file {path} does not define {required}(); a model file must define "
-                "build_model() -> nn.Module and example_batch(batch_size) -> (inputs, targets)"
-            )
+                f"model file {path} does not define {names.get(required, required)}(); a "
+                "model file must define build_model() -> nn.Module and "
+                "example_batch(batch_size) -> (inputs, targets)")
     batch_size = getattr(module, "BATCH_SIZE", DEFAULT_BATCH_SIZE)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ModelFileError(
             f"model file {path}: BATCH_SIZE = {batch_size!r} is not a positive integer"
         )
+    return make_model_file(path, hashlib.sha256(data).hexdigest(), module,
+                           {p: getattr(module, name, None) for p, name in names.items()},
+                           batch_size, entry)
+
+
+PROTOCOL = MODEL_FUNCTIONS  # the protocol's functions, by their names in a model file
+
+
+def make_model_file(path: Path, sha256: str, module: ModuleType | None,
+                functions: Mapping[str, Any], batch_size: int,
+                entry: tuple[tuple[str, str], ...] | None = None) -> ModelFile:
+    """The one place a ModelFile is made, from a model file's functions or a model
+    object's, the optional ones filled in with the defaults."""
     return ModelFile(
-        path=path,
-        sha256=hashlib.sha256(data).hexdigest(),
-        module=module,
-        build_model=module.build_model,
-        example_batch=module.example_batch,
-        loss_fn=getattr(module, "loss_fn", default_loss_fn),
-        make_optimizer=getattr(module, "make_optimizer", default_make_optimizer),
+        path=path, sha256=sha256, module=module,
+        build_model=functions["build_model"],
+        example_batch=functions["example_batch"],
+        loss_fn=functions.get("loss_fn") or default_loss_fn,
+        make_optimizer=functions.get("make_optimizer") or default_make_optimizer,
         default_batch_size=batch_size,
-        user_batches=getattr(module, "batches", None),
-        eval_batches=getattr(module, "eval_batches", None),
-        make_scheduler=getattr(module, "make_scheduler", None),
+        user_batches=functions.get("batches"),
+        eval_batches=functions.get("eval_batches"),
+        make_scheduler=functions.get("make_scheduler"),
+        entry=entry,
     )
 
 

@@ -211,6 +211,11 @@ class Buffer:
     free: int | None  # op whose end frees it; None: it outlives the replay
 
 
+# the model file protocol's functions, by their names in a model file (karma/modelfile.py)
+MODEL_FUNCTIONS = ("build_model", "example_batch", "loss_fn", "make_optimizer",
+                   "make_scheduler", "batches", "eval_batches")
+
+
 @dataclass(frozen=True)
 class ModelRef:
     """Which model the schedule was planned for."""
@@ -219,15 +224,19 @@ class ModelRef:
     sha256: str  # fingerprint of the model file's bytes
     ir_sha256: str  # fingerprint of the block graph's JSON
     env: tuple[tuple[str, str], ...]  # KARMA_* environment variables the model file read
+    # a model object's functions by their names in `path` ("": not importable again); None
+    # (the key left out): a model file (karma/model_object.py)
+    entry: tuple[tuple[str, str], ...] | None = None
 
     @classmethod
     def now(cls, path: str, sha256: str, ir_json: str,
-            env: tuple[tuple[str, str], ...] | None = None) -> ModelRef:
+            env: tuple[tuple[str, str], ...] | None = None,
+            entry: tuple[tuple[str, str], ...] | None = None) -> ModelRef:
         """The reference a plan made in this process records: the model file, its hash, its
-        block graph's JSON hashed, and the KARMA_* environment the model file was loaded
-        with (`env`; default: now, model_env)."""
+        block graph's JSON hashed, the KARMA_* environment the model file was loaded
+        with (`env`; default: now, model_env), and a model object's `entry`."""
         return cls(path, sha256, hashlib.sha256(ir_json.encode()).hexdigest(),
-                   model_env() if env is None else env)
+                   model_env() if env is None else env, entry)
 
 
 # karma's own settings, read by the runtime where it runs: not the model's, so not recorded
@@ -384,6 +393,8 @@ def _plan_lines(s: Schedule) -> list[str]:
     lines = ["model:"]
     lines += _scalar_lines([("path", m.path), ("sha256", m.sha256), ("ir_sha256", m.ir_sha256)])
     lines.append(f"  env: {flow_map(m.env, None)}")
+    if m.entry is not None:
+        lines.append(f"  entry: {flow_map(m.entry, None)}")
     lines.append("config:")
     lines += _scalar_lines([("batch_size", c.batch_size), ("dtype", c.dtype),
                             ("world_size", c.world_size), ("seed", c.seed),

@@ -22,6 +22,7 @@ from karma.schedule import (
     DTYPES,
     HOST_OPTIMIZERS,
     HOST_STATES,
+    MODEL_FUNCTIONS,
     OP_KINDS,
     OPTIM_CHOICES,
     READABLE_VERSIONS,
@@ -286,8 +287,9 @@ _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_sche
     "karma_schedule": _COUNT,
     "model": _record(ModelRef, {
         "path": _text(), "sha256": _text(), "ir_sha256": _text(),
-        "env": _pairs(_text(), _text()),
-    }, "model"),
+        "env": _pairs(_text(), _text()), "entry": _pairs(_text(MODEL_FUNCTIONS, "a model function"),
+                                                         _text()),
+    }, "model", optional=("entry",)),
     "config": _record(TrainConfig, {
         "batch_size": _integer(1), "dtype": _text(DTYPES, "a dtype"),
         "world_size": _integer(1), "seed": _integer(0), "capacity_bytes": _integer(1),

@@ -17,7 +17,6 @@ from karma.errors import KarmaError
 from karma.modelfile import ModelFile
 from karma.runtime.checkpoints.checkpoint import (
     latest_checkpoint,
-    load_checkpoint,
     save_checkpoint,
 )
 from karma.runtime.distributed import process_group
@@ -171,8 +170,7 @@ def _resume(rt: Runtime, options: RunOptions, data) -> int:
     if found is None:
         rt.log("resume: no complete checkpoint found; starting from step 0")
         return 0
-    start_step = load_checkpoint(found, rt.model, rt.engine, rt.lr_schedule, rt.ranks,
-                                 rt.schedule)
+    start_step = rt.load(found)
     for _ in range(start_step * rt.accumulate):  # the data continues where it stopped
         next(data)
     rt.log(f"resumed from {found} (step {start_step})")

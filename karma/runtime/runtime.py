@@ -17,6 +17,7 @@ process group as karma-run does.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from karma.errors import KarmaError, ModelFileError
+from karma.model_object import missing_entry
 from karma.modelfile import (
     ModelFile,
     ModelInputs,
@@ -38,7 +40,13 @@ from karma.modelfile import (
     output_tensors,
 )
 from karma.runtime.bringup import bring_up, make_backend
-from karma.runtime.checkpoints.checkpoint import load_runtime_state, runtime_state
+from karma.runtime.checkpoints.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_runtime_state,
+    runtime_state,
+    save_checkpoint,
+)
 from karma.runtime.distributed import process_group
 from karma.runtime.distributed.process_group import Ranks
 from karma.runtime.replay.streams import OpFailed
@@ -59,7 +67,15 @@ def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile
     if not path.is_absolute() and not path.exists() and schedule_path is not None:
         beside = schedule_path.resolve().parent / path
         path = beside if beside.exists() else path
-    mf = load_model_file(path)
+    entry = schedule.model.entry
+    if entry is not None and missing_entry(entry):
+        raise KarmaError(
+            f"this schedule was planned for a model object whose "
+            f"{', '.join(missing_entry(entry))} cannot be imported again (a module instance, "
+            "a lambda or a function defined inside another); train it with "
+            "karma.Runtime(schedule, model=karma.model(...)), or plan it from functions "
+            "defined at the top level of a file")
+    mf = load_model_file(path, entry)
     if mf.sha256 != schedule.model.sha256:
         raise KarmaError(
             f"model file {path} has changed since the schedule was planned (fingerprint "
@@ -77,11 +93,16 @@ class Runtime:
     N-th call ends a step (`stepped` tells which)."""
 
     def __init__(self, schedule: Schedule | str | Path, seed: int | None = None, *,
+                 model: ModelFile | str | Path | None = None,
                  model_file: ModelFile | None = None, timeout_s: float = 60.0,
-                 cap_device_memory: bool | int = False, log: Callable[[str], None] = print,
+                 cap_device_memory: bool | int = False,
+                 log: Callable[[str], None] | None = None,
                  agree: dict[str, Any] | None = None, dist_backend: str | None = None,
                  host_optimizer: str | None = None):
         """`schedule`: a Schedule or a schedule file's path. `seed`: default the schedule's.
+        `model`: what the schedule was planned for, `karma.model(...)` or a model file's path
+        (default: the schedule's model file; `model_file` is the same, loaded). `log`: where
+        progress lines go (default: the "karma" logger, at INFO).
         `timeout_s`: on several ranks, how long to wait for a rank that stops answering.
         `cap_device_memory`: on CUDA, emulate a GPU of this many bytes (True: of the
         schedule's budget). `agree`: further options every rank must share (karma-run's
@@ -89,6 +110,7 @@ class Runtime:
         or gloo (default nccl on CUDA, gloo on the CPU). `host_optimizer`: the kernel of
         host-stepped blocks, "fused" or "as-given" (default: the schedule's
         config.host_optimizer; runtime/params/host_optimizer.py)."""
+        given = _given_model(model, model_file)
         path = None
         if not isinstance(schedule, Schedule):
             path = Path(schedule)
@@ -96,7 +118,7 @@ class Runtime:
         if host_optimizer is not None and host_optimizer != schedule.config.host_optimizer:
             schedule = _with_host_optimizer(schedule, host_optimizer)
         self.schedule = schedule
-        self.model_file = model_file or open_model_file(schedule, path)
+        self.model_file = given or open_model_file(schedule, path)
         self.seed = schedule.config.seed if seed is None else seed
         self.timeout_s = timeout_s
         device_kind = dict(schedule.hardware).get("device_kind", "cpu")
@@ -106,13 +128,14 @@ class Runtime:
             schedule.config.world_size, schedule_sha256(schedule),
             {"seed": self.seed, **(agree or {})}, timeout_s, dist_backend,
             self.backend.device_id())
-        self.log = log if self.ranks.main else _quiet
+        self.log = (log or logging.getLogger("karma").info) if self.ranks.main else _quiet
         self._closed = False
         self._failed = False
         self._checked_output = False
         self._accepted_calls: set[tuple[int, tuple[str, ...]]] = set()  # (positional, keys)
         self.last: StepStats | None = None  # the latest step's measurements
         self.steps = 0  # optimizer steps taken by this object (a resumed run: from its start)
+        self.start_step = 0  # the step of the checkpoint it loaded: save() counts on from it
         self.last_eval_peak_bytes = 0  # the latest evaluate()'s peak, as StepStats.peak_bytes
         self.accumulation = Accumulation(schedule.config.accumulate)
         self.stepped = False  # whether the latest micro_step() call ended an optimizer step
@@ -367,6 +390,33 @@ class Runtime:
         self._check_between_steps("load_state_dict")
         load_runtime_state(state, self.model, self.engine, "the state", self.lr_schedule)
 
+    def save(self, directory: str | Path) -> Path:
+        """Write a checkpoint of the training so far into `directory` (every rank calls
+        it), as karma-run's --checkpoint-dir holds them: `karma-export` and `karma-run
+        --resume` read it. Its folder, step_N (N: the steps so far, a loaded checkpoint's
+        included), is put in place whole or not at all. Between optimizer steps only."""
+        self._check_usable()
+        self._check_between_steps("save")
+        return save_checkpoint(Path(directory), self.start_step + self.steps, self.model,
+                               self.engine, self.schedule, self.seed, self.lr_schedule,
+                               self.ranks, self.timeout_s)
+
+    def load(self, path: str | Path) -> int:
+        """Continue from a checkpoint: `path` is one (a step_N folder, from `save` or
+        karma-run) or a folder of them (the newest complete one). Restores the model, the
+        optimizers, the LR schedule and the RNG; returns the step it was taken after."""
+        self._check_usable()
+        self._check_between_steps("load")
+        path = Path(path)
+        found = path if (path / "meta.json").is_file() else latest_checkpoint(path)
+        if found is None:
+            raise KarmaError(f"{path} holds no complete checkpoint; give a step_N folder "
+                             "written by Runtime.save or karma-run --checkpoint-dir, or the "
+                             "folder that holds them")
+        self.start_step = load_checkpoint(found, self.model, self.engine, self.lr_schedule,
+                                          self.ranks, self.schedule) - self.steps
+        return self.start_step + self.steps
+
     # --- the end ---------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -386,6 +436,20 @@ class Runtime:
         if exc_type is not None:
             self._failed = True
         self.close()
+
+
+def _given_model(model: ModelFile | str | Path | None,
+                 model_file: ModelFile | None) -> ModelFile | None:
+    """The model a Runtime was given (`model` or `model_file`), None if neither."""
+    if model is not None and model_file is not None:
+        raise KarmaError("Runtime(model=..., model_file=...): give one of them")
+    if model is None or isinstance(model, ModelFile):
+        return model or model_file
+    if isinstance(model, (str, Path)):
+        return load_model_file(model)
+    raise KarmaError(f"Runtime(model=...) is a {type(model).__name__}; give the "
+                     "karma.model(...) the schedule was planned for (it carries the loss and "
+                     "the optimizer), or a model file's path")
 
 
 def _quiet(line: str) -> None:

@@ -1,0 +1,139 @@
+"""A model object is as good as a model file: karma.model, karma.plan and karma.Runtime on
+an nn.Module or the functions that build one, Runtime.save/load in karma-run's format."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import karma
+from karma.errors import KarmaError
+from karma.model_object import meta_copy
+from karma.runtime.checkpoints.export import model_state_dict
+from karma.testing.exactness import assert_bitwise_equal
+from tests.conftest import ROOT
+from tests.models import object_net as net
+
+pytestmark = pytest.mark.usefixtures("restore_environment_and_signals")  # tests/conftest.py
+BATCH = 4
+BUDGET = "1200K"  # below what keeping everything needs: some blocks move or recompute
+
+
+def model() -> karma.modelfile.ModelFile:
+    return karma.model(net.make_net, net.make_batch, make_optimizer=net.sgd)
+
+
+def planned(m, tmp_path):
+    schedule = karma.plan(m, gpu_mem=BUDGET, hardware="cpu", batch_size=BATCH,
+                          measure="estimate", log=lambda note: None)
+    path = tmp_path / "object.yaml"
+    schedule.save(path)
+    return schedule, path
+
+
+def hand_loop(rt, steps: int, first: int = 0) -> list[float]:
+    """A user's own loop: the model's default batches (batch_seed), one step each."""
+    data = rt.model_file.batches(BATCH)
+    for _ in range(first):
+        next(data)
+    return [rt.step(*next(data)) for _ in range(steps)]
+
+
+def cli(name: str, *argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"karma.cli.{name}", *map(str, argv)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_a_model_object_plans_trains_saves_exports_and_resumes_under_karma_run(tmp_path):
+    m = model()
+    schedule, path = planned(m, tmp_path)
+    assert schedule.model.entry == (("build_model", "make_net"), ("example_batch", "make_batch"),
+                                    ("make_optimizer", "sgd"))
+    assert any(b.act != "keep" or b.weights != "resident" or b.optim != "device"
+               for b in schedule.blocks), "the budget should need out-of-core execution"
+
+    with karma.Runtime(schedule, model=m, log=lambda line: None) as rt:
+        hand_loop(rt, 2)
+        saved = rt.save(tmp_path / "ckpt")
+        assert saved.name == "step_2"
+        after_two = rt.state_dict()["model"]
+
+    exported = tmp_path / "model.pt"
+    done = cli("export", tmp_path / "ckpt", "-o", exported)
+    assert done.returncode == 0, done.stderr
+    assert_bitwise_equal(torch.load(exported, weights_only=True), after_two)
+
+    resumed = cli("run", path, "--steps", 4, "--checkpoint-dir", tmp_path / "ckpt", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step 3/4" in resumed.stdout + resumed.stderr
+
+    # the same four steps in one hand-written loop: the resumed run continued it exactly
+    with karma.Runtime(schedule, model=model(), log=lambda line: None) as rt:
+        hand_loop(rt, 4)
+        straight = rt.state_dict()["model"]
+    assert_bitwise_equal(model_state_dict(tmp_path / "ckpt" / "step_4"), straight)
+
+
+def test_runtime_load_continues_where_save_stopped(tmp_path):
+    m = model()
+    schedule, _ = planned(m, tmp_path)
+    with karma.Runtime(schedule, model=m, log=lambda line: None) as rt:
+        hand_loop(rt, 1)
+        rt.save(tmp_path / "ckpt")
+        hand_loop(rt, 1, first=1)
+        two = rt.state_dict()["model"]
+    with karma.Runtime(schedule, model=m, log=lambda line: None) as rt:
+        assert rt.load(tmp_path / "ckpt") == 1
+        hand_loop(rt, 1, first=1)
+        assert rt.save(tmp_path / "ckpt").name == "step_2"
+        assert_bitwise_equal(rt.state_dict()["model"], two)
+
+
+def test_a_module_instance_plans_and_trains_from_its_own_values(tmp_path):
+    instance = net.make_net()
+    with torch.no_grad():
+        instance.head.bias.fill_(0.25)  # a value build_model would not give
+    m = karma.model(instance, net.make_batch, make_optimizer=net.sgd)
+    schedule = karma.plan(instance, example_batch=net.make_batch, make_optimizer=net.sgd,
+                          gpu_mem=BUDGET, hardware="cpu", batch_size=BATCH,
+                          measure="estimate", log=lambda note: None)
+    assert dict(schedule.model.entry)["build_model"] == ""
+    with karma.Runtime(schedule, model=m, log=lambda line: None) as rt:
+        first = rt.state_dict()["model"]["head.bias"]
+        assert torch.equal(first, torch.full_like(first, 0.25))
+        hand_loop(rt, 1)
+    path = tmp_path / "instance.yaml"
+    schedule.save(path)
+    refused = cli("run", path, "--steps", 1)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "cannot be imported again" in refused.stderr
+    assert "karma.Runtime(schedule, model=karma.model(...))" in refused.stderr
+
+
+def test_the_meta_copy_of_an_instance_allocates_nothing_and_keeps_ties():
+    instance = net.make_net()
+    instance.head.weight = instance.embed.weight
+    copy = meta_copy(instance)
+    assert all(p.is_meta for p in copy.parameters())
+    assert copy.head.weight is copy.embed.weight
+    assert not instance.head.weight.is_meta
+    assert [(n, p.shape) for n, p in copy.named_parameters()] == \
+        [(n, p.shape) for n, p in instance.named_parameters()]
+
+
+@pytest.mark.parametrize(("call", "expected"), [
+    (lambda: karma.model(net.make_net), "needs example_batch"),
+    (lambda: karma.model(42, net.make_batch), "give an nn.Module"),
+    (lambda: karma.model("examples/gpt.py", net.make_batch), "goes to karma.plan"),
+    (lambda: karma.model(net.make_net, net.make_batch, batch_size=0), "positive integer"),
+    (lambda: karma.plan(net.make_net(), gpu_mem="1G"), "needs example_batch"),
+    (lambda: karma.plan("examples/gpt.py", loss_fn=print), "has its own"),
+    (lambda: karma.Runtime("nowhere.yaml", model=net.make_net()), "karma.model(...)"),
+])
+def test_wrong_arguments_name_the_fix(call, expected):
+    with pytest.raises(KarmaError, match=expected.replace("(", r"\(").replace(")", r"\)")
+                       .replace(".", r"\.")):
+        call()
