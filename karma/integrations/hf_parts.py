@@ -5,7 +5,8 @@
 - `BatchShape`: the shape of the batches a schedule is planned for, its `example_batch`, and
   the check that a later batch fits it.
 - `DecayRule`: which tensors the Trainer's weight decay applies to, for optimizers karma
-  makes per block (over the model's parameters, or over the host copies it steps).
+  makes per block (over the model's parameters, or over the host copies it steps), and
+  `MakeOptimizer`, which makes them.
 - `KarmaOptimizer`, `KarmaLRScheduler`: what the Trainer's loop holds as `self.optimizer` and
   `self.lr_scheduler`; karma steps its own inside the step's last micro-batch.
 - `restore_values`: the module's parameters and buffers given back plain tensors.
@@ -200,6 +201,18 @@ class DecayRule:
             "cannot tell which of a host-stepped block's parameters take weight decay (blocks "
             "of the same shapes decay different parameters); train with weight_decay=0 or "
             "karma={'strategy': 'keep_all'} or 'recompute_all' (no host-stepped blocks)")
+
+
+class MakeOptimizer:
+    """karma's make_optimizer for the Trainer: its optimizer class and keyword arguments
+    over its two decay groups. It holds neither the Trainer nor the model (karma keeps each
+    make_optimizer it has seen, optimizer_state.zero_state_template)."""
+
+    def __init__(self, cls: type, kwargs: dict[str, Any], rule: DecayRule):
+        self.cls, self.kwargs, self.rule = cls, dict(kwargs), rule
+
+    def __call__(self, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+        return self.cls(self.rule.groups(params), **self.kwargs)
 
 
 class KarmaOptimizer(torch.optim.Optimizer):

@@ -36,7 +36,6 @@ logs is the one it would compute, taken before the multiplication.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 
 try:
+    from accelerate.utils import convert_to_fp32
     from transformers import Trainer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.optimization import get_scheduler
@@ -60,21 +60,24 @@ from karma.integrations.hf_parts import (
     DecayRule,
     KarmaLRScheduler,
     KarmaOptimizer,
+    MakeOptimizer,
     planning_options,
     restore_values,
     unsupported,
 )
+from karma.modelfile import output_tensors
+from karma.runtime.runtime import Runtime
 
 # the Trainer methods KarmaTrainer takes over; a transformers without them is too old
 _HOOKS = ("training_step", "_clip_grad_norm", "_get_grad_norm", "_save",
           "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
-          "_finalize_training", "_get_num_items_in_batch", "create_accelerator_and_postprocess")
+          "_finalize_training", "_get_num_items_in_batch", "create_accelerator_and_postprocess",
+          "loss_is_scaled_for_ga")
 if not all(hasattr(Trainer, name) for name in _HOOKS):  # pragma: no cover
     raise ImportError("karma.integrations.hf_trainer needs transformers 5 (written against "
                       "5.25); upgrade it with `pip install -U transformers`")
 
 KARMA_CHECKPOINT = "karma"  # the folder in each checkpoint-N that holds karma's checkpoint
-logger = logging.getLogger("karma.hf_trainer")
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class _LossMode:
 class _Session:
     """A karma run over the Trainer's model, and what it was planned for."""
 
-    runtime: Any  # karma.Runtime
+    runtime: Runtime
     shape: BatchShape
     devices: dict[str, torch.device]  # where each parameter and buffer was before karma
     training: bool
@@ -120,7 +123,6 @@ class KarmaTrainer(Trainer):
         self._karma: _Session | None = None
         self._karma_resume: Path | None = None  # a checkpoint to load once the run exists
         self._karma_steps: int | None = None  # the Trainer's num_training_steps
-        self._karma_decay: DecayRule | None = None
         self._karma_mode = _LossMode()
         self._karma_reported: torch.Tensor | None = None  # the loss the Trainer would return
         super().__init__(*args, **kwargs)
@@ -150,6 +152,9 @@ class KarmaTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         self.accelerator.device_placement = False  # karma places the model, block by block
+        # bf16: karma runs each forward and loss under autocast itself; accelerate's wrapper
+        # of model.forward would hide the model's blocks from karma's trace
+        self.accelerator.native_amp = False
 
     def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
         """karma places the model: it stays where it was built (on the CPU, typically)."""
@@ -169,11 +174,10 @@ class KarmaTrainer(Trainer):
         return self.lr_scheduler
 
     def _karma_decay_rule(self) -> DecayRule:
-        if self._karma_decay is None:
-            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-            self._karma_decay = DecayRule(named, set(self.get_decay_parameter_names(self.model)),
-                                          self.args.weight_decay)
-        return self._karma_decay
+        """The Trainer's decay groups over the model it holds now."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        return DecayRule(named, set(self.get_decay_parameter_names(self.model)),
+                         self.args.weight_decay)
 
     def _karma_recipe(self) -> tuple[type, dict[str, Any]]:
         """The optimizer class and keyword arguments the Trainer would make its optimizer
@@ -187,10 +191,6 @@ class KarmaTrainer(Trainer):
                 "makes one optimizer per block and needs one that steps each parameter on its "
                 "own: adamw_torch_fused, adamw_torch, sgd, adafactor, ...")
         return cls, dict(kwargs)
-
-    def _karma_make_optimizer(self, params) -> torch.optim.Optimizer:
-        cls, kwargs = self._karma_recipe()
-        return cls(self._karma_decay_rule().groups(params), **kwargs)
 
     def _karma_make_scheduler(self, optimizer: torch.optim.Optimizer):
         steps = self._karma_steps
@@ -261,13 +261,9 @@ class KarmaTrainer(Trainer):
         """karma's loss_fn: the Trainer's loss of the model's outputs, as compute_loss takes
         it after the forward ([Note: the loss scaled for accumulation])."""
         mode = self._karma_mode
-        if self.compute_loss_func is not None:
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=mode.num_items)
-        elif labels is not None:
-            causal = self.accelerator.unwrap_model(self.model)._get_name() \
-                in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-            loss = self.label_smoother(outputs, labels, shift_labels=causal,
-                                       num_items_in_batch=mode.num_items)
+        if self.compute_loss_func is not None or labels is not None:
+            with _as_the_trainer_outside_the_model(outputs, self.args.bf16) as outputs:
+                loss = self._karma_loss_of(outputs, labels, mode.num_items)
         else:
             if isinstance(outputs, dict) and "loss" not in outputs:
                 raise KarmaError(f"the model returned no loss, only {', '.join(outputs)}; "
@@ -281,6 +277,16 @@ class KarmaTrainer(Trainer):
             return loss * mode.accumulate
         self._karma_reported = loss.detach() / mode.accumulate
         return loss
+
+    def _karma_loss_of(self, outputs: Any, labels: torch.Tensor | None,
+                       num_items: Any) -> torch.Tensor:
+        """compute_loss_func's loss, or the label smoother's."""
+        if self.compute_loss_func is not None:
+            return self.compute_loss_func(outputs, labels, num_items_in_batch=num_items)
+        causal = self.accelerator.unwrap_model(self.model)._get_name() \
+            in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        return self.label_smoother(outputs, labels, shift_labels=causal,
+                                   num_items_in_batch=num_items)
 
     # --- evaluation ------------------------------------------------------------------------
 
@@ -338,18 +344,18 @@ class KarmaTrainer(Trainer):
         (restoring a checkpoint to resume from)."""
         batch = self._train_batch_size if training else self.args.eval_batch_size
         shape = BatchShape.of(call.inputs, call.targets, batch)
+        rule = self._karma_decay_rule()
         mf = karma.model(self.model, shape.example_batch, loss_fn=self._karma_loss,
-                         make_optimizer=self._karma_make_optimizer,
+                         make_optimizer=MakeOptimizer(*self._karma_recipe(), rule),
                          make_scheduler=self._karma_make_scheduler if training else None,
                          batch_size=batch)
         devices = {n: t.device for n, t in [*self.model.named_parameters(remove_duplicate=False),
                                            *self.model.named_buffers(remove_duplicate=False)]}
         with _trainer_rng():
-            schedule = karma.plan(mf, log=_note, **planning_options(
-                self.args, self.karma_options, batch, training))
-            self._karma_decay_rule().know_blocks((b.name, list(b.params))
-                                                 for b in schedule.blocks)
-            runtime = karma.Runtime(schedule, model=mf, seed=self.args.seed, log=logger.info)
+            schedule = karma.plan(mf, **planning_options(self.args, self.karma_options, batch,
+                                                         training))
+            rule.know_blocks((b.name, list(b.params)) for b in schedule.blocks)
+            runtime = Runtime(schedule, model=mf, seed=self.args.seed)
             try:
                 if training and self._karma_resume is not None:
                     runtime.load(self._karma_resume)
@@ -360,17 +366,14 @@ class KarmaTrainer(Trainer):
         self.karma_schedule = schedule
         return _Session(runtime, shape, devices, training)
 
-    def _karma_release(self) -> None:
-        """Close the karma run and give its model values back to `trainer.model`."""
+    def _karma_release(self, keep_values: bool = True) -> None:
+        """Close the karma run and give its model values back to `trainer.model` (not
+        after a failure, when karma's state may be half a step)."""
         session, self._karma = self._karma, None
         if session is None:
             return
-        state = None
         try:
-            state = session.runtime.state_dict()["model"]
-        except KarmaError as e:  # a failed step, or a run stopped inside a step
-            logger.warning(f"karma: the trained values could not be taken back ({e}); "
-                           "trainer.model holds what karma left in it")
+            state = session.runtime.state_dict()["model"] if keep_values else None
         finally:
             session.runtime.close()
         if state is not None:
@@ -379,8 +382,9 @@ class KarmaTrainer(Trainer):
     def train(self, *args, **kwargs):
         try:
             return super().train(*args, **kwargs)
-        finally:
-            self._karma_release()  # after a failure too: karma's streams and memory freed
+        except BaseException:
+            self._karma_release(keep_values=False)  # karma's streams and memory freed
+            raise
 
     def _finalize_training(self, trial, num_train_samples, start_time):
         self._karma_release()  # before the best model is loaded into trainer.model
@@ -424,5 +428,16 @@ def _trainer_rng():
         yield
 
 
-def _note(line: str) -> None:
-    logger.info(f"karma: {line}")
+@contextlib.contextmanager
+def _as_the_trainer_outside_the_model(outputs: Any, bf16: bool):
+    """`outputs` as a loss computed outside the model sees them in the Trainer: under bf16,
+    Accelerate's wrapper of the forward hands them over in float32 and autocast ends with the
+    forward (karma runs the loss under its autocast: on the CPU, log_softmax of bf16 logits
+    would stay bf16)."""
+    tensors = output_tensors(outputs)
+    if not bf16 or not tensors:
+        yield outputs
+        return
+    with torch.autocast(tensors[0].device.type, enabled=False):
+        yield convert_to_fp32(outputs)
+
