@@ -52,9 +52,9 @@ def quick_start(trainer_cls, output_dir: Path, train_samples: int = 32, karma: d
                                          num_hidden_layers=2, num_attention_heads=4))
     args = TrainingArguments(**{**dict(
         output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=4,
-        gradient_accumulation_steps=2, learning_rate=1e-3, weight_decay=0.1,
-        warmup_steps=1, eval_strategy="steps", eval_steps=2, save_steps=2,
-        logging_steps=1, use_cpu=True, per_device_eval_batch_size=4, disable_tqdm=True),
+        per_device_eval_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=1e-3, weight_decay=0.1, warmup_steps=1, logging_steps=1,
+        eval_strategy="steps", eval_steps=2, save_steps=2, use_cpu=True, disable_tqdm=True),
         **overrides})
     extra = {} if trainer_cls is Trainer else {"karma": karma or KARMA}
     trainer = trainer_cls(model=model, args=args, train_dataset=train, eval_dataset=held_out,
@@ -171,19 +171,28 @@ def test_metrics_on_logits_are_refused_and_a_batch_of_another_length_too(tmp_pat
     assert "5 samples" in shape.problem({"input_ids": torch.zeros(5, 32, dtype=torch.long)}, None)
 
 
-def test_the_decay_groups_of_host_copies_come_from_their_block_or_are_refused():
+def test_the_decay_groups_of_host_copies_come_from_their_shapes_or_block_or_are_refused():
     a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
     named = [("a.weight", a.weight), ("a.bias", a.bias), ("b.weight", b.weight),
              ("b.bias", b.bias)]
-    rule = DecayRule(named, {"a.weight", "b.weight"}, weight_decay=0.1)
-    rule.know_blocks([("a", ["a.weight", "a.bias"]), ("b", ["b.weight", "b.bias"])])
+    blocks = [("a", ["a.weight", "a.bias"]), ("b", ["b.weight", "b.bias"])]
     copies = [torch.nn.Parameter(a.weight.detach().clone()),
               torch.nn.Parameter(a.bias.detach().clone())]  # a host-stepped block's masters
-    decayed, kept = rule.groups(copies)
+
+    by_shape = DecayRule(named, {"a.weight", "b.weight"}, weight_decay=0.1)
+    by_shape.know_blocks(blocks)
+    decayed, kept = by_shape.groups(copies)
     assert decayed["params"] == [copies[0]] and kept["params"] == [copies[1]]
     assert (decayed["weight_decay"], kept["weight_decay"]) == (0.1, 0.0)
+    assert by_shape.groups([torch.zeros(5, 3)])[0]["params"][0].shape == (5, 3)  # karma's own
+
+    by_block = DecayRule(named[:2] + [("m.weight", b.weight)], {"a.weight"}, weight_decay=0.1)
+    by_block.know_blocks([("a", ["a.weight", "a.bias"]), ("m", ["m.weight"])])
+    assert by_block.groups(copies)[0]["params"] == [copies[0]]  # (3, 3) decays in a only
+
     odd = DecayRule(named, {"a.weight", "b.bias"}, weight_decay=0.1)  # same shapes, other decay
-    odd.know_blocks([("a", ["a.weight", "a.bias"]), ("b", ["b.weight", "b.bias"])])
+    assert odd.groups(copies)[0]["params"] == copies  # planning's timing: any group will do
+    odd.know_blocks(blocks)
     with pytest.raises(KarmaError, match="weight_decay=0"):
         odd.groups(copies)
     assert odd.groups([a.weight, b.bias])[0]["params"] == [a.weight, b.bias]  # by identity

@@ -153,11 +153,14 @@ class DecayRule:
     `get_decay_parameter_names`).
 
     karma makes an optimizer per block, over the block's parameters, or, for a block it steps
-    on the host, over host copies of them (same shapes, same order). A model parameter is
-    known by identity; a list of host copies by the block it copies, found by its shapes once
-    the schedule is known (`know_blocks`). Two blocks of equal shapes whose decay differs
-    would make that ambiguous: it is refused, not guessed. A single tensor of no known shape
-    is karma testing the optimizer on a parameter of its own: any group will do."""
+    on the host, over host copies of them (same shapes, same order); while planning it also
+    times optimizers over copies of its own. A model parameter is known by identity. A copy
+    is known by its shape where every model parameter of that shape decays alike (in a
+    transformer, matrices decay and vectors, norms and biases, do not); else by the block it
+    copies, found by the shapes of all its tensors once the schedule is known
+    (`know_blocks`). A shape no parameter has is a tensor karma tests the optimizer on: any
+    group will do. After `know_blocks` (the run), a copy none of these tells apart is refused,
+    not guessed; before (planning's timing), it is decayed."""
 
     def __init__(self, named: Iterable[tuple[str, torch.nn.Parameter]], decay_names: set[str],
                  weight_decay: float):
@@ -166,17 +169,20 @@ class DecayRule:
         self._by_id = {id(p): n in decay_names for n, p in named}
         self._by_name = {n: n in decay_names for n, _ in named}
         self._shapes = {n: tuple(p.shape) for n, p in named}
-        self._by_shapes: dict[tuple, tuple[bool, ...] | None] = {}
+        self._by_shape: dict[tuple[int, ...], set[bool]] = {}
+        for n, p in named:
+            self._by_shape.setdefault(tuple(p.shape), set()).add(n in decay_names)
+        self._by_block: dict[tuple, tuple[bool, ...] | None] = {}  # None: ambiguous
+        self._running = False
 
     def know_blocks(self, blocks: Iterable[tuple[str, list[str]]]) -> None:
-        """The schedule's blocks, (name, parameter names) each, in order."""
+        """The schedule's blocks, (name, parameter names) each: the run begins."""
         for _, params in blocks:
-            if not params:
-                continue
             shapes = tuple(self._shapes[n] for n in params)
             pattern = tuple(self._by_name[n] for n in params)
-            known = self._by_shapes.get(shapes, pattern)
-            self._by_shapes[shapes] = pattern if known == pattern else None
+            known = self._by_block.get(shapes, pattern)
+            self._by_block[shapes] = pattern if known == pattern else None
+        self._running = True
 
     def groups(self, params: Iterable[torch.Tensor]) -> list[dict[str, Any]]:
         """The Trainer's two param groups over `params`: decayed, then not (either may be
@@ -192,15 +198,19 @@ class DecayRule:
             return [True] * len(params)  # the groups differ in nothing
         if all(id(p) in self._by_id for p in params):
             return [self._by_id[id(p)] for p in params]
-        shapes = tuple(tuple(p.shape) for p in params)
-        if shapes in self._by_shapes and self._by_shapes[shapes] is not None:
-            return list(self._by_shapes[shapes])
-        if shapes not in self._by_shapes and len(params) == 1:
-            return [True]
+        by_shape = [self._by_shape.get(tuple(p.shape), {True}) for p in params]
+        if all(len(flags) == 1 for flags in by_shape):
+            return [next(iter(flags)) for flags in by_shape]
+        block = self._by_block.get(tuple(tuple(p.shape) for p in params))
+        if block is not None:
+            return list(block)
+        if not self._running:
+            return [True] * len(params)
         raise KarmaError(
-            "cannot tell which of a host-stepped block's parameters take weight decay (blocks "
-            "of the same shapes decay different parameters); train with weight_decay=0 or "
-            "karma={'strategy': 'keep_all'} or 'recompute_all' (no host-stepped blocks)")
+            "cannot tell which of a host-stepped block's parameters take weight decay (its "
+            "shapes decay differently elsewhere in the model, and blocks of the same shapes "
+            "decay different parameters); train with weight_decay=0 or karma={'strategy': "
+            "'keep_all'} or 'recompute_all' (no host-stepped blocks)")
 
 
 class MakeOptimizer:
