@@ -5,7 +5,7 @@ Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
     karma-plan examples/hf_bert.py --print-ir                     # BERT-base, T=512
     KARMA_HF=large karma-plan examples/hf_bert.py --print-ir      # BERT-large
     KARMA_HF=tiny karma-plan examples/hf_bert.py --print-ir       # 2 layers, hidden 64, T=64
-    KARMA_SEQ=128 karma-plan examples/hf_bert.py --gpu-mem 8G     # shorter sequences
+    KARMA_SEQ=128 karma-plan examples/hf_bert.py --hardware v100-16g --gpu-mem 8G  # shorter sequences
 
 Masked-language-model pretraining on random tokens: each sequence is padded after a random
 length (attention_mask 0 there), and 15% of the real tokens are replaced by [MASK]; `labels`

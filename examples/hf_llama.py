@@ -5,7 +5,7 @@ Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
     karma-plan examples/hf_llama.py --print-ir                    # Llama-3-8B-like, T=4096
     KARMA_HF=1b karma-plan examples/hf_llama.py --print-ir        # Llama-3.2-1B-like (tied)
     KARMA_HF=tiny karma-plan examples/hf_llama.py --print-ir      # 2 layers, hidden 64, T=64
-    KARMA_SEQ=1024 karma-plan examples/hf_llama.py --gpu-mem 40G  # shorter sequences
+    KARMA_SEQ=1024 karma-plan examples/hf_llama.py --hardware a100-80g --gpu-mem 40G  # shorter sequences
 
 The inputs are keyword arguments, `model(input_ids=..., labels=...)`, and the model computes its
 own next-token loss (`output.loss`; it shifts the labels itself), so there are no targets.

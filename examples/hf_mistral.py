@@ -4,7 +4,7 @@ Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
 
     karma-plan examples/hf_mistral.py --print-ir                   # Mistral-7B-v0.1-like, T=4096
     KARMA_HF=tiny karma-plan examples/hf_mistral.py --print-ir     # 2 layers, hidden 64, T=64
-    KARMA_SEQ=8192 karma-plan examples/hf_mistral.py --gpu-mem 80G # longer sequences
+    KARMA_SEQ=8192 karma-plan examples/hf_mistral.py --hardware h100-80g --gpu-mem 80G  # longer sequences
 
 Like Llama (grouped-query attention, rotary embeddings), with sliding-window attention: each
 token attends to the last `sliding_window` tokens only (4096 for 7B; 32 for tiny, so that the

@@ -4,7 +4,7 @@ Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
 
     karma-plan examples/hf_mixtral.py --print-ir                  # Mixtral-8x7B-like, T=4096
     KARMA_HF=tiny karma-plan examples/hf_mixtral.py --print-ir    # 2 layers, 4 experts, T=64
-    KARMA_SEQ=1024 karma-plan examples/hf_mixtral.py --gpu-mem 80G
+    KARMA_SEQ=1024 karma-plan examples/hf_mixtral.py --hardware h100-80g --gpu-mem 80G
 
 A mixture of experts: each layer's feed-forward is 8 SwiGLU experts (4 for tiny), and a router
 sends every token to its top 2, so which expert sees which token depends on the data. The

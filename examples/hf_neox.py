@@ -5,7 +5,7 @@ Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
     karma-plan examples/hf_neox.py --print-ir                     # Pythia-6.9B-like, T=2048
     KARMA_HF=1b karma-plan examples/hf_neox.py --print-ir         # Pythia-1B-like
     KARMA_HF=tiny karma-plan examples/hf_neox.py --print-ir       # 2 layers, hidden 64, T=64
-    KARMA_SEQ=1024 karma-plan examples/hf_neox.py --gpu-mem 40G   # shorter sequences
+    KARMA_SEQ=1024 karma-plan examples/hf_neox.py --hardware a100-80g --gpu-mem 40G  # shorter sequences
 
 The Pythia architecture: rotary embeddings on a quarter of each head's dimensions, and a
 parallel residual (x + attn(ln1(x)) + mlp(ln2(x))). The inputs are keyword arguments,

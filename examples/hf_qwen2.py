@@ -5,7 +5,7 @@ Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
     karma-plan examples/hf_qwen2.py --print-ir                    # Qwen2-7B-like, T=4096
     KARMA_HF=0.5b karma-plan examples/hf_qwen2.py --print-ir      # Qwen2-0.5B-like (tied)
     KARMA_HF=tiny karma-plan examples/hf_qwen2.py --print-ir      # 2 layers, hidden 64, T=64
-    KARMA_SEQ=1024 karma-plan examples/hf_qwen2.py --gpu-mem 40G  # shorter sequences
+    KARMA_SEQ=1024 karma-plan examples/hf_qwen2.py --hardware a100-80g --gpu-mem 40G  # shorter sequences
 
 Like Llama (grouped-query attention, rotary embeddings, RMSNorm, SwiGLU), plus biases on the
 query, key and value projections and a 152K-token vocabulary, whose embedding and LM head are

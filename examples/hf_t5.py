@@ -5,7 +5,7 @@ Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
     karma-plan examples/hf_t5.py --print-ir                       # T5-base, 512 -> 128 tokens
     KARMA_HF=xl karma-plan examples/hf_t5.py --print-ir           # T5-v1.1-XL-like (gated GELU)
     KARMA_HF=tiny karma-plan examples/hf_t5.py --print-ir         # 2+2 layers, d_model 64, 64 -> 16
-    KARMA_SEQ=1024 karma-plan examples/hf_t5.py --gpu-mem 16G     # longer inputs (targets T/4)
+    KARMA_SEQ=1024 karma-plan examples/hf_t5.py --hardware v100-16g --gpu-mem 16G  # longer inputs (targets T/4)
 
 An encoder-decoder: the encoder reads KARMA_SEQ tokens (padded after a random length, with
 attention_mask 0 there), the decoder predicts KARMA_SEQ // 4 target tokens, as in T5's

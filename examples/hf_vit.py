@@ -5,7 +5,7 @@ Needs transformers (`pip install transformers`, or `pip install karma[hf]`).
     karma-plan examples/hf_vit.py --print-ir                      # ViT-B/16, 224x224, 1000 classes
     KARMA_HF=large karma-plan examples/hf_vit.py --print-ir       # ViT-L/16
     KARMA_HF=tiny karma-plan examples/hf_vit.py --print-ir        # 2 layers, hidden 64, 32x32
-    KARMA_IMAGE=384 karma-plan examples/hf_vit.py --gpu-mem 16G   # larger images (576 patches)
+    KARMA_IMAGE=384 karma-plan examples/hf_vit.py --hardware v100-16g --gpu-mem 16G  # larger images (576 patches)
 
 Image classification on random images: the inputs are keyword arguments,
 `model(pixel_values=float [B, 3, H, W], labels=int64 [B])`; the model computes its own

@@ -63,8 +63,10 @@ def plan(model: Model, gpu_mem: str | int = "16G", hardware: str | Hardware | No
         model = as_model(model, **functions)
     if hardware is not None:
         options["hardware"] = hardware
-    return plan_report(model, plan_options(gpu_mem=gpu_mem, batch_size=batch_size, **options),
-                       log).schedule
+    chosen = plan_options(gpu_mem=gpu_mem, batch_size=batch_size, **options)
+    for note in chosen.machine_notes:  # which hardware "this machine" is
+        (log or _note_to_stderr)(note)
+    return plan_report(model, chosen, log).schedule
 
 
 def plan_options(**options) -> PlanOptions:
@@ -113,8 +115,10 @@ def _prepare(model: Model, options: PlanOptions, log: Log | None) -> _Prepared:
     for note in graph.notes:
         say(note)
     optimizer = optimizer_profile(mf)
-    return _Prepared(graph, ModelRef.now(name, mf.sha256, graph.to_json(), entry=mf.entry),
-                     calibration(mf, graph, options, optimizer, say), optimizer)
+    command = None if mf.entry is not None else \
+        replace(options, batch_size=graph.batch_size).plan_command(name)
+    model = ModelRef.now(name, mf.sha256, graph.to_json(), model_file=mf, plan_command=command)
+    return _Prepared(graph, model, calibration(mf, graph, options, optimizer, say), optimizer)
 
 
 def _solve(prepared: _Prepared, options: PlanOptions) -> PlanReport:
@@ -227,8 +231,7 @@ def calibration(mf: ModelFile, graph: BlockGraph, options: PlanOptions,
     roofline = build_problem(graph, options.profile, graph.dtype)
 
     # the model file by its absolute path: karma-run trains it from another directory
-    model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json(),
-                         entry=mf.entry)
+    model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json())
 
     def unlimited(measured_hw) -> PlanOptions:
         return PlanOptions(gpu_mem=1 << 62, hardware=measured_hw, batch_size=graph.batch_size,

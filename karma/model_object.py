@@ -139,14 +139,22 @@ def meta_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _entry(functions: dict[str, Any], build: Any) -> tuple[Path, tuple[tuple[str, str], ...]]:
-    """The file a model object's functions can be imported from again, and their names
-    there ("" where one cannot be: see the module docstring)."""
-    files = [_source_file(f) for f in functions.values() if _importable(f)]
-    if isinstance(build, torch.nn.Module):
-        files.append(_source_file(type(build)))
+    """The file of a model object (its builder's, else its class's or its first function's)
+    and where each of its functions can be imported from again: its name in that file,
+    "module:name" for one of an installed module (torch.nn.functional:mse_loss), "" for
+    one that cannot be (see the module docstring)."""
+    sources = [build, type(build)] if isinstance(build, torch.nn.Module) else [build]
+    files = [_source_file(f) for f in (*sources, *functions.values()) if f is not None]
     path = next((f for f in files if f is not None), None)
-    entry = tuple((name, f.__name__ if _importable(f) and _source_file(f) == path else "")
-                  for name, f in functions.items() if f is not None)
+
+    def where(f: Any) -> str:
+        if not _importable(f):
+            return ""
+        if _source_file(f) == path:
+            return f.__name__
+        return "" if f.__module__ == "__main__" else f"{f.__module__}:{f.__name__}"
+
+    entry = tuple((name, where(f)) for name, f in functions.items() if f is not None)
     return (path or Path(OBJECT_PATH)), entry
 
 

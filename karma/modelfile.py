@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import importlib.util
 import inspect
 import sys
@@ -326,8 +327,9 @@ def load_model_file(path: str | Path,
         ) from e
 
     names = dict(entry) if entry is not None else {name: name for name in PROTOCOL}
+    functions = {p: resolve_function(module, where) for p, where in names.items()}
     for required in ("build_model", "example_batch"):
-        if not callable(getattr(module, names.get(required, ""), None)):
+        if not callable(functions.get(required)):
             raise ModelFileError(
                 f"model file {path} does not define {names.get(required, required)}(); a "
                 "model file must define build_model() -> nn.Module and "
@@ -338,8 +340,19 @@ def load_model_file(path: str | Path,
             f"model file {path}: BATCH_SIZE = {batch_size!r} is not a positive integer"
         )
     return make_model_file(path, hashlib.sha256(data).hexdigest(), module,
-                           {p: getattr(module, name, None) for p, name in names.items()},
-                           batch_size, entry)
+                           functions, batch_size, entry)
+
+
+def resolve_function(module: ModuleType, where: str) -> Any:
+    """A function of a model file, or of a model object's entry: `where` names it in
+    `module`, or is "package.module:name" (karma/model_object.py); None if absent."""
+    if ":" not in where:
+        return getattr(module, where, None) if where else None
+    name, _, attribute = where.partition(":")
+    try:
+        return getattr(importlib.import_module(name), attribute, None)
+    except ImportError:
+        return None
 
 
 PROTOCOL = MODEL_FUNCTIONS  # the protocol's functions, by their names in a model file

@@ -2,8 +2,9 @@
 
 A schedule is the ordered list of operations of one *replay*, each on a stream, with its
 dependencies, plus the buffers those operations fill and free, each block's
-decisions, the predicted figures, the hardware profile, the training configuration and the
-fingerprints of the model file and of its IR. It is written as YAML (`dump_schedule`) and read
+decisions, the predicted figures, the hardware profile, the training configuration, the
+fingerprints of the model file, of the model it builds and of its IR, and the karma-plan
+command that planned it. It is written as YAML (`dump_schedule`) and read
 back with validation (`load_schedule`, in schedule_load.py). Both the planner and the runtime
 import this module; it imports neither.
 
@@ -35,8 +36,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from karma.errors import KarmaError
 from karma.units import format_bytes, format_number, format_seconds
@@ -51,6 +54,9 @@ from karma.yamltext import (
     yaml_str,
     yaml_value,
 )
+
+if TYPE_CHECKING:
+    from karma.modelfile import ModelFile
 
 SCHEDULE_VERSION = 2
 # versions this karma reads; an older one is brought up to date as it loads (schedule_load.py)
@@ -218,25 +224,55 @@ MODEL_FUNCTIONS = ("build_model", "example_batch", "loss_fn", "make_optimizer",
 
 @dataclass(frozen=True)
 class ModelRef:
-    """Which model the schedule was planned for."""
+    """Which model the schedule was planned for, and how."""
 
     path: str  # the model file as given to karma-plan (relative paths stay relative)
     sha256: str  # fingerprint of the model file's bytes
     ir_sha256: str  # fingerprint of the block graph's JSON
     env: tuple[tuple[str, str], ...]  # KARMA_* environment variables the model file read
-    # a model object's functions by their names in `path` ("": not importable again); None
-    # (the key left out): a model file (karma/model_object.py)
+    # fingerprint of the model the file builds (karma/fingerprint.py): a file whose bytes
+    # differ but whose model does not still runs the schedule. None (the key left out): not
+    # recorded; the bytes must match
+    graph_sha256: str | None = None
+    # the karma-plan command that planned it, without -o (PlanOptions.plan_command); None
+    # (the key left out): not recorded, or a model object (planned with karma.plan)
+    plan_command: str | None = None
+    # a model object's functions by where they import from (karma/model_object.py: their
+    # names in `path`, or "module:name"; "": not importable again); None (the key left out):
+    # a model file
     entry: tuple[tuple[str, str], ...] | None = None
 
     @classmethod
     def now(cls, path: str, sha256: str, ir_json: str,
-            env: tuple[tuple[str, str], ...] | None = None,
-            entry: tuple[tuple[str, str], ...] | None = None) -> ModelRef:
+            env: tuple[tuple[str, str], ...] | None = None, *,
+            model_file: ModelFile | None = None, plan_command: str | None = None) -> ModelRef:
         """The reference a plan made in this process records: the model file, its hash, its
-        block graph's JSON hashed, the KARMA_* environment the model file was loaded
-        with (`env`; default: now, model_env), and a model object's `entry`."""
+        block graph's JSON hashed, the KARMA_* environment the model file was loaded with
+        (`env`; default: now, model_env), the fingerprint of the model `model_file` builds
+        and its entry (where given), and the command that planned it."""
+        graph_sha256 = None
+        if model_file is not None:
+            from karma.fingerprint import model_fingerprint
+
+            try:
+                graph_sha256 = model_fingerprint(model_file).sha256
+            except KarmaError:  # its forward does not run eagerly on the meta device (a
+                pass  # Mixture of Experts' grouped matmul): its bytes are checked instead
         return cls(path, sha256, hashlib.sha256(ir_json.encode()).hexdigest(),
-                   model_env() if env is None else env, entry)
+                   model_env() if env is None else env, graph_sha256, plan_command,
+                   None if model_file is None else model_file.entry)
+
+    def replan_command(self, schedule_path: str | Path | None) -> str:
+        """The command that plans the schedule again into `schedule_path` (None:
+        SCHEDULE.yaml): the karma-plan command it records (where none is, the model's path
+        and "..."), after the KARMA_* environment it was planned under. A model object's:
+        karma.plan and save."""
+        out = "SCHEDULE.yaml" if schedule_path is None else shlex.quote(str(schedule_path))
+        if self.entry is not None:
+            return f"karma.plan(karma.model(...), ...).save({out!r})"
+        env = [f"{key}={shlex.quote(value)}" for key, value in self.env]
+        command = self.plan_command or f"karma-plan {shlex.quote(self.path)} ..."
+        return " ".join([*env, command, "-o", out])
 
 
 # karma's own settings, read by the runtime where it runs: not the model's, so not recorded
@@ -392,7 +428,11 @@ def _plan_lines(s: Schedule) -> list[str]:
     m, c, p = s.model, s.config, s.predicted
     lines = ["model:"]
     lines += _scalar_lines([("path", m.path), ("sha256", m.sha256), ("ir_sha256", m.ir_sha256)])
+    if m.graph_sha256 is not None:
+        lines += _scalar_lines([("graph_sha256", m.graph_sha256)])
     lines.append(f"  env: {flow_map(m.env, None)}")
+    if m.plan_command is not None:
+        lines += _scalar_lines([("plan_command", m.plan_command)])
     if m.entry is not None:
         lines.append(f"  entry: {flow_map(m.entry, None)}")
     lines.append("config:")

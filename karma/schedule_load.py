@@ -286,10 +286,10 @@ _BLOCK = _record(BlockEntry, {
 _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_schedule, **fields), {
     "karma_schedule": _COUNT,
     "model": _record(ModelRef, {
-        "path": _text(), "sha256": _text(), "ir_sha256": _text(),
-        "env": _pairs(_text(), _text()), "entry": _pairs(_text(MODEL_FUNCTIONS, "a model function"),
-                                                         _text()),
-    }, "model", optional=("entry",)),
+        "path": _text(), "sha256": _text(), "ir_sha256": _text(), "graph_sha256": _text(),
+        "env": _pairs(_text(), _text()), "plan_command": _text(),
+        "entry": _pairs(_text(MODEL_FUNCTIONS, "a model function"), _text()),
+    }, "model", optional=("graph_sha256", "plan_command", "entry")),
     "config": _record(TrainConfig, {
         "batch_size": _integer(1), "dtype": _text(DTYPES, "a dtype"),
         "world_size": _integer(1), "seed": _integer(0), "capacity_bytes": _integer(1),

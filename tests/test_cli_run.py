@@ -244,14 +244,21 @@ def test_missing_schedule_file(tmp_path, capsys):
 
 
 def test_model_file_changed_since_planning(schedule_for, tmp_path, capsys):
+    """A comment keeps the schedule (the model is the same); a wider model is refused with
+    the command that plans it again (tests/test_fingerprint.py has the rest)."""
     copy = copy_of_gpt(tmp_path)
     s = schedule_for(copy)
 
-    open_model_file(load_schedule(s), s)  # unedited, the copy matches the schedule
+    notes = []
+    open_model_file(load_schedule(s), s, notes.append)  # unedited, the copy matches
     with open(copy, "a") as f:
         f.write("# an edit after planning\n")
+    open_model_file(load_schedule(s), s, notes.append)
+    assert len(notes) == 1 and "but the model it builds has not" in notes[0]
+    text = copy.read_text()
+    copy.write_text(text.replace('"tiny": (2, 2, 32,', '"tiny": (2, 2, 64,'))
     assert_one_line_error(*run_main(capsys, s, "--steps", 1),
-                          "has changed since the schedule was planned")
+                          "the schedule is stale: model file ")
 
 
 def test_missing_model_file(schedule_for, tmp_path, capsys):

@@ -137,3 +137,25 @@ def test_wrong_arguments_name_the_fix(call, expected):
     with pytest.raises(KarmaError, match=expected.replace("(", r"\(").replace(")", r"\)")
                        .replace(".", r"\.")):
         call()
+
+
+def test_functions_of_other_modules_are_recorded_by_module_and_name():
+    from karma.modelfile import default_loss_fn, load_model_file
+
+    m = karma.model(net.make_net, net.make_batch, loss_fn=default_loss_fn,
+                    make_optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    entry = dict(m.entry)
+    assert entry["loss_fn"] == "karma.modelfile:default_loss_fn"
+    assert entry["make_optimizer"] == ""  # a lambda cannot be imported again
+    again = load_model_file(m.path, (("build_model", "make_net"),
+                                     ("example_batch", "make_batch"),
+                                     ("loss_fn", entry["loss_fn"])))
+    assert again.loss_fn is default_loss_fn
+    assert type(again.build_model()).__name__ == "Net"  # the file imported again
+
+
+def test_a_runtime_given_another_model_than_planned_says_the_schedule_is_stale(tmp_path):
+    schedule, _ = planned(model(), tmp_path)
+    wider = karma.model(lambda: net.Net(layers=5), net.make_batch, make_optimizer=net.sgd)
+    with pytest.raises(KarmaError, match="stale.*karma.plan"):
+        karma.Runtime(schedule, model=wider, log=lambda line: None)

@@ -367,3 +367,13 @@ def test_karmas_own_settings_are_not_recorded_as_the_models(monkeypatch):
     env = dict(ModelRef.now("m.py", "0" * 64, "{}").env)
     assert env.get("KARMA_GPT") == "small"
     assert not set(KARMA_SETTINGS) & set(env)
+
+
+def test_the_models_fingerprint_and_command_are_optional_keys(sched):
+    assert list(yaml.safe_load(dump_schedule(sched))["model"]) == [
+        "path", "sha256", "ir_sha256", "env"]  # a schedule that records neither loads
+    s = replace(sched, model=replace(sched.model, graph_sha256="ab" * 32,
+                                     plan_command="karma-plan 'my model.py' --hardware cpu"))
+    assert list(yaml.safe_load(dump_schedule(s))["model"]) == [
+        "path", "sha256", "ir_sha256", "graph_sha256", "env", "plan_command"]
+    assert load_schedule(dump_schedule(s)) == s

@@ -1,9 +1,10 @@
 """Block times: every distinct block's forward, backward and selective recompute and the
 model file's optimizer stepping its weights, measured on this machine and cached.
 
-The cache key: the machine, the model file's sha256 and KARMA_* environment, the block
-graph's hash, the batch size, the dtype, --blocks, and whether the times were taken in a
-keep_all step (in_context.py) or block by block (karma.ir.timing).
+The cache key: the machine, the model file's code (its syntax tree: a comment or a
+reformatted line measures nothing again; karma/fingerprint.py, code_sha256) and KARMA_*
+environment, the block graph's hash, the batch size, the dtype, --blocks, and whether the
+times were taken in a keep_all step (in_context.py) or block by block (karma.ir.timing).
 
 [Note: timing at a smaller batch] Timing every block at the plan's batch can take minutes on
 a CPU (GPT-2 small's output layer alone does 1.9 TFLOP per step at batch 8). Blocks are timed
@@ -29,6 +30,7 @@ from pathlib import Path
 from karma.calibrate.cache import read
 from karma.calibrate.machine import allocating_as_the_runtime_does, machine_key
 from karma.errors import KarmaError
+from karma.fingerprint import code_sha256
 from karma.ir.graph import BlockGraph
 from karma.ir.timing import BlockTimes, time_blocks
 from karma.modelfile import ModelFile
@@ -72,7 +74,7 @@ def blocks_key(mf: ModelFile, graph: BlockGraph, device: str, blocks_regex: str 
     steps a probe's side streams are fitted beside)."""
     return {
         "machine": machine_key(device),
-        "model_sha256": mf.sha256,
+        "model_code_sha256": code_sha256(mf),
         "env": [list(kv) for kv in model_env()],
         "graph_sha256": hashlib.sha256(graph.to_json().encode()).hexdigest(),
         "batch_size": graph.batch_size,

@@ -27,6 +27,7 @@ import torch
 from karma.calibrate.cache import cache_path, read, write
 from karma.calibrate.machine import machine_key
 from karma.calibrate.measure_hw import on_worker
+from karma.fingerprint import code_sha256
 from karma.ir.graph import BlockGraph
 from karma.ir.trace import build_meta
 from karma.modelfile import ModelFile
@@ -44,7 +45,7 @@ def host_step_times(mf: ModelFile, graph: BlockGraph, choice: str, device: str,
     the `device` backend's host stream (cached under the model's parameter shapes)."""
     shapes = block_shapes(mf, graph)
     threads = host_stream_threads(device)
-    key = {"machine": machine_key(device), "model_sha256": mf.sha256, "shapes": shapes,
+    key = {"machine": machine_key(device), "model_code_sha256": code_sha256(mf), "shapes": shapes,
            "host_optimizer": choice, "threads": threads}
     path = cache_path("host-steps", key)
     cached = None if remeasure else read(path).get("host_step_s")

@@ -8,9 +8,10 @@
     karma-inspect --check schedules/*.yaml       # for CI: validation only, "ok: PATH" each
 
 The schedule is validated (load_schedule: every invariant the runtime relies on,
-karma/schedule_check.py) and its ops re-simulated; a file whose predicted step time,
-peak or stream busy times do not match its ops was edited or is corrupt, and is rejected
-(exit 2).
+karma/schedule_check.py) and its ops re-simulated; a file whose predicted step time, peak or
+stream busy times do not match its ops was edited or is corrupt, and is rejected (exit 2).
+--check validates instead, and checks the model file against the schedule as karma-run does
+(karma/fingerprint.py): a model that changed since planning makes the schedule stale.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Check a schedule written by karma-plan and summarize it.")
     p.add_argument("schedule", nargs="+", help="a schedule YAML file (with --check, several)")
     p.add_argument("--check", action="store_true",
-                   help="only validate each schedule as karma-run would (no re-simulation, no "
-                        "summary): print 'ok: PATH' for each valid one, else its error; exit "
-                        "2 if any is invalid")
+                   help="only validate each schedule as karma-run would, its model file "
+                        "checked against it too (no re-simulation, no summary): print 'ok: "
+                        "PATH' for each valid one, else its error (a stale one: the command "
+                        "that plans it again); exit 2 if any is invalid or stale")
     p.add_argument("--plot", metavar="PNG", default=None,
                    help="also draw the memory timeline and streams to this PNG file "
                         "(needs matplotlib: pip install 'karma[plot]')")
@@ -105,7 +107,10 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
         "schedule": source,
         "schedule_sha256": schedule_sha256(s),
         "model": {"path": s.model.path, "sha256": s.model.sha256,
-                  "ir_sha256": s.model.ir_sha256, "env": dict(s.model.env)},
+                  "ir_sha256": s.model.ir_sha256, "graph_sha256": s.model.graph_sha256,
+                  "env": dict(s.model.env),
+                  # the command that writes this file, where the schedule records it
+                  "plan_command": s.model.plan_command and s.model.replan_command(source)},
         "strategy": s.strategy,
         "status": s.status,
         "solve_s": s.solve_s,
@@ -164,7 +169,8 @@ def render(info: dict) -> str:
         f"schedule    {info['schedule']}  (sha256 {info['schedule_sha256'][:12]}; "
         f"{info['check']['ops']} ops and {info['check']['buffers']} buffers, re-simulated: "
         f"they match)",
-        f"model       {m['path']}  sha256 {m['sha256'][:12]}  ir {m['ir_sha256'][:12]}{env}",
+        f"model       {m['path']}  sha256 {m['sha256'][:12]}  ir {m['ir_sha256'][:12]}"
+        + (f"  fingerprint {m['graph_sha256'][:12]}" if m["graph_sha256"] else "") + env,
         f"plan        {info['strategy']} ({info['status']}), solved in "
         f"{format_seconds(info['solve_s'])}",
         f"config      batch {c['batch_size']}, {c['dtype']}, {ranks}, seed {c['seed']}, "
@@ -190,6 +196,8 @@ def render(info: dict) -> str:
            if p["node_host_bytes"] is not None else ""),
         f"busy        {busy}",
     ]
+    if m["plan_command"]:
+        lines.append(f"planned by  {m['plan_command']}")
     if c["clip_grad_norm"] is not None:
         lines.append(f"overlapped  the step above has the host updates under the next "
                      f"step's forward, as the runtime runs them; after the backward it "
@@ -230,17 +238,42 @@ def _block_table(blocks: list[dict]) -> list[str]:
 
 
 def _check(sources: list[str]) -> int:
-    """--check: every file validated, each error printed; exit 2 if any was invalid."""
+    """--check: every file validated and its model file checked against it, each error
+    printed; exit 2 if any was invalid or stale."""
     failed = 0
     for source in sources:
         try:
-            load_schedule(Path(source), source)
-        except ScheduleFileError as e:
-            print(f"karma-inspect: error: {e}", file=sys.stderr)
+            note = check_model_file(load_schedule(Path(source), source), Path(source))
+        except KarmaError as e:
+            where = "" if isinstance(e, ScheduleFileError) else f"{source}: "  # it names it
+            print(f"karma-inspect: error: {where}{e}", file=sys.stderr)
             failed += 1
         else:
             print(f"ok: {source}")
+            if note:
+                print(f"karma-inspect: note: {source}: {note}", file=sys.stderr)
     return 2 if failed else 0
+
+
+def check_model_file(schedule: Schedule, path: Path) -> str | None:
+    """Check the schedule's model file as karma-run opens it (karma/fingerprint.py): its
+    note when the file changed but not the model, StaleSchedule when the model changed. The
+    KARMA_* environment it is loaded in is the schedule's, and restored after."""
+    import os
+
+    from karma.fingerprint import check_model, model_file_path
+    from karma.modelfile import load_model_file
+
+    notes: list[str] = []
+    saved = dict(os.environ)
+    try:
+        os.environ.update(dict(schedule.model.env))
+        mf = load_model_file(model_file_path(schedule, path))
+        check_model(schedule, mf, path, notes.append)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return notes[0] if notes else None
 
 
 def _inspect(args: argparse.Namespace) -> int:

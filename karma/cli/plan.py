@@ -1,6 +1,6 @@
 """karma-plan: plan out-of-core training of a model file into a schedule.
 
-    karma-plan examples/gpt.py --gpu-mem 16G -o schedule.yaml
+    karma-plan examples/gpt.py --gpu-mem 800M -o schedule.yaml   # for this machine
     KARMA_GPT=xl karma-plan examples/gpt.py --hardware v100-16g --gpu-mem 16G --json
     karma-plan examples/gpt.py --print-ir            # the block graph only
 
@@ -41,9 +41,11 @@ def _hardware_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-mem", metavar="SIZE",
                    help="device memory budget, e.g. 16G (with --hardware cpu: the budget of "
                         "the process's private memory)")
-    p.add_argument("--hardware", default="v100-16g", metavar="NAME|FILE",
+    p.add_argument("--hardware", default=None, metavar="NAME|FILE",
                    help="a built-in profile (v100-16g, a100-40g, a100-80g, h100-80g, "
-                        "h200-141g, cpu) or a file from karma-profile (default: v100-16g)")
+                        "h200-141g, cpu) or a file from karma-profile (default: this machine, "
+                        "said in one line: cpu where there is no GPU, else the GPU's built-in "
+                        "profile, or the GPU measured where no built-in profile is it)")
     p.add_argument("--world-size", type=positive_int, default=1, help="ranks (default 1)")
     p.add_argument("--nproc-per-node", type=positive_int, default=None, metavar="N",
                    help="ranks per node, sharing its host memory (default: the profile's "
@@ -143,9 +145,12 @@ def _plan(args: argparse.Namespace) -> int:
     if args.plot and not args.sweep:
         raise KarmaError("--plot draws a sweep: give --sweep too (karma-inspect --plot draws "
                          "one schedule)")
-    if "," in args.hardware:
+    if args.hardware and "," in args.hardware:
         return capacity.compare_hardware(args, lambda name: options_from(args, name), _notes)
     options = options_from(args)
+    if not args.print_ir:  # the block graph is the same on any hardware
+        for line in options.machine_notes:
+            print(f"karma-plan: {line}", file=sys.stderr)
     if args.sweep:
         return capacity.sweep(args, options, _notes)
     if args.print_ir:

@@ -3,6 +3,7 @@
     karma-run schedule.yaml --steps 100 --checkpoint-dir ckpt --report report.json
     karma-run schedule.yaml --steps 100 --checkpoint-dir ckpt --resume
     karma-run schedule.yaml --steps 3 --trace trace.json    # step 2's ops on each stream
+    karma-run schedule.yaml --steps 10 --cap-memory          # CPU: held to what it planned
     karma-run schedule.yaml --steps 10 --trace t.json --trace-steps 8   # t.step2.json .. step9
     torchrun --nproc-per-node 2 --no-python karma-run schedule.yaml   # planned --world-size 2
     torchrun --nproc-per-node 2 --no-python karma-run s.yaml --dist-backend gloo  # 1 GPU, 2 ranks
@@ -67,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="on CUDA: emulate a GPU of SIZE (default: the schedule's budget): "
                         "PyTorch's allocator may hold SIZE less the memory already in use "
                         "outside it (the CUDA context), measured at the start")
+    p.add_argument("--cap-memory", action="store_true",
+                   help="on the CPU backend: cap this process's data segment (RLIMIT_DATA, "
+                        "what prlimit --data caps) at what the schedule needs: its fixed "
+                        "cost and karma's threads, measured before the first step, + the "
+                        "plan's peak + 128 MiB slack, said in one line. The host tier, a "
+                        "file in /dev/shm by default, is RAM outside the cap "
+                        "(KARMA_TIER_DIR=/path/on/disk puts it on a disk)")
     p.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
                    help="on several ranks, what all-reduces the gradients (default: nccl on "
                         "CUDA, gloo on the CPU); ranks that share one GPU need gloo")
@@ -99,6 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         cap = parse_size(cap, "--cap-device-memory")
     schedule_path = Path(args.schedule)
     schedule = load_schedule(schedule_path)
+    cap = _memory_cap(args, cap, dict(schedule.hardware).get("device_kind", "cpu"))
     mf = open_model_file(schedule, schedule_path)
     try:
         report = train(schedule, mf, RunOptions(
@@ -150,6 +159,19 @@ def _check_args(args: argparse.Namespace) -> None:
         check_writable(Path(args.trace), "--trace", "trace.json")
 
 
+def _memory_cap(args: argparse.Namespace, device_cap: bool | int, device_kind: str) -> bool | int:
+    """The cap the run asks of its backend (RunOptions.cap_device_memory, whose device on
+    the CPU backend is the process's private memory): --cap-device-memory on CUDA,
+    --cap-memory on the CPU."""
+    if device_kind == "cpu" and device_cap:
+        raise KarmaError("--cap-device-memory caps a GPU's memory; on the CPU backend "
+                         "--cap-memory caps this process at what the schedule needs")
+    if device_kind != "cpu" and args.cap_memory:
+        raise KarmaError("--cap-memory caps the CPU backend's process; on CUDA "
+                         "--cap-device-memory emulates a GPU of the schedule's budget")
+    return True if args.cap_memory else device_cap
+
+
 def _summary(report, measured: bool) -> None:
     """The run's closing lines: measured against predicted, the drift note, all-reduces."""
     from karma.units import format_bytes, format_seconds
@@ -196,6 +218,10 @@ def user_error(e: BaseException) -> KarmaError | None:
         return e
     if isinstance(e, OpFailed) and isinstance(e.__cause__, KarmaError):
         return KarmaError(str(e.__cause__))
+    if isinstance(e, RuntimeError) and "can't start new thread" in str(e):
+        return KarmaError(
+            f"a thread could not start ({e}): the process's memory limit leaves no room for "
+            "its stack; raise the limit, or let karma-run --cap-memory set it")
     if isinstance(e, (MemoryError, RuntimeError)) and _out_of_memory(e):
         return KarmaError(
             f"ran out of memory while training: {str(e).splitlines()[0][:200]}; the process's "

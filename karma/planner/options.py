@@ -2,6 +2,7 @@
 
     options = PlanOptions(gpu_mem="16G", hardware="v100-16g", batch_size=8, world_size=4)
     report = karma.api.plan_report("examples/gpt.py", options)
+    PlanOptions(gpu_mem="800M").hardware     # no hardware named: this machine's, e.g. "cpu"
 
 karma-plan makes it from its flags (cli/plan.py), `karma.plan` from its keyword arguments;
 every later stage (tracing, calibration, the pipeline, the capacity questions) reads it
@@ -13,7 +14,8 @@ KarmaError that names the option, its flag and the fix.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import shlex
+from dataclasses import dataclass, field, fields
 
 from karma.errors import KarmaError
 from karma.planner.baselines import BASELINES
@@ -36,7 +38,9 @@ class PlanOptions:
     """Everything a plan is asked for, beside the model."""
 
     gpu_mem: int | str | None = None  # device memory budget (--gpu-mem); bytes, or "16G"
-    hardware: str | Hardware = "v100-16g"  # a built-in profile, a karma-profile file (--hardware)
+    # a built-in profile, a karma-profile file (--hardware); None: this machine's, chosen once
+    # here (_this_machine) and said in `machine_notes`
+    hardware: str | Hardware | None = None
     # samples per step and rank (--batch-size); None: the model file's; max or best (one of
     # BATCH_CHOICES): searched, the largest that fits or the one of most samples per second
     batch_size: int | str | None = None
@@ -63,6 +67,10 @@ class PlanOptions:
     profile: Hardware = field(init=False, repr=False, compare=False)  # `hardware`, loaded
     # ranks per node: nproc_per_node, or the profile's default where it is None
     ranks_per_node: int = field(init=False, repr=False)
+    # where `hardware` was None: the lines that say which hardware was chosen for this machine
+    # (and what of it is a guess), for the caller to print; () where it was given, as it is
+    # to a copy that dataclasses.replace makes
+    machine_notes: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _set = object.__setattr__
@@ -100,6 +108,11 @@ class PlanOptions:
                              f"{', '.join(MEASURES)} (--remeasure: fresh, --no-measure: "
                              "estimate)")
         _check_training(self.dtype, self.accumulate, self.clip_grad_norm)
+        _set(self, "machine_notes", ())
+        if self.hardware is None:
+            hardware, notes = _this_machine()
+            _set(self, "hardware", hardware)
+            _set(self, "machine_notes", notes)
         profile = self.hardware if isinstance(self.hardware, Hardware) \
             else load_hardware(self.hardware)
         _set(self, "profile", profile)
@@ -113,6 +126,37 @@ class PlanOptions:
             raise KarmaError("--gpu-mem is required to plan, e.g. --gpu-mem 16G (or use "
                              "--print-ir to see the block graph)")
 
+    def plan_command(self, model: str) -> str:
+        """The karma-plan command that plans `model` (the path as given) with these options,
+        without -o: --hardware always (its default may change), --gpu-mem and --batch-size
+        where given, every other option where it is not its default."""
+        flags = {  # each option's flag, in this order; measure and selective are switches
+            "gpu_mem": "--gpu-mem", "batch_size": "--batch-size", "world_size": "--world-size",
+            "nproc_per_node": "--nproc-per-node", "host_mem": "--host-mem",
+            "host_state": "--host-state", "dtype": "--dtype", "accumulate": "--accumulate",
+            "clip_grad_norm": "--clip-grad-norm", "strategy": "--strategy", "seed": "--seed",
+            "time_limit_s": "--time-limit", "gap": "--gap", "blocks": "--blocks",
+            "measure": None, "host_optimizer": "--host-optimizer", "selective": None}
+        defaults = {f.name: f.default for f in fields(PlanOptions)}
+        hardware = self.hardware if isinstance(self.hardware, str) else self.hardware.name
+        args = ["karma-plan", model, "--hardware", hardware]
+        for name, flag in flags.items():
+            value = getattr(self, name)
+            if value is None or (value == defaults[name] and name not in ("gpu_mem",
+                                                                           "batch_size")):
+                continue
+            if name == "measure":
+                args.append("--no-measure" if value == "estimate" else "--remeasure")
+            elif name == "selective":
+                args.append("--no-selective")
+            elif name in ("gpu_mem", "host_mem"):  # exactly, in the largest unit that divides
+                unit, power = next((u, k) for u, k in (("T", 4), ("G", 3), ("M", 2), ("K", 1),
+                                                       ("", 0)) if value % 1024 ** k == 0)
+                args += [flag, f"{value // 1024 ** power}{unit}"]
+            else:
+                args += [flag, str(value)]
+        return " ".join(map(shlex.quote, args))
+
     @property
     def searches_batch(self) -> bool:
         """Whether the batch is to be searched (max or best)."""
@@ -123,6 +167,18 @@ class PlanOptions:
         """The budget in bytes."""
         self.check_plannable()
         return self.gpu_mem
+
+
+def _this_machine() -> tuple[str | Hardware, tuple[str, ...]]:
+    """The hardware of this machine (the `cpu` profile without a GPU, else the local GPU's,
+    karma/calibrate/machine.py: the one place that asks torch about the device), and the
+    lines that say so."""
+    from karma.calibrate.machine import this_machine
+
+    machine = this_machine()
+    notes = (f"planning for this machine: {machine.chosen}; give --hardware NAME to plan for "
+             "another",)
+    return machine.hardware, notes + ((machine.guess,) if machine.guess else ())
 
 
 def _whole(n: object, least: int = 1) -> bool:

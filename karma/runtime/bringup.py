@@ -6,12 +6,13 @@
     parts.close()                                  # in the reverse order of bring-up
 
 In order: the host-memory check, the CPU backend's cache, the baseline the peak is measured
-above, the peak meter, the device cap, the host tier, the model (built in the tier on the
+above, the peak meter, the device cap (on CUDA), the host tier, the model (built in the tier on the
 CPU backend), the node's copy of the weights (sharded host state), the gradient exchange,
 the engine's parts (build_engine_parts: the schedule checked against the model, each
 block's weights with its host-state layout, the storage of streamed parameters, the model
 placed on the device, the swap stores), the engine, which wires the replay over them, the
-optimizers and the LR schedule. Each piece that must be closed is pushed on one
+optimizers, the LR schedule, and on the CPU backend asked for a cap, the hard cap on the
+process's data segment (host/memcap.py, [Note: the hard cap from the plan]). Each piece that must be closed is pushed on one
 `contextlib.ExitStack` as it is made, so a failure halfway closes what was made, newest
 first, and `Parts.close` does the same for a whole run.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,10 +36,12 @@ from karma.runtime.backends.cuda_backend import CudaBackend
 from karma.runtime.distributed import process_group
 from karma.runtime.distributed.exchange import GradientExchange
 from karma.runtime.distributed.process_group import Ranks
-from karma.runtime.host import cpu_cache
+from karma.runtime.host import cpu_cache, memcap
 from karma.runtime.host.check import HostMemory, host_memory_problem, measure_host_memory
+from karma.runtime.host.memcap import DataCap
 from karma.runtime.host.nodecopy import NodeCopy, whole_bytes
 from karma.runtime.host.peak import DevicePeak, PrivatePeak
+from karma.runtime.host.threads import start_thread_pool
 from karma.runtime.host.tier import (
     BuildInTier,
     HostPool,
@@ -58,6 +62,7 @@ from karma.runtime.params.placement import place_buffers
 from karma.runtime.params.streamed import SharedStorage
 from karma.runtime.params.weights import BlockWeights
 from karma.runtime.replay.engine import Engine, EngineParts
+from karma.runtime.replay.streams import raise_stream_failure
 from karma.runtime.replay.swap import SwapStore
 from karma.runtime.replay.training_options import GradClip, MixedPrecision
 from karma.schedule import BlockEntry, Schedule
@@ -86,6 +91,7 @@ class Parts:
     baseline_data_bytes: int  # VmData then: the process's fixed cost under prlimit --data
     stack: contextlib.ExitStack
     node: NodeCopy | None = None  # the node's copy of the weights (sharded host state)
+    data_cap: DataCap | None = None  # the process's hard cap (CPU backend, where asked for)
 
     @property
     def host_bytes(self) -> int:
@@ -108,7 +114,12 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
              log: Callable[[str], None], cap_device_memory: bool | int = False,
              timeout_s: float = 60.0) -> Parts:
     """Everything `schedule` trains with, in the reference's order: torch.manual_seed(seed),
-    build_model() on the CPU, the optimizers, the model file's LR scheduler."""
+    build_model() on the CPU, the optimizers, the model file's LR scheduler.
+    `cap_device_memory` (True: the schedule's budget on CUDA, its predicted peak on the CPU;
+    or a number of bytes): on CUDA, emulate a GPU of that much memory; on the CPU backend,
+    whose device memory is the process's private memory, cap the process's data segment
+    at what the schedule needs with that peak ([Note: the hard cap from the plan])."""
+    capping_data = bool(cap_device_memory) and backend.name == "cpu"
     with contextlib.ExitStack() as stack:
         start = _before_the_model(schedule, mf, backend, log, cap_device_memory, stack)
         built = time.perf_counter()
@@ -124,8 +135,12 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
         parts = build_engine_parts(schedule, model, mf.make_optimizer, pool, backend, exchange,
                                    tier, node, MixedPrecision.of(schedule, backend.device.type),
                                    GradClip(clip) if clip is not None else None)
+        data_before_engine = data_bytes()
         engine = Engine(schedule, model, parts)
         stack.callback(engine.close)
+        if capping_data:
+            _start_stream_threads(engine)
+        engine_data_bytes = max(0, data_bytes() - data_before_engine)  # its threads, mostly
         if tier is not None:
             tier.release_unused()
         # the tier's peak counts training from here: building the model in it (BuildInTier)
@@ -136,6 +151,8 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
         lr_schedule = None if mf.make_scheduler is None else LRSchedule(
             mf.make_optimizer, mf.make_scheduler, list(model.parameters()),
             optimizer.optimizers, mf.path)
+        data_cap = _cap_data(schedule, start, engine_data_bytes, cap_device_memory, log,
+                             stack) if capping_data else None
         if start.bound is not None:
             start.bound.bound(0)
         # every rank has built its model (ranks that build slower than the timeout get longer)
@@ -143,7 +160,7 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
                               timeout_s + time.perf_counter() - built)
         return Parts(model, engine, pool, start.meter, exchange, parts.precision, optimizer,
                      lr_schedule, start.bound, start.baseline_private_bytes,
-                     start.baseline_data_bytes, stack.pop_all(), node)
+                     start.baseline_data_bytes, stack.pop_all(), node, data_cap)
 
 
 @dataclass(frozen=True)
@@ -168,6 +185,8 @@ def _before_the_model(schedule: Schedule, mf: ModelFile, backend: Backend,
     if problem is not None:
         raise KarmaError(problem)
     return_freed_memory_promptly()
+    if cap_device_memory and backend.name == "cpu":  # [Note: the hard cap from the plan]
+        start_thread_pool()  # the compute thread's OpenMP team, in the fixed cost
     cache = cpu_cache.load(log) if backend.name == "cpu" else None
     if cache is not None:  # [Note: a caching allocator for the CPU backend]
         cache.start(1 << 62)  # bounded below, once the baseline is known
@@ -177,7 +196,7 @@ def _before_the_model(schedule: Schedule, mf: ModelFile, backend: Backend,
         cache, baseline_private, schedule.predicted.peak_device_bytes)
     meter = PrivatePeak(baseline_private) if backend.name == "cpu" else DevicePeak(backend)
     stack.callback(meter.close)
-    if cap_device_memory:
+    if cap_device_memory and backend.name != "cpu":  # the CPU's: after the threads, _cap_data
         _cap(backend, schedule.config.capacity_bytes if cap_device_memory is True
              else int(cap_device_memory), log)
     return Start(host_memory, meter, bound, baseline_private, baseline_data)
@@ -194,8 +213,9 @@ def _host_tier(schedule: Schedule, backend: Backend, host_memory: HostMemory,
     if backend.name == "cpu" and schedule.predicted.host_bytes:
         log(f"host tier: {format_bytes(schedule.predicted.host_bytes)} in "
             f"{pool.directory} " + (
-                "(memory: a tmpfs)" if host_memory.tier_in_memory else
-                "(a file on disk, whose pages the kernel writes back: slower than a "
+                "(RAM: a tmpfs, which a cap on the process's data does not count; "
+                "KARMA_TIER_DIR=/path/on/disk puts it on a disk)" if host_memory.tier_in_memory
+                else "(a file on disk, whose pages the kernel writes back: slower than a "
                 "tmpfs; set KARMA_TIER_DIR to one with room)"))
     return pool, (BuildInTier(pool, TIER_MIN_BYTES) if backend.name == "cpu" else None)
 
@@ -328,6 +348,39 @@ def local_device_index(env, device_count: int, current: int) -> int:
     except ValueError:
         raise KarmaError(f"LOCAL_RANK={env['LOCAL_RANK']!r} is not a whole number; launch "
                          "with torchrun, which sets it") from None
+
+
+def _start_stream_threads(engine: Engine) -> None:
+    """Start the OpenMP team of every stream worker the schedule uses now, at its full size,
+    each on its own thread ([Note: the hard cap from the plan]): an op of the stream's own,
+    out of the schedule, waited for and forgotten before the first replay."""
+    events = engine.events.events
+    used = {op.stream for op in engine.schedule.ops}  # (net: on several ranks only)
+    keys = {name: ("start threads", name) for name in engine.streams if name in used}
+    for name, key in keys.items():
+        events[key] = threading.Event()
+        engine.streams[name].submit(key, start_thread_pool, ())
+    for key in keys.values():
+        events[key].wait()
+        del events[key]
+    raise_stream_failure(engine.events.errors)
+
+
+def _cap_data(schedule: Schedule, start: Start, threads_bytes: int, peak: bool | int,
+              log: Callable[[str], None], stack: contextlib.ExitStack) -> DataCap:
+    """Cap this process's data segment, until the run closes, at its fixed cost, what
+    karma's threads took, the schedule's predicted peak (or `peak` bytes) and the slack
+    ([Note: the hard cap from the plan]), and say so."""
+    cap = DataCap(start.baseline_data_bytes, threads_bytes,
+                  schedule.predicted.peak_device_bytes if peak is True else int(peak))
+    limit, restore = memcap.apply(cap)
+    stack.callback(restore)
+    log(cap.text(schedule.predicted.host_bytes, start.host_memory.tier_dir,
+                 start.host_memory.tier_in_memory))
+    if limit < cap.limit_bytes:
+        log(f"the process's data was already capped lower, at {format_bytes(limit)} "
+            "(ulimit -d or prlimit --data), and stays so")
+    return cap
 
 
 def _cap(backend: Backend, size: int, log: Callable[[str], None]) -> None:

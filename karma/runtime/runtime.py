@@ -59,14 +59,16 @@ from karma.schedule_load import load_schedule
 __all__ = ["Runtime", "StepStats", "open_model_file"]
 
 
-def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile:
-    """The schedule's model file, with its environment, checked against its fingerprint."""
+def open_model_file(schedule: Schedule, schedule_path: Path | None,
+                    log: Callable[[str], None] | None = None) -> ModelFile:
+    """The schedule's model file, with its environment, checked against the model the
+    schedule was planned for (karma/fingerprint.py, check_model: `log` gets its note that
+    the file changed but not the model; default stderr)."""
+    from karma.fingerprint import check_model, model_file_path
+
     for key, value in schedule.model.env:
         os.environ[key] = value
-    path = Path(schedule.model.path)
-    if not path.is_absolute() and not path.exists() and schedule_path is not None:
-        beside = schedule_path.resolve().parent / path
-        path = beside if beside.exists() else path
+    path = model_file_path(schedule, schedule_path)
     entry = schedule.model.entry
     if entry is not None and missing_entry(entry):
         raise KarmaError(
@@ -76,11 +78,7 @@ def open_model_file(schedule: Schedule, schedule_path: Path | None) -> ModelFile
             "karma.Runtime(schedule, model=karma.model(...)), or plan it from functions "
             "defined at the top level of a file")
     mf = load_model_file(path, entry)
-    if mf.sha256 != schedule.model.sha256:
-        raise KarmaError(
-            f"model file {path} has changed since the schedule was planned (fingerprint "
-            f"{mf.sha256[:12]}, schedule has {schedule.model.sha256[:12]}); re-plan it with "
-            f"karma-plan {schedule.model.path} ... -o SCHEDULE.yaml")
+    check_model(schedule, mf, schedule_path, log)
     return mf
 
 
@@ -118,7 +116,11 @@ class Runtime:
         if host_optimizer is not None and host_optimizer != schedule.config.host_optimizer:
             schedule = _with_host_optimizer(schedule, host_optimizer)
         self.schedule = schedule
-        self.model_file = given or open_model_file(schedule, path)
+        if given is not None:  # the model the schedule was planned for, or a stale schedule
+            from karma.fingerprint import check_model
+
+            check_model(schedule, given, path, log)
+        self.model_file = given or open_model_file(schedule, path, log)
         self.seed = schedule.config.seed if seed is None else seed
         self.timeout_s = timeout_s
         device_kind = dict(schedule.hardware).get("device_kind", "cpu")

@@ -142,7 +142,7 @@ def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
     dtype, accumulate, clip = training
     capacity = int(keep_all_peak_bytes(mf, graph, world_size, hardware,
                                        Training(accumulate, clip is not None)) * fraction)
-    model = ModelRef.now(str(mf.path), mf.sha256, graph.to_json(), model_env(mf))
+    model = ModelRef.now(str(mf.path), mf.sha256, graph.to_json(), model_env(mf), model_file=mf)
     hw = load_hardware(hardware)
     if strategy == "ilp" and hardware == HARDWARE:
         hw = mixing(hw)

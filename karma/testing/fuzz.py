@@ -145,7 +145,7 @@ def mixed_gpt(mf: ModelFile) -> Schedule:
                           hardware=load_hardware(HARDWARE), batch_size=graph.batch_size)
     problem = build_problem(graph, options.profile, optimizer=optimizer_profile(mf))
     ev = evaluate(problem, Plan("ilp", MIXED, status="optimal"), options.capacity_bytes)
-    model = ModelRef.now(str(mf.path), mf.sha256, graph.to_json(), model_env(mf))
+    model = ModelRef.now(str(mf.path), mf.sha256, graph.to_json(), model_env(mf), model_file=mf)
     return schedule_from(graph, model, options, ev, single_rank_s=ev.step_s)
 
 

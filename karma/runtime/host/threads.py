@@ -2,6 +2,7 @@
 
     n = host_stream_threads("cpu")      # on the stream's own thread, before its first op:
     use_threads_here(n)                 # this thread's parallel regions get n threads
+    start_thread_pool()                 # this thread's OpenMP team started now, at its size
 
 [Note: the host stream's threads] PyTorch's CPU kernels run their parallel regions on an
 OpenMP team that belongs to the thread calling them, sized by that thread's own setting
@@ -27,6 +28,9 @@ import ctypes
 import os
 
 import torch
+
+# at::internal::GRAIN_SIZE: the fewest elements PyTorch's parallel loops give one thread
+GRAIN_ELEMENTS = 32768
 
 
 def host_stream_threads(device_kind: str, cores: int | None = None) -> int:
@@ -59,3 +63,11 @@ def _openmp() -> ctypes.CDLL | None:
         if name.startswith(("libgomp", "libiomp", "libomp")):
             return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", name))
     return None
+
+
+def start_thread_pool() -> None:
+    """Start the calling thread's OpenMP team at its full size (its intra-op thread count),
+    with one parallel op over enough elements that every thread of the team takes part: a
+    thread's team otherwise starts at its first large op ([Note: the hard cap from the
+    plan], host/memcap.py)."""
+    torch.empty(torch.get_num_threads() * GRAIN_ELEMENTS, dtype=torch.uint8).fill_(1)
