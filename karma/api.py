@@ -16,11 +16,12 @@ cli/capacity.py); `plan` makes one from its keyword arguments. The capacity ques
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from karma import logs
+from karma.batch_search import search_batch
 from karma.calibrate import Calibration, FromPlanning, Probe, calibrate
 from karma.calibrate.blocks import Timed
 from karma.errors import KarmaError
@@ -164,42 +165,28 @@ def choose_batch(model_file: Model, how: str, options: PlanOptions,
                  log: Log | None = None) -> tuple[int, list[dict]]:
     """The batch `how` asks for ("max": the largest any plan fits in the budget; "best": the
     one of most predicted samples per second, up to that), and the points searched (sweep's
-    records, in the order tried). The search doubles from 1 until no plan fits, then halves
-    the interval around the answer: logarithmic, then refined."""
+    records, in the order tried): karma/batch_search.py, each batch planned once. A note
+    said at every batch (timing it, say) is said for the first."""
     if how not in BATCH_CHOICES:
         raise KarmaError(f"--batch-size {how!r}: give a number, max or best")
     if options.gpu_mem is None:
         raise KarmaError(f"--batch-size {how} searches the batches that fit a budget: give "
                          "--gpu-mem")
+    say = logs.OncePerKind(log or _note_to_stderr)
     tried: dict[int, dict] = {}
 
     def point(batch: int) -> dict:
         if batch not in tried:
-            tried[batch] = sweep(model_file, "batch-size", [batch], options, log)[0]
+            tried[batch] = sweep(model_file, "batch-size", [batch], options, say)[0]
         return tried[batch]
 
     if not point(1)["feasible"]:
         raise InfeasiblePlan(f"no batch fits: {point(1)['reason']}",
                              point(1)["min_capacity_bytes"], resource=point(1)["resource"])
-    fits = 1
-    while 2 * fits <= MAX_BATCH and point(2 * fits)["feasible"]:
-        fits *= 2
-    low, high = fits, min(2 * fits, MAX_BATCH + 1)  # low fits, high does not
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if point(mid)["feasible"] else (low, mid)
-    if how == "max":
-        return low, list(tried.values())
-    best = max((b for b, p in tried.items() if p["feasible"]),
-               key=lambda b: tried[b]["samples_per_s"])
-    step = max(1, best // 4)  # refine around it, in halving steps
-    while step >= 1:
-        for b in (best - step, best + step):
-            if 1 <= b <= low and point(b)["feasible"] \
-                    and point(b)["samples_per_s"] > tried[best]["samples_per_s"]:
-                best = b
-        step //= 2
-    return best, list(tried.values())
+    batch = search_batch(how, lambda b: point(b)["feasible"],
+                         lambda b: point(b)["samples_per_s"], MAX_BATCH)
+    say.finish("batches")
+    return batch, list(tried.values())
 
 
 def _point(prepared: _Prepared, options: PlanOptions) -> dict:
@@ -251,4 +238,6 @@ def calibration(mf: ModelFile, graph: BlockGraph, options: PlanOptions,
 
 
 def _note_to_stderr(note: str) -> None:
-    print(f"karma: note: {note}", file=sys.stderr)
+    """A note on the `karma` logger (karma/logs.py: INFO, or WARNING for a measurement that
+    failed and was worked around), which the commands print to stderr."""
+    logs.note(note)

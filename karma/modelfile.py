@@ -248,24 +248,50 @@ def check_batch(result: Any, where: str) -> tuple[ModelInputs, Any]:
     return model_inputs, targets
 
 
-def check_signature(model: torch.nn.Module, inputs: ModelInputs, where: str) -> None:
-    """The model's forward accepts these arguments, or a ModelFileError that names them."""
+def check_signature(model: torch.nn.Module, inputs: ModelInputs, where: str,
+                    failure: BaseException | None = None) -> None:
+    """The model's forward accepts these arguments, or a ModelFileError that names them.
+
+    A forward with **kwargs (every Hugging Face model's) takes any key, and ignores one it
+    does not know: a misspelled `input_idz` leaves `input_ids` None. So a key that is not one
+    of the forward's parameters is refused where it looks like a misspelling of one (difflib)
+    and is not a keyword that Hugging Face's forwards take through **kwargs (their
+    `TransformersKwargs`: `output_attentions`, ...); and after the forward failed
+    (`failure`: what it raised, from tracing) any such key is refused, the failure named."""
+    import difflib
+
     try:
         signature = inspect.signature(model.forward)
     except (TypeError, ValueError):  # a builtin or C forward: let the call itself say
         return
     params = signature.parameters
+    forward = f"{type(model).__name__}.forward"
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    unknown = [k for k in inputs.kwargs if k not in params] if not takes_any else []
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    hf = sys.modules.get("transformers.utils.generic")
+    passed_on = set(getattr(getattr(hf, "TransformersKwargs", None), "__annotations__", ()))
+    for key in (k for k in inputs.kwargs if takes_any and k not in params and k not in passed_on):
+        close = difflib.get_close_matches(key, named, n=1, cutoff=0.75)
+        if failure is None and close:
+            raise ModelFileError(
+                f"{where}: the inputs' key {key!r} is not a parameter of {forward}, whose "
+                f"**kwargs would take it; it looks like a misspelling of {close[0]!r}: rename it")
+        if failure is not None:
+            first_line = (str(failure).strip().splitlines() or [""])[0][:160]
+            raise ModelFileError(
+                f"{where}: the inputs' key {key!r} is not a parameter of {forward}, whose "
+                f"**kwargs took it, and the forward failed ({type(failure).__name__}: "
+                f"{first_line}); rename the key to "
+                + (repr(close[0]) if close else f"one of {', '.join(named)}")) from failure
     try:
+        unknown = [k for k in inputs.kwargs if k not in params] if not takes_any else []
         if unknown:
             raise TypeError(f"it takes no argument {', '.join(map(repr, unknown))}")
         signature.bind(*inputs.args, **inputs.kwargs)
     except TypeError as e:
         raise ModelFileError(
-            f"{where}: {type(model).__name__}.forward({', '.join(params)}) does not accept "
-            f"these inputs ({e}); make the inputs dict's keys the forward's argument "
-            "names") from e
+            f"{where}: {forward}({', '.join(params)}) does not accept these inputs ({e}); "
+            "make the inputs dict's keys the forward's argument names") from e
 
 
 def _is_tensor_tree(x: Any) -> bool:

@@ -319,8 +319,7 @@ def plot_sweep(points: list[dict], quantity: str, path: str | os.PathLike) -> No
     Figure, _, _ = _matplotlib()
     path = Path(path)
     _check_directory(path)
-    gib = quantity == "gpu-mem"
-    xs = [p["gpu_mem_bytes"] / 2**30 if gib else p["batch_size"] for p in points]
+    xs, x_label = sweep_axis(points, quantity)
     fig = Figure(figsize=(8.0, 4.8), dpi=_DPI, layout="constrained")
     ax = fig.subplots()
     names = sorted({n for p in points for n in p["baselines"]})
@@ -337,7 +336,7 @@ def plot_sweep(points: list[dict], quantity: str, path: str | os.PathLike) -> No
     short = [x for x, p in zip(xs, points) if not p["feasible"]]
     for x in short:
         ax.axvline(x, color="#d62728", alpha=0.15, linewidth=6)
-    ax.set_xlabel("device memory budget (GiB)" if gib else "batch size per rank")
+    ax.set_xlabel(x_label)
     ax.set_ylabel("predicted samples per second")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -345,6 +344,16 @@ def plot_sweep(points: list[dict], quantity: str, path: str | os.PathLike) -> No
     ax.set_title(f"{quantity} sweep on {points[0]['hardware']}"
                  + (" (red: no plan fits)" if short else ""), fontsize=10)
     _save_atomically(fig, path)
+
+
+def sweep_axis(points: list[dict], quantity: str) -> tuple[list[float], str]:
+    """A sweep's x values and their label: budgets in the largest binary unit that the
+    largest budget fills at least once (20M..40M in MiB, 8G..26G in GiB), or batch sizes."""
+    if quantity != "gpu-mem":
+        return [p["batch_size"] for p in points], "batch size per rank"
+    top = max(p["gpu_mem_bytes"] for p in points)
+    unit, scale = next((u, k) for u, k in _BYTE_UNITS if top >= k or u == "B")
+    return [p["gpu_mem_bytes"] / scale for p in points], f"device memory budget ({unit})"
 
 
 _STRATEGY_COLORS = {"keep_all": "#1f77b4", "recompute_all": "#9467bd", "swap_all": "#2ca02c",

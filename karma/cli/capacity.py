@@ -17,16 +17,15 @@ from dataclasses import replace
 
 from karma.cli.common import positive_int
 from karma.errors import KarmaError
+from karma.logs import OncePerKind, note
 from karma.planner.hardware import load_hardware
 from karma.planner.options import BATCH_CHOICES, PlanOptions
 from karma.planner.report import hardware_table, sweep_table
 from karma.units import parse_size
 
-Log = Callable[[str], None]
 
-
-def compare_hardware(args: argparse.Namespace, options_on: Callable[[str], PlanOptions],
-                     log: Log) -> int:
+def compare_hardware(args: argparse.Namespace,
+                     options_on: Callable[[str], PlanOptions]) -> int:
     """--hardware A,B,C: the same model planned on each profile (`options_on(name)`: the
     flags' options there), at its own device memory unless --gpu-mem is given; one row each
     (--json: a list). A profile the options do not fit (its node holds fewer ranks than
@@ -40,7 +39,7 @@ def compare_hardware(args: argparse.Namespace, options_on: Callable[[str], PlanO
     names = args.hardware.split(",")
     for name in names:
         load_hardware(name)  # an unknown name is bad input, before anything is planned
-    rows = []
+    rows, say = [], OncePerKind(note)
     for name in names:
         try:
             options = options_on(name)
@@ -51,13 +50,15 @@ def compare_hardware(args: argparse.Namespace, options_on: Callable[[str], PlanO
             continue
         if options.gpu_mem is None:
             options = replace(options, gpu_mem=options.profile.device_mem_bytes)
-        rows += plan_sweep(args.model, "gpu-mem", [options.gpu_mem], options, log)
+        rows += plan_sweep(args.model, "gpu-mem", [options.gpu_mem], options, say)
+    say.finish("profiles")
     print(json.dumps(rows, indent=2) if args.json else hardware_table(rows))
     return 0
 
 
-def sweep(args: argparse.Namespace, options: PlanOptions, log: Log) -> int:
-    """--sweep: every point planned, a table (or --json: a list) of them."""
+def sweep(args: argparse.Namespace, options: PlanOptions) -> int:
+    """--sweep: every point planned, a table (or --json: a list) of them; a note said at
+    every point is said once."""
     from karma.api import sweep as plan_sweep
 
     if len(args.sweep) > 1:
@@ -72,7 +73,9 @@ def sweep(args: argparse.Namespace, options: PlanOptions, log: Log) -> int:
         raise KarmaError("--sweep gpu-mem=... and --gpu-mem contradict each other; give one")
     if quantity == "batch-size" and options.gpu_mem is None:
         raise KarmaError("a batch-size sweep plans at one budget: give --gpu-mem")
-    points = plan_sweep(args.model, quantity, values, options, log)
+    say = OncePerKind(note)
+    points = plan_sweep(args.model, quantity, values, options, say)
+    say.finish("points")
     if args.plot:
         from karma.plot import plot_sweep
 

@@ -1,8 +1,9 @@
-"""What every karma command shares: argument types and the error boundary.
+"""What every karma command shares: argument types, the error boundary and the notes.
 
 Bad input is a `KarmaError`: the command prints `PROG: error: MESSAGE` and exits 2, with no
 traceback unless --debug. Anything else is a bug in karma: a one-line message that says so
-and asks for --debug, exit 1.
+and asks for --debug, exit 1. The library's notes (the `karma` logger, karma/logs.py) are
+printed to stderr as `PROG: note: MESSAGE`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from karma.errors import KarmaError
+from karma.logs import printing_notes
 
 
 def huge_pages_for_large_tensors() -> None:
@@ -71,10 +73,17 @@ def positive_int(text: str) -> int:
 
 def run_cli(prog: str, body: Callable[[argparse.Namespace], int],
             parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
-    """Parse `argv`, run `body(args)` inside the error boundary, return the exit code."""
+    """Parse `argv`, run `body(args)` inside the error boundary, the library's notes
+    printed, and return the exit code."""
     parser.add_argument("--debug", action="store_true",
                         help="show tracebacks and library warnings")
     args = parser.parse_args(argv)
+    with printing_notes(prog):
+        return _boundary(prog, body, args)
+
+
+def _boundary(prog: str, body: Callable[[argparse.Namespace], int],
+              args: argparse.Namespace) -> int:
     try:
         if args.debug:
             return body(args)

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import re
 import sys
+from decimal import ROUND_CEILING, Decimal
 from pathlib import Path
 
 from karma.cli import capacity
 from karma.cli.common import check_writable, huge_pages_for_large_tensors, positive_int, run_cli
 from karma.errors import KarmaError
+from karma.logs import note
 from karma.planner.options import BATCH_CHOICES, PlanOptions
 from karma.schedule import HOST_OPTIMIZERS
 
@@ -146,13 +148,13 @@ def _plan(args: argparse.Namespace) -> int:
         raise KarmaError("--plot draws a sweep: give --sweep too (karma-inspect --plot draws "
                          "one schedule)")
     if args.hardware and "," in args.hardware:
-        return capacity.compare_hardware(args, lambda name: options_from(args, name), _notes)
+        return capacity.compare_hardware(args, lambda name: options_from(args, name))
     options = options_from(args)
     if not args.print_ir:  # the block graph is the same on any hardware
         for line in options.machine_notes:
             print(f"karma-plan: {line}", file=sys.stderr)
     if args.sweep:
-        return capacity.sweep(args, options, _notes)
+        return capacity.sweep(args, options)
     if args.print_ir:
         return _print_ir(args, options)
     return _plan_one(args, options)
@@ -168,7 +170,8 @@ def _print_ir(args: argparse.Namespace, options: PlanOptions) -> int:
     mf = load_model_file(args.model)
     graph = build_block_graph(mf, options.batch_size, options.blocks, model_name=args.model,
                               dtype=options.dtype)
-    _notes(*graph.notes)
+    for text in graph.notes:
+        note(text)
     print(graph.to_json() if args.json else graph.table())
     return 0
 
@@ -182,7 +185,7 @@ def _plan_one(args: argparse.Namespace, options: PlanOptions) -> int:
     if args.output:  # before anything is traced
         check_writable(Path(args.output), "-o", "schedule.yaml")
     try:
-        report = plan_report(args.model, options, _notes)
+        report = plan_report(args.model, options)
     except InfeasiblePlan as e:
         if args.json:
             print(json.dumps({"feasible": False, "capacity_bytes": options.capacity_bytes,
@@ -191,7 +194,7 @@ def _plan_one(args: argparse.Namespace, options: PlanOptions) -> int:
         if e.resource != "device":
             raise
         raise InfeasiblePlan(
-            f"{e}. Try --gpu-mem {_ceil_gib(e.min_capacity_bytes)}"
+            f"{e}. Try --gpu-mem {at_least(e.min_capacity_bytes, args.gpu_mem)}"
             + (" or a smaller --batch-size" if e.batch_size > 1 else ""),
             e.min_capacity_bytes) from e
 
@@ -201,17 +204,17 @@ def _plan_one(args: argparse.Namespace, options: PlanOptions) -> int:
     return 0
 
 
-def _notes(*notes: str) -> None:
-    """Notes about the model (a KV cache turned off) and about measuring go to stderr:
-    stdout may be JSON."""
-    for note in notes:
-        print(f"karma-plan: note: {note}", file=sys.stderr)
-
-
-def _ceil_gib(nbytes: int) -> str:
-    """A --gpu-mem value at least nbytes: 5.6G, 22G."""
-    gib = nbytes / 2**30
-    return f"{math.ceil(gib * 10) / 10:g}G" if gib < 10 else f"{math.ceil(gib)}G"
+def at_least(nbytes: int, given: str | None) -> str:
+    """A --gpu-mem value of at least `nbytes`, in the unit of `given` (the --gpu-mem that did
+    not fit), rounded up to two significant digits: 32M for 31.3 MiB given 20M, 0.031G given
+    0.02G, 22G for 21.4 GiB; a plain number of bytes where `given` was one."""
+    unit = re.search(r"[KMGT]", (given or "G").upper())
+    if unit is None:
+        return str(nbytes)
+    value = Decimal(nbytes) / 1024 ** ("KMGT".index(unit[0]) + 1)
+    quantum = Decimal(1).scaleb(value.adjusted() - 1)  # two significant digits
+    rounded = (value / quantum).to_integral_value(rounding=ROUND_CEILING) * quantum
+    return f"{rounded.normalize():f}{unit[0]}"
 
 
 def main(argv: list[str] | None = None) -> int:

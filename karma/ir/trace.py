@@ -82,6 +82,9 @@ def trace(mf: ModelFile, batch_size: int) -> Traced:
         return Traced(gm, model, inputs, _flat_inputs(inputs, info.in_spec), targets,
                       "torch.export", info.out_spec, cache_off)
     except Exception as export_error:  # noqa: BLE001 - fall back, then report the first error
+        # a key the forward's **kwargs took (a misspelled input_ids) is the likelier cause
+        check_signature(model, inputs, f"{mf.path}: example_batch({batch_size})",
+                        failure=export_error)
         if inputs.kwargs:  # the torch.fx fallback takes positional tensors only
             raise _untraceable(mf.path, export_error) from export_error
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ class RunOptions:
     trace_step: int | None = None  # the step traced; None: the second this run trains
     trace_steps: int = 1  # how many steps traced from trace_step on (trace_file: their files)
     host_optimizer: str | None = None  # the host steps' kernel; None: the schedule's
-    log: Callable[[str], None] = field(default=print)  # rank 0's progress lines
+    log: Callable[[str], None] = field(default=logging.getLogger("karma").info)  # rank 0's progress lines
 
 
 @dataclass(frozen=True)
