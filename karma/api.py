@@ -16,6 +16,7 @@ cli/capacity.py); `plan` makes one from its keyword arguments. The capacity ques
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from karma import logs
 from karma.batch_search import search_batch
 from karma.calibrate import Calibration, FromPlanning, Probe, calibrate
 from karma.calibrate.blocks import Timed
+from karma.calibrate.in_context import CALIBRATING
 from karma.errors import KarmaError
 from karma.ir.build import build_block_graph
 from karma.ir.graph import BlockGraph, OptimizerProfile
@@ -109,6 +111,10 @@ def _prepare(model: Model, options: PlanOptions, log: Log | None) -> _Prepared:
     """The model traced and calibrated for `options`: what its plans are made from."""
     say = log or _note_to_stderr
     options.check_plannable()  # before tracing
+    if os.environ.get(CALIBRATING):
+        raise KarmaError("the model file plans when it is imported (karma.plan at its top "
+                         "level), and calibration imports it in a karma-run of its own; put "
+                         "the planning under `if __name__ == \"__main__\":`")
     mf = model if isinstance(model, ModelFile) else load_model_file(model)
     name = str(mf.path) if isinstance(model, ModelFile) else str(model)  # as given
     graph = build_block_graph(mf, options.batch_size, options.blocks,
@@ -218,7 +224,8 @@ def calibration(mf: ModelFile, graph: BlockGraph, options: PlanOptions,
     roofline = build_problem(graph, options.profile, graph.dtype)
 
     # the model file by its absolute path: karma-run trains it from another directory
-    model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json())
+    model = replace(ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json()),
+                    entry=mf.entry)
 
     def unlimited(measured_hw) -> PlanOptions:
         return PlanOptions(gpu_mem=1 << 62, hardware=measured_hw, batch_size=graph.batch_size,

@@ -16,7 +16,9 @@ The runtime trains the instance itself, from its values as they are.
 A schedule records where its functions can be imported from again: their file and names
 (`ModelRef.entry`), so that `karma-run` (and `--resume`) can train it as it trains a model
 file. A function that cannot be imported again (a lambda, a function defined inside another,
-a module instance) is recorded without a name, and karma-run says how to run such a schedule.
+a module instance, or any function of the script Python runs, `__main__`: importing a
+script runs it) is recorded without a name; karma-run says how to run such a schedule, and
+calibration, which times blocks in a karma-run of their own, times them one by one instead.
 """
 
 from __future__ import annotations
@@ -148,11 +150,9 @@ def _entry(functions: dict[str, Any], build: Any) -> tuple[Path, tuple[tuple[str
     path = next((f for f in files if f is not None), None)
 
     def where(f: Any) -> str:
-        if not _importable(f):
+        if not _importable(f) or f.__module__ == "__main__":  # importing a script runs it
             return ""
-        if _source_file(f) == path:
-            return f.__name__
-        return "" if f.__module__ == "__main__" else f"{f.__module__}:{f.__name__}"
+        return f.__name__ if _source_file(f) == path else f"{f.__module__}:{f.__name__}"
 
     entry = tuple((name, where(f)) for name, f in functions.items() if f is not None)
     return (path or Path(OBJECT_PATH)), entry

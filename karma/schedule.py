@@ -277,7 +277,7 @@ class ModelRef:
 
 # karma's own settings, read by the runtime where it runs: not the model's, so not recorded
 # with it (a schedule planned under KARMA_TIER_DIR=/tmp must not put every run's tier there)
-KARMA_SETTINGS = ("KARMA_CHAOS", "KARMA_CPU_CACHE", "KARMA_TIER_DIR")
+KARMA_SETTINGS = ("KARMA_CHAOS", "KARMA_CPU_CACHE", "KARMA_TIER_DIR", "KARMA_CALIBRATING")
 
 
 def model_env() -> tuple[tuple[str, str], ...]:

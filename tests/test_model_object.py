@@ -3,6 +3,7 @@ an nn.Module or the functions that build one, Runtime.save/load in karma-run's f
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -159,3 +160,27 @@ def test_a_runtime_given_another_model_than_planned_says_the_schedule_is_stale(t
     wider = karma.model(lambda: net.Net(layers=5), net.make_batch, make_optimizer=net.sgd)
     with pytest.raises(KarmaError, match="stale.*karma.plan"):
         karma.Runtime(schedule, model=wider, log=lambda line: None)
+
+
+def test_planning_inside_calibration_s_own_karma_run_is_refused(monkeypatch):
+    """A model file that plans at its top level, imported by calibration's karma-run, would
+    calibrate again in a karma-run of its own, without end."""
+    monkeypatch.setenv("KARMA_CALIBRATING", "1")
+    with pytest.raises(KarmaError, match="__name__"):
+        karma.plan(model(), gpu_mem=BUDGET, hardware="cpu", batch_size=BATCH,
+                   measure="estimate")
+
+
+def test_functions_of_the_script_python_runs_are_not_imported_again(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import karma, torch\n"
+        "def build():\n    return torch.nn.Linear(4, 4)\n"
+        "def batch(n):\n    return torch.randn(n, 4), torch.randn(n, 4)\n"
+        "m = karma.model(build, batch, loss_fn=torch.nn.functional.mse_loss)\n"
+        "print(dict(m.entry))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert eval(done.stdout) == {"build_model": "", "example_batch": "",
+                                 "loss_fn": "torch.nn.functional:mse_loss"}

@@ -95,6 +95,7 @@ from karma.calibrate.blocks import Timed
 from karma.calibrate.measure_hw import mem_available_bytes
 from karma.errors import KarmaError
 from karma.ir.graph import BlockGraph
+from karma.model_object import missing_entry
 from karma.planner.hardware import Hardware
 from karma.planner.simulate import SIDE_STREAMS
 from karma.runtime.loop import trace_file
@@ -108,6 +109,9 @@ PROBE_STEPS = 4  # steps of the probe: the first warms up, the other three are t
 # op costs its stream's worker tens to hundreds of microseconds of Python however small it is,
 # which no fraction of compute's cores explains (the tests' tiny GPT's average 272 us)
 MIN_SIDE_OP_S = 1e-3
+# set in the karma-run that calibration starts: a model file that plans when imported (a
+# script's top level) would otherwise calibrate again, in a karma-run of its own, without end
+CALIBRATING = "KARMA_CALIBRATING"
 _BUDGET_S = 120.0  # the keep_all steps at most this long (roofline): [Note: block times in
 # context]
 
@@ -124,6 +128,11 @@ def timed_in_context(graph: BlockGraph, hw: Hardware, keep_all: Callable[[Hardwa
     in context]); with `probe`, the side streams' fractions and wait too, fitted to a probe's
     steps ([Note: side streams timed in context])."""
     schedule = keep_all(hw)
+    entry = schedule.model.entry
+    if entry is not None and missing_entry(entry):
+        say(f"{graph.model}'s {', '.join(missing_entry(entry))} cannot be imported again by a "
+            "karma-run of its own (karma/model_object.py): timing its blocks one by one")
+        return None
     need, free = schedule.predicted.peak_device_bytes, mem_available_bytes()
     n_steps = min(6, int(_BUDGET_S // max(schedule.predicted.step_s, 1e-9)))
     if need > free // 2 or n_steps < 3:
@@ -217,7 +226,7 @@ def _karma_run(schedule: Schedule, directory: Path, n_steps: int, *options: str)
     its own, tracing into directory/trace.json as `options` say."""
     # the karma this process runs, wherever it was imported from
     source = str(Path(__file__).resolve().parent.parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    env = {**os.environ, CALIBRATING: "1", "PYTHONPATH": os.pathsep.join(
         [source, *filter(None, [os.environ.get("PYTHONPATH")])])}
     schedule.save(directory / "schedule.yaml")
     ran = subprocess.run(
