@@ -222,9 +222,22 @@ def code_sha256(mf: ModelFile) -> str:
     """Fingerprint of the model file's code: its syntax tree, so comments and formatting do
     not count and every other edit does (a constant that changes how fast the model runs
     but not what it builds, such as torch.set_num_threads or the optimizer's kernel, too).
-    Measurements of the model (karma/calibrate) are cached under it."""
-    tree = ast.parse(mf.path.read_bytes(), str(mf.path))
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+    Measurements of the model (karma/calibrate) are cached under it.
+
+    A model object's (karma/model_object.py) code is only partly in its file (a module
+    instance, a lambda, functions of other modules): its fingerprint and where its
+    functions come from are hashed with the file's tree, so that another model or another
+    optimizer in the same file is measured again."""
+    h = hashlib.sha256()
+    if mf.path.is_file():
+        h.update(ast.dump(ast.parse(mf.path.read_bytes(), str(mf.path))).encode())
+    if mf.entry is not None:
+        h.update(repr(mf.entry).encode())
+        try:
+            h.update(model_fingerprint(mf).sha256.encode())
+        except KarmaError:  # a forward that does not run on the meta device: the file's
+            pass  # tree and the entry only
+    return h.hexdigest()
 
 
 # --- the check ---------------------------------------------------------------------------

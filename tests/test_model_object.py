@@ -184,3 +184,12 @@ def test_functions_of_the_script_python_runs_are_not_imported_again(tmp_path):
     assert done.returncode == 0, done.stderr
     assert eval(done.stdout) == {"build_model": "", "example_batch": "",
                                  "loss_fn": "torch.nn.functional:mse_loss"}
+
+
+def test_a_forward_replaced_on_the_instance_is_named():
+    instance = net.make_net()
+    plain = instance.forward
+    instance.forward = lambda tokens: plain(tokens)  # as Accelerate's autocast wrapper does
+    with pytest.raises(KarmaError, match="forward is replaced on the instance"):
+        karma.plan(instance, example_batch=net.make_batch, gpu_mem=BUDGET, hardware="cpu",
+                   batch_size=BATCH, measure="estimate", log=lambda note: None)

@@ -59,6 +59,13 @@ def build_meta(mf: ModelFile, batch_size: int) -> tuple[torch.nn.Module, ModelIn
                 "torch.nn.Module; return the model"
             )
         inputs, targets = mf.checked_example_batch(batch_size)
+    if "forward" in vars(model):  # a wrapper set on the instance hides the modules it calls
+        raise ModelFileError(
+            f"{mf.path}: the model's forward is replaced on the instance "
+            f"({getattr(vars(model)['forward'], '__qualname__', 'a wrapper')}; Accelerate's "
+            "prepare and autocast wrappers do this), which hides its blocks from karma; give "
+            "karma the model before it is wrapped (karma applies bf16 autocast itself: "
+            "dtype='bf16')")
     check_signature(model, inputs, f"{mf.path}: example_batch({batch_size})")
     for t in inputs.tensors():
         if t.device.type != "meta":

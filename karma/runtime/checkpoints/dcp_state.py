@@ -23,6 +23,8 @@ the host tier's views), so that DCP does not clone them into private memory.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -40,6 +42,16 @@ from karma.runtime.params.layout import ShardedLayout
 
 STATE_DIR = "state"  # the DCP checkpoint's directory inside step_N
 MODEL, OPTIM = "model.", "optim."
+
+
+@contextlib.contextmanager
+def _one_process():
+    """DCP without a process group (one rank: what karma asks for with no_dist) warns on
+    every call that it assumes one process; that is the intent, so it is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"torch\.distributed is (disabled|unavailable)",
+                                UserWarning)
+        yield
 
 
 def state_keys(model: torch.nn.Module) -> list[tuple[str, str]]:
@@ -69,7 +81,9 @@ def save(model: torch.nn.Module, engine, ranks: Ranks, directory: Path,
             else:
                 v = standalone(v)
             state[f"{OPTIM}{name}.{key}"] = v
-    dcp.save(state, storage_writer=FileSystemWriter(directory), no_dist=ranks.world_size == 1)
+    with _one_process():
+        dcp.save(state, storage_writer=FileSystemWriter(directory),
+                 no_dist=ranks.world_size == 1)
 
 
 def _model_tensors(model: torch.nn.Module, engine, ranks: Ranks, mesh: DeviceMesh | None,
@@ -130,7 +144,8 @@ def load(model: torch.nn.Module, engine, ranks: Ranks, directory: Path) -> None:
                     local = rows_of(local, w.layout.cuts[k])  # this rank's row of a 0-dim one
             loaded.append((w, k, key, local))
     with torch.no_grad():
-        dcp.load(targets, storage_reader=reader, no_dist=ranks.world_size == 1)
+        with _one_process():
+            dcp.load(targets, storage_reader=reader, no_dist=ranks.world_size == 1)
     for w in engine.weights:  # the weights: every rank's rows gathered, then on the device
         if _sharded(w):
             w.layout.all_gather()
@@ -172,7 +187,10 @@ def consolidated_optimizer(directory: Path) -> dict[str, dict[str, torch.Tensor]
 def _read(directory: Path, keys: set[str]) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    return _load_state_dict_from_keys(keys, checkpoint_id=str(directory)) if keys else {}
+    if not keys:
+        return {}
+    with _one_process():
+        return _load_state_dict_from_keys(keys, checkpoint_id=str(directory))
 
 
 def _index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
