@@ -102,13 +102,12 @@ class Runtime:
         (default: the schedule's model file; `model_file` is the same, loaded). `log`: where
         progress lines go (default: the "karma" logger, at INFO).
         `timeout_s`: on several ranks, how long to wait for a rank that stops answering.
-        `cap_device_memory`: on CUDA, emulate a GPU of this many bytes (True: of the
-        schedule's budget); on the CPU backend, True caps the process's data segment from
-        the plan (karma-run --cap-memory, runtime/host/memcap.py). `agree`: further options every rank must share (karma-run's
-        steps, checkpoints). `dist_backend`: the all-reduces' backend on several ranks, nccl
-        or gloo (default nccl on CUDA, gloo on the CPU). `host_optimizer`: the kernel of
-        host-stepped blocks, "fused" or "as-given" (default: the schedule's
-        config.host_optimizer; runtime/params/host_optimizer.py)."""
+        `cap_device_memory`: on CUDA, emulate a GPU of this many bytes (True: the budget); on
+        the CPU backend, True caps the process's data from the plan (host/memcap.py).
+        `agree`: further options every rank must share (karma-run's steps, checkpoints).
+        `dist_backend`: nccl or gloo on several ranks (default nccl on CUDA, else gloo).
+        `host_optimizer`: host-stepped blocks' kernel, "fused" or "as-given" (default: the
+        schedule's config.host_optimizer; params/host_optimizer.py)."""
         given = _given_model(model, model_file)
         path = None
         if not isinstance(schedule, Schedule):
@@ -117,11 +116,7 @@ class Runtime:
         if host_optimizer is not None and host_optimizer != schedule.config.host_optimizer:
             schedule = _with_host_optimizer(schedule, host_optimizer)
         self.schedule = schedule
-        if given is not None:  # the model the schedule was planned for, or a stale schedule
-            from karma.fingerprint import check_model
-
-            check_model(schedule, given, path, log)
-        self.model_file = given or open_model_file(schedule, path, log)
+        self.model_file = _checked_model(schedule, given, path, log)
         self.seed = schedule.config.seed if seed is None else seed
         self.timeout_s = timeout_s
         device_kind = dict(schedule.hardware).get("device_kind", "cpu")
@@ -453,6 +448,18 @@ def _given_model(model: ModelFile | str | Path | None,
     raise KarmaError(f"Runtime(model=...) is a {type(model).__name__}; give the "
                      "karma.model(...) the schedule was planned for (it carries the loss and "
                      "the optimizer), or a model file's path")
+
+
+def _checked_model(schedule: Schedule, given: ModelFile | None, path: Path | None,
+                   log: Callable[[str], None] | None) -> ModelFile:
+    """The model to train: the one given, if the schedule was planned for it (else
+    StaleSchedule), or the schedule's model file."""
+    if given is None:
+        return open_model_file(schedule, path, log)
+    from karma.fingerprint import check_model
+
+    check_model(schedule, given, path, log)
+    return given
 
 
 def _quiet(line: str) -> None:
