@@ -176,7 +176,10 @@ def test_the_plan_command_reads_back_as_the_same_options():
 
 
 def test_default_options_write_the_hardware_and_what_was_given():
-    assert PlanOptions().plan_command("m.py") == "karma-plan m.py --hardware v100-16g"
+    assert PlanOptions(hardware="v100-16g").plan_command("m.py") == \
+        "karma-plan m.py --hardware v100-16g"
+    if not torch.cuda.is_available():  # without --hardware: this machine's, by name
+        assert PlanOptions().plan_command("m.py") == "karma-plan m.py --hardware cpu"
     assert PlanOptions(gpu_mem=1000, hardware="cpu").plan_command("m.py") == \
         "karma-plan m.py --hardware cpu --gpu-mem 1000"
 
