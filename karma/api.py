@@ -30,7 +30,7 @@ from karma.errors import KarmaError
 from karma.ir.build import build_block_graph
 from karma.ir.graph import BlockGraph, OptimizerProfile
 from karma.ir.optimizer import optimizer_profile
-from karma.model_object import as_model
+from karma.model_object import MODEL_KEYWORDS, as_model
 from karma.modelfile import ModelFile, load_model_file
 from karma.planner.fit_contention import fit_side_streams
 from karma.planner.hardware import Hardware
@@ -42,8 +42,6 @@ from karma.schedule import ModelRef, Schedule
 
 Log = Callable[[str], None]
 Model = str | Path | ModelFile  # a model file's path, or karma.model(...)
-MODEL_KEYWORDS = ("example_batch", "loss_fn", "make_optimizer", "make_scheduler", "batches",
-                  "eval_batches")  # karma.plan's keyword arguments that describe the model
 
 
 def plan(model: Model, gpu_mem: str | int = "16G", hardware: str | Hardware | None = None,

@@ -44,10 +44,9 @@ from karma.modelfile import (
     make_model_file,
 )
 
-# karma.model's keyword arguments, by the protocol's names
-_KEYWORDS = {"example_batch": "example_batch", "loss_fn": "loss_fn",
-             "make_optimizer": "make_optimizer", "make_scheduler": "make_scheduler",
-             "batches": "batches", "eval_batches": "eval_batches"}
+# the functions karma.model (and karma.plan, beside a module) takes by keyword: the
+# protocol's, but the builder
+MODEL_KEYWORDS = tuple(name for name in PROTOCOL if name != "build_model")
 OBJECT_PATH = "<model object>"  # the path of a model object none of whose code is in a file
 
 
@@ -97,10 +96,10 @@ def as_model(source: Any, **functions) -> ModelFile:
     """What karma.plan and karma.Runtime take as a model: a model file's path, a ModelFile
     (karma.model's or load_model_file's), or a module or builder with karma.model's
     keyword arguments."""
-    unknown = [name for name in functions if name not in (*_KEYWORDS, "batch_size")]
+    unknown = [name for name in functions if name not in (*MODEL_KEYWORDS, "batch_size")]
     if unknown:
         raise KarmaError(f"{', '.join(map(repr, unknown))}: not an option of the model; the "
-                         f"model's functions are {', '.join(_KEYWORDS)}")
+                         f"model's functions are {', '.join(MODEL_KEYWORDS)}")
     given = {k: v for k, v in functions.items() if v is not None}
     if isinstance(source, ModelFile) or isinstance(source, (str, Path)):
         if given:
@@ -178,5 +177,3 @@ def missing_entry(entry: tuple[tuple[str, str], ...]) -> list[str]:
     """The functions of a model object's entry that cannot be imported again."""
     return [name for name, attribute in entry if not attribute]
 
-
-assert set(_KEYWORDS) | {"build_model"} == set(PROTOCOL)
