@@ -156,14 +156,7 @@ def test_what_karma_cannot_carry_is_refused_with_the_fix(change, message, tmp_pa
                      karma={**KARMA, **change.get("karma", {})}, **extra)
 
 
-def test_metrics_on_logits_are_refused_and_a_batch_of_another_length_too(tmp_path):
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, vocab_size=VOCAB,
-                                         num_hidden_layers=1, num_attention_heads=2))
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, per_device_eval_batch_size=4)
-    trainer = KarmaTrainer(model=model, args=args, eval_dataset=Tokens(8, seed=1), karma=KARMA,
-                           compute_metrics=lambda prediction: {})
-    with pytest.raises(KarmaError, match="compute_metrics"):
-        trainer.evaluate()
+def test_a_batch_of_another_shape_is_refused():
     shape = BatchShape.of({"input_ids": torch.zeros(4, 32, dtype=torch.long)}, None, 4)
     assert shape.problem({"input_ids": torch.zeros(2, 32, dtype=torch.long)}, None) is None
     assert "input_ids is [batch, 48]" in shape.problem(
@@ -196,3 +189,35 @@ def test_the_decay_groups_of_host_copies_come_from_their_shapes_or_block_or_are_
     with pytest.raises(KarmaError, match="weight_decay=0"):
         odd.groups(copies)
     assert odd.groups([a.weight, b.bias])[0]["params"] == [a.weight, b.bias]  # by identity
+
+
+def accuracy(prediction) -> dict[str, float]:
+    """compute_metrics: next-token accuracy from the logits and labels the Trainer gathers."""
+    logits, labels = prediction.predictions, prediction.label_ids
+    hits = (logits[:, :-1].argmax(-1) == labels[:, 1:])
+    return {"accuracy": float(hits.mean())}
+
+
+def measured(metrics: dict) -> dict:
+    """The metrics of the model, without the evaluation's speed."""
+    return {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k}
+
+
+def test_compute_metrics_and_predict_get_the_trainer_s_logits(runs):
+    _, plain, karma = runs
+    for trainer in (plain, karma):
+        trainer.compute_metrics = accuracy
+    metrics = measured(karma.evaluate())
+    assert metrics == measured(plain.evaluate()) and "eval_accuracy" in metrics
+    held_out = Tokens(8, seed=1)
+    karma_out, plain_out = karma.predict(held_out), plain.predict(held_out)
+    assert karma_out.predictions.shape == (8, SEQ_LEN, VOCAB)
+    assert (karma_out.predictions == plain_out.predictions).all()
+    assert (karma_out.label_ids == plain_out.label_ids).all()
+    assert measured(karma_out.metrics) == measured(plain_out.metrics)
+    unlabeled = [{"input_ids": held_out[i]["input_ids"]} for i in range(len(held_out))]
+    karma_out, plain_out = karma.predict(unlabeled), plain.predict(unlabeled)
+    assert karma_out.label_ids is None and karma_out.predictions.shape == (8, SEQ_LEN, VOCAB)
+    assert (karma_out.predictions == plain_out.predictions).all()
+    for trainer in (plain, karma):
+        trainer.compute_metrics = None

@@ -48,6 +48,7 @@ try:
     from transformers import Trainer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.optimization import get_scheduler
+    from transformers.trainer_pt_utils import nested_detach
 except ImportError as e:  # pragma: no cover - the optional dependency
     raise ImportError("karma.integrations.hf_trainer needs Hugging Face transformers and "
                       "accelerate; install them with `pip install karma[hf]`") from e
@@ -97,6 +98,7 @@ class _LossMode:
     num_items: Any = None  # the Trainer's num_items_in_batch, or None
     scaled_for_ga: bool = False  # normalised over the whole step already
     accumulate: int = 1
+    outputs_only: bool = False  # a prediction without labels: no loss, the outputs kept
 
 
 @dataclass
@@ -125,6 +127,7 @@ class KarmaTrainer(Trainer):
         self._karma_steps: int | None = None  # the Trainer's num_training_steps
         self._karma_mode = _LossMode()
         self._karma_reported: torch.Tensor | None = None  # the loss the Trainer would return
+        self._karma_outputs: Any = None  # an evaluation's model outputs, for its logits
         super().__init__(*args, **kwargs)
         self._karma_check()
 
@@ -261,6 +264,11 @@ class KarmaTrainer(Trainer):
         """karma's loss_fn: the Trainer's loss of the model's outputs, as compute_loss takes
         it after the forward ([Note: the loss scaled for accumulation])."""
         mode = self._karma_mode
+        if mode.outputs_only:  # a prediction without labels: the outputs are what it wants;
+            # a loss of them all the same, for a plan made at this batch to have a backward
+            with _as_the_trainer_outside_the_model(outputs, self.args.bf16) as outputs:
+                self._karma_outputs = outputs
+            return output_tensors(outputs)[0].float().sum() * 0
         if self.compute_loss_func is not None or labels is not None:
             with _as_the_trainer_outside_the_model(outputs, self.args.bf16) as outputs:
                 loss = self._karma_loss_of(outputs, labels, mode.num_items)
@@ -271,6 +279,7 @@ class KarmaTrainer(Trainer):
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         if not mode.training:
             self._karma_reported = loss.detach().mean()
+            self._karma_outputs = outputs  # for compute_metrics and predict()
             return loss
         if mode.scaled_for_ga:
             self._karma_reported = loss.detach()
@@ -301,26 +310,43 @@ class KarmaTrainer(Trainer):
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                         prediction_loss_only: bool, ignore_keys: list[str] | None = None):
-        """The batch's loss through `Runtime.evaluate`, as the Trainer's prediction_step
-        computes it."""
-        if not prediction_loss_only:
-            raise KarmaError(
-                "KarmaTrainer evaluates the loss only: Runtime.evaluate gives no logits for "
-                "compute_metrics or predict(); drop compute_metrics (eval_loss is logged), or "
-                "call the trained trainer.model after training")
+        """The batch's loss, logits and labels as the Trainer's prediction_step gives them,
+        the forward run by `Runtime.evaluate` (the logits for compute_metrics and predict()
+        are the outputs its loss_fn saw)."""
         has_labels = bool(self.label_names) and \
             all(inputs.get(k) is not None for k in self.label_names)
         return_loss = inputs.get("return_loss")
         return_loss = self.can_return_loss if return_loss is None else return_loss
-        if not has_labels and not (not self.label_names and return_loss):
+        with_loss = has_labels or (not self.label_names and return_loss)
+        if not with_loss and prediction_loss_only:
             return (None, None, None)
         inputs = self._prepare_inputs(inputs)
-        num_items = self._get_num_items_in_batch([inputs], self.args.device)
+        if ignore_keys is None:
+            config = getattr(self.model, "config", None)
+            ignore_keys = getattr(config, "keys_to_ignore_at_inference", ["cache"]) \
+                if config is not None else []
+        labels = nested_detach(tuple(inputs.get(name) for name in self.label_names)) \
+            if with_loss else None
+        num_items = self._get_num_items_in_batch([inputs], self.args.device) \
+            if with_loss else None
         call = self._karma_call(inputs, num_items)
+        self._karma_mode = _LossMode(training=False, num_items=num_items,
+                                     outputs_only=not with_loss)  # before a plan traces it
         session = self._karma_session(call, training=False)
-        self._karma_mode = _LossMode(training=False, num_items=num_items)
         session.runtime.evaluate(call.inputs, call.targets)
-        return (self._karma_reported.to(self.args.device), None, None)
+        loss = self._karma_reported.to(self.args.device) if with_loss else None
+        outputs, self._karma_outputs = self._karma_outputs, None
+        if prediction_loss_only:
+            return (loss, None, None)
+        dropped = [*ignore_keys, "loss"] if with_loss else list(ignore_keys)
+        logits = nested_detach(tuple(v for k, v in outputs.items() if k not in dropped)
+                               if isinstance(outputs, Mapping)
+                               else tuple(outputs[1:] if with_loss else outputs))
+        if len(logits) == 1:
+            logits = logits[0]
+        if labels is not None and len(labels) == 1:
+            labels = labels[0]
+        return (loss, logits, labels)
 
     # --- the karma run ---------------------------------------------------------------------
 
