@@ -66,7 +66,7 @@ def test_a_gpu_without_one_is_measured_and_its_node_a_guess():
 
 def test_this_machines_measured_profile_is_this_machine(no_gpu):
     assert local_device(load_hardware("cpu")) is None  # built-in numbers: anyone's machine
-    measured = local_profile("cpu", lambda line: None)  # karma-profile --quick, cached a session
+    measured = local_profile("cpu", lambda line: None)  # karma-profile --quick, cached for the test run
     assert local_device(measured) == "cpu"
     assert local_device(load_hardware("v100-16g")) is None
 

@@ -102,7 +102,7 @@ class _LossMode:
 
 
 @dataclass
-class _Session:
+class _KarmaRun:
     """A karma run over the Trainer's model, and what it was planned for."""
 
     runtime: Runtime
@@ -122,7 +122,7 @@ class KarmaTrainer(Trainer):
     def __init__(self, *args, karma: Mapping[str, Any] | None = None, **kwargs):
         self.karma_options = dict(karma or {})
         self.karma_schedule = None
-        self._karma: _Session | None = None
+        self._karma: _KarmaRun | None = None
         self._karma_resume: Path | None = None  # a checkpoint to load once the run exists
         self._karma_steps: int | None = None  # the Trainer's num_training_steps
         self._karma_mode = _LossMode()
@@ -210,8 +210,8 @@ class KarmaTrainer(Trainer):
         the loss the Trainer's own training_step would return."""
         inputs = self._prepare_inputs(inputs)
         call = self._karma_call(inputs, num_items_in_batch)
-        session = self._karma_session(call, training=True)
-        rt = session.runtime
+        karma_run = self._karma_run(call, training=True)
+        rt = karma_run.runtime
         if self.current_gradient_accumulation_steps != rt.accumulate:
             raise KarmaError(
                 f"this optimizer step has {self.current_gradient_accumulation_steps} "
@@ -219,13 +219,13 @@ class KarmaTrainer(Trainer):
                 "(gradient_accumulation_steps): the epoch's batches do not divide into whole "
                 "steps; use a dataset whose number of batches is a multiple of it, or "
                 "dataloader_drop_last=True with max_steps")
-        if session.step_starts:
+        if karma_run.step_starts:
             self.lr_scheduler.last_lr = rt.lr  # the rate this step uses: the Trainer logs it
         self._karma_mode = _LossMode(True, num_items_in_batch,
                                      self._karma_scaled_for_ga(num_items_in_batch),
                                      rt.accumulate)
         rt.micro_step(call.inputs, call.targets)
-        session.step_starts = rt.stepped
+        karma_run.step_starts = rt.stepped
         if rt.stepped:
             for group in self.optimizer.param_groups:
                 group["lr"] = rt.lr  # as the Trainer's after its scheduler's step
@@ -332,8 +332,8 @@ class KarmaTrainer(Trainer):
         call = self._karma_call(inputs, num_items)
         self._karma_mode = _LossMode(training=False, num_items=num_items,
                                      outputs_only=not with_loss)  # before a plan traces it
-        session = self._karma_session(call, training=False)
-        session.runtime.evaluate(call.inputs, call.targets)
+        karma_run = self._karma_run(call, training=False)
+        karma_run.runtime.evaluate(call.inputs, call.targets)
         loss = self._karma_reported.to(self.args.device) if with_loss else None
         outputs, self._karma_outputs = self._karma_outputs, None
         if prediction_loss_only:
@@ -350,22 +350,22 @@ class KarmaTrainer(Trainer):
 
     # --- the karma run ---------------------------------------------------------------------
 
-    def _karma_session(self, call: _Call, training: bool) -> _Session:
+    def _karma_run(self, call: _Call, training: bool) -> _KarmaRun:
         """The karma run for this batch: opened at the first batch, and the batch checked
         against the shape it was planned for."""
         if self._karma is None:
             self._karma = self._karma_open(call, training)
-        session = self._karma
-        problem = session.shape.problem(call.inputs, call.targets)
+        karma_run = self._karma
+        problem = karma_run.shape.problem(call.inputs, call.targets)
         if problem:
             fix = "pad every batch to one length (padding='max_length' in the tokenizer)"
             if not training:
                 fix += ", with per_device_eval_batch_size at most per_device_train_batch_size"
             raise KarmaError(f"a {'training' if training else 'evaluation'} batch does not "
                              f"fit the shape karma planned for: {problem}; {fix}")
-        return session
+        return karma_run
 
-    def _karma_open(self, call: _Call, training: bool) -> _Session:
+    def _karma_open(self, call: _Call, training: bool) -> _KarmaRun:
         """Plan the Trainer's model for batches shaped as `call`, and start karma over it
         (restoring a checkpoint to resume from)."""
         batch = self._train_batch_size if training else self.args.eval_batch_size
@@ -390,20 +390,20 @@ class KarmaTrainer(Trainer):
                 runtime.close()
                 raise
         self.karma_schedule = schedule
-        return _Session(runtime, shape, devices, training)
+        return _KarmaRun(runtime, shape, devices, training)
 
     def _karma_release(self, keep_values: bool = True) -> None:
         """Close the karma run and give its model values back to `trainer.model` (not
         after a failure, when karma's state may be half a step)."""
-        session, self._karma = self._karma, None
-        if session is None:
+        karma_run, self._karma = self._karma, None
+        if karma_run is None:
             return
         try:
-            state = session.runtime.state_dict()["model"] if keep_values else None
+            state = karma_run.runtime.state_dict()["model"] if keep_values else None
         finally:
-            session.runtime.close()
+            karma_run.runtime.close()
         if state is not None:
-            restore_values(self.model, state, session.devices)
+            restore_values(self.model, state, karma_run.devices)
 
     def train(self, *args, **kwargs):
         try:

@@ -12,9 +12,10 @@ the engine's parts (build_engine_parts: the schedule checked against the model, 
 block's weights with its host-state layout, the storage of streamed parameters, the model
 placed on the device, the swap stores), the engine, which wires the replay over them, the
 optimizers, the LR schedule, and on the CPU backend asked for a cap, the hard cap on the
-process's data segment (host/memcap.py, [Note: the hard cap from the plan]). Each piece that must be closed is pushed on one
-`contextlib.ExitStack` as it is made, so a failure halfway closes what was made, newest
-first, and `Parts.close` does the same for a whole run.
+process's data segment (host/memcap.py, [Note: the hard cap from the plan]). Each piece
+that must be closed is pushed on one `contextlib.ExitStack` as it is made, so a failure
+halfway closes what was made, newest first, and `Parts.close` does the same for a whole
+run.
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ class RunOptions:
     trace_step: int | None = None  # the step traced; None: the second this run trains
     trace_steps: int = 1  # how many steps traced from trace_step on (trace_file: their files)
     host_optimizer: str | None = None  # the host steps' kernel; None: the schedule's
-    log: Callable[[str], None] = field(default=logging.getLogger("karma").info)  # rank 0's progress lines
+    # rank 0's progress lines
+    log: Callable[[str], None] = field(default=logging.getLogger("karma").info)
 
 
 @dataclass(frozen=True)
