@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from karma.errors import KarmaError, ModelFileError
+from karma.logs import note
 from karma.modelfile import ModelFile, check_signature, use_cache_off, user_frame
 from karma.schedule import Schedule
 from karma.units import format_bytes
@@ -248,9 +249,9 @@ def check_model(schedule: Schedule, mf: ModelFile, schedule_path: str | Path | N
     naming what changed and the karma-plan command that plans it again.
 
     The same bytes: fine. Other bytes, the same fingerprint: fine, and a note to `log`
-    (default: stderr). A schedule without a fingerprint (planned before schedules recorded
-    it, or for a model whose forward does not run on the meta device) needs the same
-    bytes."""
+    (default: the karma logger). A schedule without a fingerprint (planned before schedules
+    recorded it, or for a model whose forward does not run on the meta device) needs the
+    same bytes."""
     model = schedule.model
     if mf.sha256 == model.sha256:
         return
@@ -273,7 +274,7 @@ def check_model(schedule: Schedule, mf: ModelFile, schedule_path: str | Path | N
         raise StaleSchedule(
             f"the schedule is stale: model file {mf.path} builds another model than the one "
             f"it was planned for: {what_changed(schedule, fingerprint)}; re-plan it: {replan}")
-    (log or _note_to_stderr)(
+    (log or note)(
         f"model file {mf.path} has changed since the schedule was planned, but the model it "
         "builds has not (the same parameters, modules, operations and optimizer state: "
         "comments, formatting or constants no plan depends on); the schedule holds")
@@ -316,7 +317,4 @@ def model_file_path(schedule: Schedule, schedule_path: str | Path | None) -> Pat
         path = beside if beside.exists() else path
     return path
 
-
-def _note_to_stderr(note: str) -> None:
-    print(f"karma: note: {note}", file=sys.stderr)
 

@@ -63,7 +63,7 @@ def open_model_file(schedule: Schedule, schedule_path: Path | None,
                     log: Callable[[str], None] | None = None) -> ModelFile:
     """The schedule's model file, with its environment, checked against the model the
     schedule was planned for (karma/fingerprint.py, check_model: `log` gets its note that
-    the file changed but not the model; default stderr)."""
+    the file changed but not the model; default: the karma logger)."""
     from karma.fingerprint import check_model, model_file_path
 
     for key, value in schedule.model.env:
