@@ -27,6 +27,7 @@ from karma.calibrate import Calibration, FromPlanning, Probe, calibrate
 from karma.calibrate.blocks import Timed
 from karma.calibrate.in_context import CALIBRATING
 from karma.errors import KarmaError
+from karma.fingerprint import model_ref
 from karma.ir.build import build_block_graph
 from karma.ir.graph import BlockGraph, OptimizerProfile
 from karma.ir.optimizer import optimizer_profile
@@ -122,7 +123,7 @@ def _prepare(model: Model, options: PlanOptions, log: Log | None) -> _Prepared:
     optimizer = optimizer_profile(mf)
     command = None if mf.entry is not None else \
         replace(options, batch_size=graph.batch_size).plan_command(name)
-    model = ModelRef.now(name, mf.sha256, graph.to_json(), model_file=mf, plan_command=command)
+    model = model_ref(name, mf, graph.to_json(), plan_command=command)
     return _Prepared(graph, model, calibration(mf, graph, options, optimizer, say), optimizer)
 
 
@@ -222,8 +223,8 @@ def calibration(mf: ModelFile, graph: BlockGraph, options: PlanOptions,
     roofline = build_problem(graph, options.profile, graph.dtype)
 
     # the model file by its absolute path: karma-run trains it from another directory
-    model = replace(ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json()),
-                    entry=mf.entry)
+    model = ModelRef.now(str(Path(mf.path).resolve()), mf.sha256, graph.to_json(),
+                         entry=mf.entry)
 
     def unlimited(measured_hw) -> PlanOptions:
         return PlanOptions(gpu_mem=1 << 62, hardware=measured_hw, batch_size=graph.batch_size,

@@ -14,7 +14,7 @@ is allocated; GPT-2 small takes about 0.15 s, once torch has imported its compil
 meta kernels do once a process, in about a second, as tracing does) at a fixed batch of
 FINGERPRINT_BATCH, so it does not depend on the batch the plan is for, under a fixed seed so
 that randomness in the model file cannot change it. The planner records it
-(karma/schedule.py, ModelRef.now); the runtime compares it only when the file's bytes
+(model_ref, into karma/schedule.py's ModelRef); the runtime compares it only when the file's bytes
 differ from the planned file's (open_model_file). This module imports neither karma.ir nor
 karma.planner: the runtime calls it.
 """
@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from karma.errors import KarmaError, ModelFileError
 from karma.logs import note
 from karma.modelfile import ModelFile, check_signature, use_cache_off, user_frame
-from karma.schedule import Schedule
+from karma.schedule import ModelRef, Schedule
 from karma.units import format_bytes
 
 FINGERPRINT_BATCH = 2  # the batch example_batch is called with (any plan's batch: the same)
@@ -103,6 +103,25 @@ def model_fingerprint(mf: ModelFile) -> ModelFingerprint:
                 f"raised {type(e).__name__}: {e}{user_frame(e, mf.path)}") from e
     return ModelFingerprint(_params(model), _buffers(model), _modules(model),
                             tuple(recorder.ops), _optimizer(mf))
+
+
+def graph_sha256(mf: ModelFile) -> str | None:
+    """The hash of the model `mf` builds; None where its forward does not run eagerly on the
+    meta device (a Mixture of Experts' grouped matmul): its file's bytes are checked
+    instead."""
+    try:
+        return model_fingerprint(mf).sha256
+    except KarmaError:
+        return None
+
+
+def model_ref(path: str, mf: ModelFile, ir_json: str,
+              env: tuple[tuple[str, str], ...] | None = None,
+              plan_command: str | None = None) -> ModelRef:
+    """What a schedule planned from `mf` records of it (ModelRef.now): `path` as given, its
+    bytes' and its model's hashes, and a model object's entry."""
+    return ModelRef.now(path, mf.sha256, ir_json, env, graph_sha256=graph_sha256(mf),
+                        plan_command=plan_command, entry=mf.entry)
 
 
 def _build_on_meta(mf: ModelFile):
@@ -234,10 +253,7 @@ def code_sha256(mf: ModelFile) -> str:
         h.update(ast.dump(ast.parse(mf.path.read_bytes(), str(mf.path))).encode())
     if mf.entry is not None:
         h.update(repr(mf.entry).encode())
-        try:
-            h.update(model_fingerprint(mf).sha256.encode())
-        except KarmaError:  # a forward that does not run on the meta device: the file's
-            pass  # tree and the entry only
+        h.update((graph_sha256(mf) or "").encode())
     return h.hexdigest()
 
 

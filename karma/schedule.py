@@ -39,7 +39,6 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from karma.errors import KarmaError
 from karma.units import format_bytes, format_number, format_seconds
@@ -54,9 +53,6 @@ from karma.yamltext import (
     yaml_str,
     yaml_value,
 )
-
-if TYPE_CHECKING:
-    from karma.modelfile import ModelFile
 
 SCHEDULE_VERSION = 2
 # versions this karma reads; an older one is brought up to date as it loads (schedule_load.py)
@@ -244,23 +240,16 @@ class ModelRef:
 
     @classmethod
     def now(cls, path: str, sha256: str, ir_json: str,
-            env: tuple[tuple[str, str], ...] | None = None, *,
-            model_file: ModelFile | None = None, plan_command: str | None = None) -> ModelRef:
+            env: tuple[tuple[str, str], ...] | None = None, *, graph_sha256: str | None = None,
+            plan_command: str | None = None,
+            entry: tuple[tuple[str, str], ...] | None = None) -> ModelRef:
         """The reference a plan made in this process records: the model file, its hash, its
         block graph's JSON hashed, the KARMA_* environment the model file was loaded with
-        (`env`; default: now, model_env), the fingerprint of the model `model_file` builds
-        and its entry (where given), and the command that planned it."""
-        graph_sha256 = None
-        if model_file is not None:
-            from karma.fingerprint import model_fingerprint
-
-            try:
-                graph_sha256 = model_fingerprint(model_file).sha256
-            except KarmaError:  # its forward does not run eagerly on the meta device (a
-                pass  # Mixture of Experts' grouped matmul): its bytes are checked instead
+        (`env`; default: now, model_env), the fingerprint of the model it builds
+        (karma/fingerprint.py, model_ref), the command that planned it and a model
+        object's entry."""
         return cls(path, sha256, hashlib.sha256(ir_json.encode()).hexdigest(),
-                   model_env() if env is None else env, graph_sha256, plan_command,
-                   None if model_file is None else model_file.entry)
+                   model_env() if env is None else env, graph_sha256, plan_command, entry)
 
     def replan_command(self, schedule_path: str | Path | None) -> str:
         """The command that plans the schedule again into `schedule_path` (None:

@@ -19,10 +19,16 @@ from karma.cli.inspect import main as inspect_main
 from karma.cli.plan import _parser, options_from
 from karma.cli.plan import main as plan_main
 from karma.errors import ModelFileError
-from karma.fingerprint import StaleSchedule, check_model, code_sha256, model_fingerprint
+from karma.fingerprint import (
+    StaleSchedule,
+    check_model,
+    code_sha256,
+    model_fingerprint,
+    model_ref,
+)
 from karma.modelfile import load_model_file
 from karma.planner.options import PlanOptions
-from karma.schedule import ModelRef, dump_schedule
+from karma.schedule import dump_schedule
 from karma.schedule_load import load_schedule
 from tests.conftest import MODELS
 
@@ -146,7 +152,7 @@ def test_a_model_whose_forward_needs_real_tensors_is_planned_without_one(tmp_pat
     mf = load_model_file(path)
     with pytest.raises(ModelFileError, match="the forward and loss on the meta device"):
         model_fingerprint(mf)
-    assert ModelRef.now(str(path), mf.sha256, "{}", (), model_file=mf).graph_sha256 is None
+    assert model_ref(str(path), mf, "{}", ()).graph_sha256 is None
 
 
 def test_calibrations_are_cached_under_the_code_without_comments(tmp_path):

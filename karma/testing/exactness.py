@@ -18,6 +18,7 @@ from unittest import mock
 
 import torch
 
+from karma.fingerprint import model_ref
 from karma.ir.build import build_block_graph
 from karma.ir.graph import BlockGraph
 from karma.ir.optimizer import optimizer_profile
@@ -31,7 +32,7 @@ from karma.planner.plan import evaluate
 from karma.planner.problem import build_problem
 from karma.reference import host_stepped, train_reference
 from karma.runtime.loop import RunOptions, RunReport, train
-from karma.schedule import ModelRef, Schedule
+from karma.schedule import Schedule
 from karma.schedule import model_env as schedule_model_env
 
 # the examples at their test sizes: the environment that makes examples/NAME.py small
@@ -142,7 +143,7 @@ def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,
     dtype, accumulate, clip = training
     capacity = int(keep_all_peak_bytes(mf, graph, world_size, hardware,
                                        Training(accumulate, clip is not None)) * fraction)
-    model = ModelRef.now(str(mf.path), mf.sha256, graph.to_json(), model_env(mf), model_file=mf)
+    model = model_ref(str(mf.path), mf, graph.to_json(), model_env(mf))
     hw = load_hardware(hardware)
     if strategy == "ilp" and hardware == HARDWARE:
         hw = mixing(hw)

@@ -27,6 +27,7 @@ import torch
 
 from karma.cli.run import user_error
 from karma.errors import KarmaError
+from karma.fingerprint import model_ref
 from karma.ir.optimizer import optimizer_profile
 from karma.modelfile import ModelFile
 from karma.planner.hardware import load_hardware
@@ -37,7 +38,7 @@ from karma.planner.plan import Plan, evaluate
 from karma.planner.problem import build_problem
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.loop import RunOptions, open_model_file, train
-from karma.schedule import ModelRef, Schedule, dump_schedule
+from karma.schedule import Schedule, dump_schedule
 from karma.schedule_load import load_schedule
 from karma.testing.exactness import (
     HARDWARE,
@@ -145,7 +146,7 @@ def mixed_gpt(mf: ModelFile) -> Schedule:
                           hardware=load_hardware(HARDWARE), batch_size=graph.batch_size)
     problem = build_problem(graph, options.profile, optimizer=optimizer_profile(mf))
     ev = evaluate(problem, Plan("ilp", MIXED, status="optimal"), options.capacity_bytes)
-    model = ModelRef.now(str(mf.path), mf.sha256, graph.to_json(), model_env(mf), model_file=mf)
+    model = model_ref(str(mf.path), mf, graph.to_json(), model_env(mf))
     return schedule_from(graph, model, options, ev, single_rank_s=ev.step_s)
 
 
