@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from karma.errors import KarmaError, ModelFileError
 from karma.logs import note
-from karma.modelfile import ModelFile, check_signature, use_cache_off, user_frame
+from karma.modelfile import ModelFile, build_meta, use_cache_off, user_frame
 from karma.schedule import ModelRef, Schedule
 from karma.units import format_bytes
 
@@ -92,7 +92,8 @@ def model_fingerprint(mf: ModelFile) -> ModelFingerprint:
     under a fixed seed (the global RNGs are left as they were). ModelFileError, naming the
     model file's line, where its code fails."""
     with _fixed_seed():
-        model, inputs, targets = _build_on_meta(mf)
+        model, inputs, targets = build_meta(mf, FINGERPRINT_BATCH)
+        use_cache_off(model)
         recorder = _OpRecorder()
         try:
             with recorder:
@@ -122,25 +123,6 @@ def model_ref(path: str, mf: ModelFile, ir_json: str,
     bytes' and its model's hashes, and a model object's entry."""
     return ModelRef.now(path, mf.sha256, ir_json, env, graph_sha256=graph_sha256(mf),
                         plan_command=plan_command, entry=mf.entry)
-
-
-def _build_on_meta(mf: ModelFile):
-    """build_model() and example_batch(FINGERPRINT_BATCH) on the meta device, the model in
-    training mode with a Hugging Face KV cache turned off (as ModelFile.build does)."""
-    with torch.device("meta"):
-        try:
-            model = mf.build_model()
-        except Exception as e:  # noqa: BLE001 - user code
-            raise ModelFileError(f"{mf.path}: build_model() raised {type(e).__name__}: {e}"
-                                 f"{user_frame(e, mf.path)}") from e
-        if not isinstance(model, torch.nn.Module):
-            raise ModelFileError(f"{mf.path}: build_model() returned {type(model).__name__}, "
-                                 "not a torch.nn.Module; return the model")
-        inputs, targets = mf.checked_example_batch(FINGERPRINT_BATCH)
-    check_signature(model, inputs, f"{mf.path}: example_batch({FINGERPRINT_BATCH})")
-    use_cache_off(model)
-    model.train()
-    return model, inputs, targets
 
 
 @contextlib.contextmanager

@@ -294,6 +294,41 @@ def check_signature(model: torch.nn.Module, inputs: ModelInputs, where: str,
             "make the inputs dict's keys the forward's argument names") from e
 
 
+def build_meta(mf: ModelFile, batch_size: int) -> tuple[torch.nn.Module, ModelInputs, object]:
+    """build_model() and example_batch(batch_size) on the meta device, the model in training
+    mode: what the IR traces and the fingerprint (karma/fingerprint.py) hashes."""
+    with torch.device("meta"):
+        try:
+            model = mf.build_model()
+        except Exception as e:  # noqa: BLE001 - user code
+            raise ModelFileError(
+                f"{mf.path}: build_model() raised {type(e).__name__}: {e}{user_frame(e, mf.path)}"
+            ) from e
+        if not isinstance(model, torch.nn.Module):
+            raise ModelFileError(
+                f"{mf.path}: build_model() returned {type(model).__name__}, not a "
+                "torch.nn.Module; return the model"
+            )
+        inputs, targets = mf.checked_example_batch(batch_size)
+    if "forward" in vars(model):  # a wrapper set on the instance hides the modules it calls
+        raise ModelFileError(
+            f"{mf.path}: the model's forward is replaced on the instance "
+            f"({getattr(vars(model)['forward'], '__qualname__', 'a wrapper')}; Accelerate's "
+            "prepare and autocast wrappers do this), which hides its blocks from karma; give "
+            "karma the model before it is wrapped (karma applies bf16 autocast itself: "
+            "dtype='bf16')")
+    check_signature(model, inputs, f"{mf.path}: example_batch({batch_size})")
+    for t in inputs.tensors():
+        if t.device.type != "meta":
+            raise ModelFileError(
+                f"{mf.path}: example_batch made a tensor on {t.device}, not on the meta device; "
+                "make inputs with factory functions (torch.randn, torch.randint, ...) and no "
+                "device= argument, so that they follow the default device"
+            )
+    model.train()
+    return model, inputs, targets
+
+
 def _is_tensor_tree(x: Any) -> bool:
     if isinstance(x, torch.Tensor):
         return True

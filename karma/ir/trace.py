@@ -19,8 +19,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from karma.errors import IRError, ModelFileError
-from karma.modelfile import ModelFile, ModelInputs, check_signature, use_cache_off
+from karma.errors import IRError
+from karma.modelfile import ModelFile, ModelInputs, build_meta, check_signature, use_cache_off
 
 
 @dataclass(frozen=True)
@@ -42,40 +42,6 @@ class Traced:
         if self.out_spec is None:  # torch.fx: the output node returned it as it is
             return flat_out[0] if len(flat_out) == 1 else tuple(flat_out)
         return pytree.tree_unflatten(list(flat_out), self.out_spec)
-
-
-def build_meta(mf: ModelFile, batch_size: int) -> tuple[torch.nn.Module, ModelInputs, object]:
-    """build_model() and example_batch() on the meta device."""
-    with torch.device("meta"):
-        try:
-            model = mf.build_model()
-        except Exception as e:  # noqa: BLE001 - user code
-            raise ModelFileError(
-                f"{mf.path}: build_model() raised {type(e).__name__}: {e}{_location(e, mf.path)}"
-            ) from e
-        if not isinstance(model, torch.nn.Module):
-            raise ModelFileError(
-                f"{mf.path}: build_model() returned {type(model).__name__}, not a "
-                "torch.nn.Module; return the model"
-            )
-        inputs, targets = mf.checked_example_batch(batch_size)
-    if "forward" in vars(model):  # a wrapper set on the instance hides the modules it calls
-        raise ModelFileError(
-            f"{mf.path}: the model's forward is replaced on the instance "
-            f"({getattr(vars(model)['forward'], '__qualname__', 'a wrapper')}; Accelerate's "
-            "prepare and autocast wrappers do this), which hides its blocks from karma; give "
-            "karma the model before it is wrapped (karma applies bf16 autocast itself: "
-            "dtype='bf16')")
-    check_signature(model, inputs, f"{mf.path}: example_batch({batch_size})")
-    for t in inputs.tensors():
-        if t.device.type != "meta":
-            raise ModelFileError(
-                f"{mf.path}: example_batch made a tensor on {t.device}, not on the meta device; "
-                "make inputs with factory functions (torch.randn, torch.randint, ...) and no "
-                "device= argument, so that they follow the default device"
-            )
-    model.train()
-    return model, inputs, targets
 
 
 def trace(mf: ModelFile, batch_size: int) -> Traced:
