@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,7 +62,6 @@ from karma.runtime.params.placement import place_buffers
 from karma.runtime.params.streamed import SharedStorage
 from karma.runtime.params.weights import BlockWeights
 from karma.runtime.replay.engine import Engine, EngineParts
-from karma.runtime.replay.streams import raise_stream_failure
 from karma.runtime.replay.swap import SwapStore
 from karma.runtime.replay.training_options import GradClip, MixedPrecision
 from karma.schedule import BlockEntry, Schedule
@@ -140,7 +138,7 @@ def bring_up(schedule: Schedule, mf: ModelFile, backend: Backend, ranks: Ranks, 
         engine = Engine(schedule, model, parts)
         stack.callback(engine.close)
         if capping_data:
-            _start_stream_threads(engine)
+            engine.on_each_stream(start_thread_pool)  # [Note: the hard cap from the plan]
         engine_data_bytes = max(0, data_bytes() - data_before_engine)  # its threads, mostly
         if tier is not None:
             tier.release_unused()
@@ -349,22 +347,6 @@ def local_device_index(env, device_count: int, current: int) -> int:
     except ValueError:
         raise KarmaError(f"LOCAL_RANK={env['LOCAL_RANK']!r} is not a whole number; launch "
                          "with torchrun, which sets it") from None
-
-
-def _start_stream_threads(engine: Engine) -> None:
-    """Start the OpenMP team of every stream worker the schedule uses now, at its full size,
-    each on its own thread ([Note: the hard cap from the plan]): an op of the stream's own,
-    out of the schedule, waited for and forgotten before the first replay."""
-    events = engine.events.events
-    used = {op.stream for op in engine.schedule.ops}  # (net: on several ranks only)
-    keys = {name: ("start threads", name) for name in engine.streams if name in used}
-    for name, key in keys.items():
-        events[key] = threading.Event()
-        engine.streams[name].submit(key, start_thread_pool, ())
-    for key in keys.values():
-        events[key].wait()
-        del events[key]
-    raise_stream_failure(engine.events.errors)
 
 
 def _cap_data(schedule: Schedule, start: Start, threads_bytes: int, peak: bool | int,

@@ -23,6 +23,8 @@ hands them over (EngineParts, bringup.py); the engine wires the replay over them
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -37,7 +39,7 @@ from karma.runtime.params.weights import BlockWeights
 from karma.runtime.replay.chaos import Chaos, pause
 from karma.runtime.replay.evaluation import BlockByBlock
 from karma.runtime.replay.hooks import BlockHooks
-from karma.runtime.replay.streams import OpEvents, StreamWorker
+from karma.runtime.replay.streams import OpEvents, StreamWorker, raise_stream_failure
 from karma.runtime.replay.swap import SwapStore
 from karma.runtime.replay.tables import DivergedError, ReplayTables
 from karma.runtime.replay.training_options import GradClip, MixedPrecision
@@ -148,6 +150,19 @@ class Engine:
     def grad_norm(self) -> float | None:
         """This step's global gradient norm before clipping (with clipping)."""
         return self.updates.grad_norm
+
+    def on_each_stream(self, run: Callable[[], None]) -> None:
+        """Run `run` once on the thread of every stream the schedule uses, out of the
+        schedule, and wait for them all (bring-up starts their OpenMP teams this way)."""
+        used = {op.stream for op in self.schedule.ops}  # (net: on several ranks only)
+        keys = {name: ("on each stream", name) for name in self.streams if name in used}
+        for name, key in keys.items():
+            self.events.events[key] = threading.Event()
+            self.streams[name].submit(key, run, ())
+        for key in keys.values():
+            self.events.events[key].wait()
+            del self.events.events[key]
+        raise_stream_failure(self.events.errors)
 
     def settle(self) -> None:
         """Wait for the updates the last replay left running (update.py)."""
