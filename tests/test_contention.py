@@ -190,8 +190,9 @@ def test_simulate_without_contention_is_the_default():
     assert simulate(ev.ops, ev.buffers) == ev.sim
 
 
-def _cpu_schedule():
-    """The tiny GPT's offload_all schedule on the cpu profile, as karma-plan writes it."""
+def _cpu_schedule(ranks: int = 1):
+    """The tiny GPT's offload_all schedule on the cpu profile for `ranks` ranks of one node,
+    as karma-plan writes it."""
     from karma.planner.options import PlanOptions
     from karma.planner.pipeline import schedule_from
     from karma.planner.problem import build_problem
@@ -201,10 +202,11 @@ def _cpu_schedule():
 
     _, graph = tiny_graph()
     hw = load_hardware("cpu")
-    problem = build_problem(graph, hw)
+    problem = build_problem(graph, hw, world_size=ranks, nproc_per_node=ranks)
     ev = evaluate(problem, BASELINES["offload_all"](problem, TINY_CAPACITY_BYTES),
                   TINY_CAPACITY_BYTES)
-    options = PlanOptions(gpu_mem=TINY_CAPACITY_BYTES, hardware=hw, batch_size=graph.batch_size)
+    options = PlanOptions(gpu_mem=TINY_CAPACITY_BYTES, hardware=hw, batch_size=graph.batch_size,
+                          world_size=ranks, nproc_per_node=ranks)
     s = load_schedule(dump_schedule(schedule_from(
         graph, ModelRef(graph.model, "0" * 64, "0" * 64, ()), options, ev, ev.step_s)))
     return s
@@ -223,6 +225,7 @@ def test_karma_inspect_accepts_a_cpu_schedule():
     from karma.cli.inspect import check_predicted
 
     check_predicted(_cpu_schedule(), "s.yaml")
+    check_predicted(_cpu_schedule(ranks=2), "s.yaml")  # the share's pair left out alike
 
 
 def test_a_side_op_beside_compute_first_waits_for_a_core_by_hand():
@@ -259,6 +262,24 @@ def test_copies_to_the_host_may_lose_their_own_fraction():
     assert cpu.independent_streams() == dataclasses.replace(
         cpu, compute_slowdown_copy=0.0, copy_slowdown_compute=0.0, compute_slowdown_host=0.0,
         host_slowdown_compute=0.0, d2h_slowdown_compute=0.0, side_wait_s=0.0)
+
+
+def test_ranks_sharing_a_cpu_leave_out_the_pair_of_compute_and_host_step():
+    """[Note: the host step beside compute, ranks sharing a CPU]: their share counts it."""
+    cpu = dataclasses.replace(load_hardware("cpu"), d2h_slowdown_compute=0.3, side_wait_s=0.001)
+    alone = Contention.of(cpu.__dict__)
+    assert alone.compute_slowdown_host > 0 and alone.host_slowdown_compute > 0
+    two = Contention.of(cpu.__dict__, ranks_per_node=2)
+    assert two == dataclasses.replace(alone, compute_slowdown_host=0.0, host_slowdown_compute=0.0)
+    assert two.shared and two.side_wait_s == 0.001  # the copies' fractions and the wait stay
+    gpu = dataclasses.replace(cpu, device_kind="cuda")  # a GPU rank's compute is its own
+    assert Contention.of(gpu.__dict__, 8) == Contention.of(gpu.__dict__)
+    from karma.planner.problem import build_problem
+    from tests.schedule_fixtures import tiny_graph
+
+    _, graph = tiny_graph()
+    assert build_problem(graph, cpu, world_size=2, nproc_per_node=2).contention == two
+    assert build_problem(graph, cpu, world_size=2, nproc_per_node=1).contention == alone
 
 
 def test_the_wait_is_written_only_when_fitted_and_read_back():

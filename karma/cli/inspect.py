@@ -73,7 +73,7 @@ def check_predicted(schedule: Schedule, source: str) -> SimResult:
     c = schedule.config
     try:
         sim = simulate(schedule.ops, schedule.buffers, c.accumulate, c.clip_grad_norm is not None,
-                       Contention.of(dict(schedule.hardware)))
+                       Contention.of(dict(schedule.hardware), c.nproc_per_node))
     except ScheduleError as e:
         raise ScheduleFileError(f"{source}: {e}; {_CORRUPT}") from None
     p = schedule.predicted

@@ -72,7 +72,7 @@ def fit_side_streams(schedule: Schedule, traces: Sequence[Sequence[Mapping]]
     then what slowed it is not the cores that compute shares (a small model's side ops, tens
     of microseconds planned, each take the stream's own Python overhead of a millisecond or
     so)."""
-    contention = Contention.of(dict(schedule.hardware))
+    contention = Contention.of(dict(schedule.hardware), schedule.config.nproc_per_node)
     copies = [op for op in schedule.ops if op.stream in ("h2d", "d2h")]
     cut_s = statistics.median(op.dur_s for op in copies) if copies else 0.0
     small = {op.id for op in copies if op.dur_s < cut_s}

@@ -295,7 +295,7 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         host_temps_on_device=hw.device_kind == "cpu",
         held_saved=tuple(HeldSaved(p, r0, r1, nbytes)
                          for (p, r0, r1), nbytes in sorted(held.items())),
-        contention=Contention.of(vars(hw)),
+        contention=Contention.of(vars(hw), nproc_per_node),
         process_bytes=measured.process_bytes,
         nproc_per_node=nproc_per_node,
         host_state=host_state,
