@@ -552,7 +552,8 @@ def test_a_swap_in_issued_two_stages_ahead_hides_behind_a_longer_backward():
     assert solved.choices[0] == Choice("swap", ahead=1)
     plan = refine_prefetch(problem, solved, cap)
     assert plan.choices[0] == Choice("swap", ahead=2)
-    assert all(c.act == "keep" for c in plan.choices[1:])
+    # nothing recomputed (a swap of block 2's 0.1 GB hides too: a tie the solver may take)
+    assert all(c.act != "recompute" for c in plan.choices[1:])
     assert evaluate(problem, plan, cap).serial_step_s == pytest.approx(keep_s, rel=1e-9)
     one_ahead = Plan("x", (Choice("swap", ahead=1),) + plan.choices[1:])
     assert evaluate(problem, one_ahead, cap).serial_step_s == pytest.approx(keep_s + 0.8,

@@ -248,8 +248,10 @@ def test_dependencies_hold_in_micro_batches_that_do_not_step(sched):
     """[Note: happens-before]: an op waiting only through a host step waits for nothing in a
     micro-batch that skips the step."""
     to_host, step = op_of(sched, "grads_to_host", 0), op_of(sched, "host_step", 1)
-    assert step.id < to_host.id
-    s = with_op(sched, to_host, deps=(step.id,))
+    backward = op_of(sched, "backward", 0)
+    assert backward.id < step.id < to_host.id
+    s = with_op(sched, step, deps=(*step.deps, backward.id))
+    s = with_op(s, op_of(s, "grads_to_host", 0), deps=(step.id,))
     validate(s)  # one micro-batch per step: the host step orders it after block 0's backward
     accumulating = replace(s, config=replace(s.config, accumulate=2))
     refused(accumulating, f"op {to_host.id} (grads_to_host of block 0 (head)) may start before "

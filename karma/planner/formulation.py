@@ -233,13 +233,20 @@ def stages_run_in_order(f: Formulation) -> None:
 
 
 def host_steps_one_at_a_time(f: Formulation) -> None:
-    """[Constraint] host steps run one at a time, each after the stage that brought its
-    gradients to the host, in host_order; with clipping all after the last gradients"""
+    """[Constraint] host steps run one at a time, each once its gradients are on the host
+    (the stage's first copy to the host; after the stage of their all-reduce there where
+    they add up over micro-batches: lowering's _host_step), in host_order; with clipping all
+    after the last gradients"""
     prev = None
     for i in f.host_order:
         step_s = f.of_kind(i, "host_step")
-        ready = f.st.update if f.training.clip else f.st.to_host(i) + 1
-        f.lp += f.h[i] >= f.s[ready] + step_s, f"host_after_grads_{i}"
+        if f.training.clip:
+            ready = f.s[f.st.update]
+        elif f.problem.world_size > 1 and f.training.accumulate > 1:  # all-reduced on the host
+            ready = f.s[f.st.to_host(i) + 1]
+        else:
+            ready = f.s[f.st.to_host(i)] + f.of_kind(i, "grads_to_host")
+        f.lp += f.h[i] >= ready + step_s, f"host_after_grads_{i}"
         if prev is not None:
             f.lp += f.h[i] >= prev + step_s, f"host_in_order_{i}"
         prev = f.h[i]

@@ -314,15 +314,18 @@ def _host_step(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice,
                    st.allreduce(i) if reduce_on_host else st.to_host(i), "d2h",
                    problem.d2h_s(to_host_bytes), to_host_bytes, uses=(grad,))
     f.buffer(grad, i, b.param_bytes, ("backward", first_bwd_user), to_host)
-    after: tuple[tuple, ...] = (("stage_end", st.to_host(i)),)
+    # the step starts once its gradients are on the host, beside the backward of the block
+    # before it (in the stage the ILP counts it in), not after that backward; summed over
+    # micro-batches and all-reduced there, after the stage of that all-reduce
+    after: tuple[tuple, ...] = (to_host,)
     if reduce_on_host:
         # counted on the device too: a collective on device memory stages through it
         ar = f.op((exchange[0], i), exchange[0], i, st.to_host(i), "net", exchange[1],
                   b.param_bytes, after=(to_host,))
         f.buffer(f"artmp.{i}", i, b.param_bytes, ar, ar)
-        after += (ar,)
+        after = (("stage_end", st.to_host(i)), ar)
     if training.clip:  # after every gradient of the step (see [Note: clipping])
-        after = (("stage_end", st.update - 1),) + after[1:]
+        after = (("stage_end", st.update - 1), *after)
     step_stage = st.update if training.clip else st.to_host(i)
     step = f.op(("host_step", i), "host_step", i, step_stage, "host",
                 b.host_step_s / problem.world_size if sharded else b.host_step_s,
