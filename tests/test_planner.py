@@ -12,7 +12,7 @@ expected time can be derived by hand from the stage model in karma/planner/lower
     update             uploads of host-stepped resident weights, after their host steps
 
 A stage lasts as long as its busiest stream (compute, h2d, d2h, net); host steps run on their
-own stream after the stage that brought their gradients to the host.
+own stream once their gradients are on the host.
 """
 
 from __future__ import annotations

@@ -411,7 +411,8 @@ def assemble(problem: Problem, choices: list[Choice], training: Training = PLAIN
     ops = []
     for k, o in enumerate(protos):
         # [Note: stage barrier] an op on a barrier stream waits for the end of the stage
-        # before its own; a host step waits only for the end of its gradients' stage.
+        # before its own; a host step only for its gradients on the host (lowering's
+        # _host_step: their copy, or the stage of their all-reduce there).
         deps = set(ends(o.stage - 1)) if o.stream != "host" else set()
         for key in o.after:
             deps.update(ends(key[1]) if key[0] == "stage_end" else (id_of[key],))
