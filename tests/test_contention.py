@@ -270,8 +270,16 @@ def test_ranks_sharing_a_cpu_leave_out_the_pair_of_compute_and_host_step():
     alone = Contention.of(cpu.__dict__)
     assert alone.compute_slowdown_host > 0 and alone.host_slowdown_compute > 0
     two = Contention.of(cpu.__dict__, ranks_per_node=2)
-    assert two == dataclasses.replace(alone, compute_slowdown_host=0.0, host_slowdown_compute=0.0)
+    assert two == dataclasses.replace(alone, compute_slowdown_host=0.0, host_slowdown_compute=0.0,
+                                      host_apart=True)
     assert two.shared and two.side_wait_s == 0.001  # the copies' fractions and the wait stay
+    # apart: a host step beside compute and copies runs at full speed, waits for no core and
+    # slows none of them; the copies still share the cores with compute
+    busy = {"compute", "h2d", "host"}
+    assert two.speed("host", busy) == 1.0 and two.wait_s("host", busy) == 0.0
+    assert two.speed("compute", busy) == two.speed("compute", {"compute", "h2d"})
+    assert alone.speed("host", busy) < 1.0 and alone.wait_s("host", busy) == 0.001
+    assert two.wait_s("h2d", busy) == 0.001
     gpu = dataclasses.replace(cpu, device_kind="cuda")  # a GPU rank's compute is its own
     assert Contention.of(gpu.__dict__, 8) == Contention.of(gpu.__dict__)
     from karma.planner.problem import build_problem

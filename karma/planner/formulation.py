@@ -278,7 +278,7 @@ def replay_ends_when_every_stream_is_done(f: Formulation) -> None:
     f.lp += f.replay >= f.u[last], "end_of_uploads"
     if f.problem.contention.shared:
         def cores_s(frag: Fragment) -> float:
-            return sum(o.dur_s for o in frag.ops if o.stream != "net")
+            return sum(o.dur_s for o in frag.ops if o.stream in f.problem.contention.core_streams)
 
         f.lp += f.replay >= f.chosen(cores_s) + cores_s(f.common), "streams_conserve_work"
 

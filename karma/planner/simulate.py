@@ -51,6 +51,9 @@ class Contention:
     d2h_slowdown_compute: float = 0.0  # a copy to the host, while compute runs (0: as h2d's)
     side_wait_s: float = 0.0  # a side op started while compute runs waits this long for a core
     # (wait_s, [Note: waiting for a core])
+    # the host stream off the cores the others share ([Note: the host step beside compute,
+    # ranks sharing a CPU]): it and compute never slow each other
+    host_apart: bool = False
 
     @classmethod
     def of(cls, hardware: Mapping[str, object], ranks_per_node: int = 1) -> Contention:
@@ -60,16 +63,26 @@ class Contention:
         [Note: the host step beside compute, ranks sharing a CPU] The profile's fractions are
         one process's, whose compute team spans every core. With k ranks a node on the CPU
         backend a rank's compute and host step already take k times one process's
-        (RankShare, planner/problem.py): the cores divided among every rank's threads. The
-        pair between compute and the host step is left out there, as counted in that share:
-        an 8-layer GPT (width 512, sequence 256, vocabulary 8192, batch 8) planned at 600M
-        for 2 ranks of the 2-core test machine, sharded, traced its host stream busy 38.2 ms
-        a step, simulated 49.8 ms with the pair and 39.6 ms without (one rank: 52.1 ms
-        traced, 55.5 simulated with it). The copies' fractions and the wait stay."""
-        alone = cls(*(float(hardware.get(f.name, 0.0)) for f in fields(cls)))
+        (RankShare, planner/problem.py): the cores divided among every rank's threads, each
+        rank's host stream on its own one. So there the host stream is apart from the cores
+        the rank's other streams share: no fraction between it and compute, no wait, and it
+        is not among the streams whose speeds add up to at most 1. An 8-layer GPT (width 512,
+        sequence 256, vocabulary 8192, batch 8) planned at 600M for 2 ranks of the 2-core
+        test machine, sharded: its host stream traced 18.7 ms busy a step (the median of 4;
+        20.2 ms planned, 33.2 ms simulated with the host among the shared cores). One rank:
+        37.2 ms traced, 33.3 simulated with its fractions. The copies' fractions and wait
+        stay."""
+        alone = cls(**{f.name: float(hardware.get(f.name, 0.0))
+                       for f in fields(cls) if f.name != "host_apart"})
         if ranks_per_node > 1 and hardware.get("device_kind") == "cpu":
-            return replace(alone, compute_slowdown_host=0.0, host_slowdown_compute=0.0)
+            return replace(alone, compute_slowdown_host=0.0, host_slowdown_compute=0.0,
+                           host_apart=True)
         return alone
+
+    @cached_property
+    def core_streams(self) -> tuple[str, ...]:
+        """The streams on the cores compute shares (the network is not the cores)."""
+        return ("compute", "h2d", "d2h") if self.host_apart else ("compute", "h2d", "d2h", "host")
 
     @cached_property  # asked for every busy stream at every event of the simulation
     def shared(self) -> bool:
@@ -96,9 +109,9 @@ class Contention:
         medium's 2 GiB plan was predicted 13.9 s, less than the 14.2 s of its streams' work.
         The net stream is left out: the network is not the cores, and it was not measured."""
         raw = self._pairwise(stream, busy)
-        if not self.shared or stream == "net":  # the network is not the cores (unmeasured)
+        if not self.shared or stream not in self.core_streams:
             return raw
-        total = sum(self._pairwise(other, busy) for other in busy if other != "net")
+        total = sum(self._pairwise(other, busy) for other in busy if other in self.core_streams)
         return raw / total if total > 1.0 else raw
 
     def _pairwise(self, stream: str, busy) -> float:
@@ -134,7 +147,7 @@ class Contention:
         no core (compute keeps its speed), then works at its shared speed; one started
         while compute is idle finds a core at once. 0, the default, on a GPU and in a
         profile: the calibration fits it ([Note: side streams timed in context])."""
-        if stream in SIDE_STREAMS and "compute" in working:
+        if stream in SIDE_STREAMS and stream in self.core_streams and "compute" in working:
             return self.side_wait_s
         return 0.0
 
