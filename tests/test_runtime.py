@@ -199,7 +199,8 @@ def test_schedules_under_test_cover_every_decision():
     assert acts >= {"keep", "swap", "selective"}
     assert weights == {"resident", "streamed"}
     assert optims == {"device", "host"}
-    assert ("keep", "resident", "host") in seen  # resident weights with host master copies
+    # resident weights with host master copies
+    assert any((w, o) == ("resident", "host") for _, w, o in seen)
 
 
 # --- checkpoints ---------------------------------------------------------------------------
