@@ -225,7 +225,7 @@ def test_karma_inspect_accepts_a_cpu_schedule():
     from karma.cli.inspect import check_predicted
 
     check_predicted(_cpu_schedule(), "s.yaml")
-    check_predicted(_cpu_schedule(ranks=2), "s.yaml")  # the share's pair left out alike
+    check_predicted(_cpu_schedule(ranks=2), "s.yaml")  # the host stream apart alike
 
 
 def test_a_side_op_beside_compute_first_waits_for_a_core_by_hand():
@@ -264,7 +264,7 @@ def test_copies_to_the_host_may_lose_their_own_fraction():
         host_slowdown_compute=0.0, d2h_slowdown_compute=0.0, side_wait_s=0.0)
 
 
-def test_ranks_sharing_a_cpu_leave_out_the_pair_of_compute_and_host_step():
+def test_ranks_sharing_a_cpu_keep_the_host_stream_apart_from_the_shared_cores():
     """[Note: the host step beside compute, ranks sharing a CPU]: their share counts it."""
     cpu = dataclasses.replace(load_hardware("cpu"), d2h_slowdown_compute=0.3, side_wait_s=0.001)
     alone = Contention.of(cpu.__dict__)

@@ -68,10 +68,10 @@ class Contention:
         the rank's other streams share: no fraction between it and compute, no wait, and it
         is not among the streams whose speeds add up to at most 1. An 8-layer GPT (width 512,
         sequence 256, vocabulary 8192, batch 8) planned at 600M for 2 ranks of the 2-core
-        test machine, sharded: its host stream traced 18.7 ms busy a step (the median of 4;
-        20.2 ms planned, 33.2 ms simulated with the host among the shared cores). One rank:
-        37.2 ms traced, 33.3 simulated with its fractions. The copies' fractions and wait
-        stay."""
+        test machine, sharded: its host stream traced 20.0 ms busy a step (the median of 4),
+        simulated 20.2 ms so, 33.2 ms with the host among the shared cores. One rank: 37.7 ms
+        traced, 33.3 ms simulated with its fractions (bench/RESULTS.md, "The host
+        optimizer"). The copies' fractions and wait stay."""
         alone = cls(**{f.name: float(hardware.get(f.name, 0.0))
                        for f in fields(cls) if f.name != "host_apart"})
         if ranks_per_node > 1 and hardware.get("device_kind") == "cpu":
