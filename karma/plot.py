@@ -53,6 +53,11 @@ _CAPACITY_OFF_SCALE = 4.0  # capacity above this many times the peak is named, n
 _FIG_WIDTH_IN, _DPI = 13.0, 110
 
 
+def _byte_unit(top: float) -> tuple[str, int]:
+    """The largest binary unit that `top` bytes fill at least once, and its bytes."""
+    return next((u, k) for u, k in _BYTE_UNITS if top >= k or u == "B")
+
+
 def _matplotlib():
     try:
         from matplotlib.figure import Figure
@@ -154,7 +159,7 @@ def _measured_memory_panel(ax, schedule: Schedule, trace: StepTrace, t_scale: fl
     capacity, peak = schedule.config.capacity_bytes, schedule.predicted.peak_device_bytes
     measured = max(b for _, b in trace.memory)
     top = max(peak, measured, capacity if capacity <= _CAPACITY_OFF_SCALE * max(peak, 1) else 0, 1)
-    b_unit, b_scale = next((u, k) for u, k in _BYTE_UNITS if top >= k or u == "B")
+    b_unit, b_scale = _byte_unit(top)
     ts = [t / t_scale for t, _ in trace.memory]
     ys = [b / b_scale for _, b in trace.memory]
     ax.fill_between(ts, ys, color="#2ca02c", alpha=0.18, linewidth=0)
@@ -211,7 +216,7 @@ def _memory_panel(ax, schedule: Schedule, sim: SimResult, end_s: float, t_scale:
     capacity, peak = schedule.config.capacity_bytes, schedule.predicted.peak_device_bytes
     capacity_drawn = capacity <= _CAPACITY_OFF_SCALE * max(peak, 1)
     top = max(peak, capacity if capacity_drawn else 0, 1)
-    b_unit, b_scale = next((u, k) for u, k in _BYTE_UNITS if top >= k or u == "B")
+    b_unit, b_scale = _byte_unit(top)
 
     points = list(sim.timeline) or [(0.0, 0)]
     if points[0][0] > 0:
@@ -352,7 +357,7 @@ def sweep_axis(points: list[dict], quantity: str) -> tuple[list[float], str]:
     if quantity != "gpu-mem":
         return [p["batch_size"] for p in points], "batch size per rank"
     top = max(p["gpu_mem_bytes"] for p in points)
-    unit, scale = next((u, k) for u, k in _BYTE_UNITS if top >= k or u == "B")
+    unit, scale = _byte_unit(top)
     return [p["gpu_mem_bytes"] / scale for p in points], f"device memory budget ({unit})"
 
 

@@ -261,15 +261,12 @@ def check_model_file(schedule: Schedule, path: Path) -> str | None:
     KARMA_* environment it is loaded in is the schedule's, and restored after."""
     import os
 
-    from karma.fingerprint import check_model, model_file_path
-    from karma.modelfile import load_model_file
+    from karma.runtime.runtime import open_model_file
 
     notes: list[str] = []
     saved = dict(os.environ)
     try:
-        os.environ.update(dict(schedule.model.env))
-        mf = load_model_file(model_file_path(schedule, path))
-        check_model(schedule, mf, path, notes.append)
+        open_model_file(schedule, path, notes.append)
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -115,7 +115,6 @@ class PlanReport:
                      "", *lines]
         return "\n".join(lines)
 
-
     def strategy_table(self) -> list[str]:
         """The chosen plan beside every baseline: fits, step, the stage bound that the budget
         is checked against, and the simulated peak, which can be lower ([Note: the stage
