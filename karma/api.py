@@ -27,7 +27,7 @@ from karma.calibrate import Calibration, FromPlanning, Probe, calibrate
 from karma.calibrate.blocks import Timed
 from karma.calibrate.in_context import CALIBRATING
 from karma.errors import KarmaError
-from karma.fingerprint import model_ref
+from karma.fingerprint import model_ref, remembering
 from karma.ir.build import build_block_graph
 from karma.ir.graph import BlockGraph, OptimizerProfile
 from karma.ir.optimizer import optimizer_profile
@@ -123,8 +123,10 @@ def _prepare(model: Model, options: PlanOptions, log: Log | None) -> _Prepared:
     optimizer = optimizer_profile(mf)
     command = None if mf.entry is not None else \
         replace(options, batch_size=graph.batch_size).plan_command(name)
-    model = model_ref(name, mf, graph.to_json(), plan_command=command)
-    return _Prepared(graph, model, calibration(mf, graph, options, optimizer, say), optimizer)
+    with remembering(mf):  # the model's fingerprint: recorded, and a model object's key
+        model = model_ref(name, mf, graph.to_json(), plan_command=command)
+        measured = calibration(mf, graph, options, optimizer, say)
+    return _Prepared(graph, model, measured, optimizer)
 
 
 def _solve(prepared: _Prepared, options: PlanOptions) -> PlanReport:

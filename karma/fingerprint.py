@@ -27,7 +27,7 @@ import hashlib
 import json
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,11 +109,36 @@ def model_fingerprint(mf: ModelFile) -> ModelFingerprint:
 def graph_sha256(mf: ModelFile) -> str | None:
     """The hash of the model `mf` builds; None where its forward does not run eagerly on the
     meta device (a Mixture of Experts' grouped matmul): its file's bytes are checked
-    instead."""
+    instead. Inside remembering(mf), computed once."""
+    if _REMEMBERED.get(id(mf), _UNKNOWN) is not _UNKNOWN:
+        return _REMEMBERED[id(mf)]
     try:
-        return model_fingerprint(mf).sha256
+        sha = model_fingerprint(mf).sha256
     except KarmaError:
-        return None
+        sha = None
+    if id(mf) in _REMEMBERED:
+        _REMEMBERED[id(mf)] = sha
+    return sha
+
+
+_UNKNOWN = object()
+_REMEMBERED: dict[int, object] = {}  # id of a ModelFile -> its graph_sha256, in remembering()
+
+
+@contextlib.contextmanager
+def remembering(mf: ModelFile) -> Iterator[None]:
+    """Inside, graph_sha256(mf) is computed once: for one planning of one model, which
+    records it (model_ref) and keys its measurements on it (code_sha256, a model object's)
+    while the model cannot change; outside, every call looks at the model as it is then (a
+    module instance may have been changed in place)."""
+    if id(mf) in _REMEMBERED:  # an enclosing planning remembers it already
+        yield
+        return
+    _REMEMBERED[id(mf)] = _UNKNOWN
+    try:
+        yield
+    finally:
+        del _REMEMBERED[id(mf)]
 
 
 def model_ref(path: str, mf: ModelFile, ir_json: str,
@@ -246,12 +271,15 @@ def check_model(schedule: Schedule, mf: ModelFile, schedule_path: str | Path | N
     """The model file `mf` builds the model `schedule` was planned for, or StaleSchedule
     naming what changed and the karma-plan command that plans it again.
 
-    The same bytes: fine. Other bytes, the same fingerprint: fine, and a note to `log`
-    (default: the karma logger). A schedule without a fingerprint (planned before schedules
-    recorded it, or for a model whose forward does not run on the meta device) needs the
-    same bytes."""
+    The same bytes of a model file: fine. Other bytes, the same fingerprint: fine, and a
+    note to `log` (default: the karma logger). A model object's file is not the model (a
+    module instance's is torch's own nn.Linear, say; an optimizer may be a lambda beside
+    it), so its fingerprint is compared whatever the bytes. A schedule without a
+    fingerprint (planned before schedules recorded it, or for a model whose forward does
+    not run on the meta device) needs the same bytes."""
     model = schedule.model
-    if mf.sha256 == model.sha256:
+    same_bytes = mf.sha256 == model.sha256
+    if same_bytes and (model.entry is None or model.graph_sha256 is None):
         return
     replan = model.replan_command(schedule_path)
     if model.graph_sha256 is None:
@@ -272,6 +300,8 @@ def check_model(schedule: Schedule, mf: ModelFile, schedule_path: str | Path | N
         raise StaleSchedule(
             f"the schedule is stale: model file {mf.path} builds another model than the one "
             f"it was planned for: {what_changed(schedule, fingerprint)}; re-plan it: {replan}")
+    if same_bytes:
+        return
     (log or note)(
         f"model file {mf.path} has changed since the schedule was planned, but the model it "
         "builds has not (the same parameters, modules, operations and optimizer state: "
@@ -287,7 +317,8 @@ def what_changed(schedule: Schedule, fp: ModelFingerprint) -> str:
     gone = [name for name in planned if name not in now]
     if gone:
         return f"its parameter {gone[0]} is gone" + _more(gone)
-    new = [p for name, p in now.items() if name not in set(planned)]
+    known = set(planned)
+    new = [p for name, p in now.items() if name not in known]
     if new:
         return f"it has a new parameter {new[0].text()}" + _more(new)
     for b in schedule.blocks:

@@ -23,8 +23,10 @@ from karma.fingerprint import (
     StaleSchedule,
     check_model,
     code_sha256,
+    graph_sha256,
     model_fingerprint,
     model_ref,
+    remembering,
 )
 from karma.modelfile import load_model_file
 from karma.planner.options import PlanOptions
@@ -283,3 +285,18 @@ def test_a_schedule_without_a_fingerprint_needs_the_same_bytes(planned, model_as
     with pytest.raises(StaleSchedule, match="records no fingerprint of the model") as info:
         check_model(s, load_model_file(s.model.path), older)
     assert str(info.value).endswith(f"{s.model.plan_command} -o {older}")
+
+
+def test_one_planning_computes_the_fingerprint_once(monkeypatch):
+    """Inside remembering(mf) (karma.api's planning: model_ref, and the calibration keys of
+    a model object) the fingerprint is computed once; outside, every call looks again."""
+    import karma.fingerprint as fingerprint
+
+    mf = load_model_file(MODELS / "mlp.py")
+    made = []
+    real = fingerprint.model_fingerprint
+    monkeypatch.setattr(fingerprint, "model_fingerprint", lambda m: made.append(m) or real(m))
+    with remembering(mf):
+        first = graph_sha256(mf)
+        assert graph_sha256(mf) == first and len(made) == 1
+    assert graph_sha256(mf) == first and len(made) == 2

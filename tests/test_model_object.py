@@ -160,6 +160,12 @@ def test_a_runtime_given_another_model_than_planned_says_the_schedule_is_stale(t
     wider = karma.model(lambda: net.Net(layers=5), net.make_batch, make_optimizer=net.sgd)
     with pytest.raises(KarmaError, match="stale.*karma.plan"):
         karma.Runtime(schedule, model=wider, log=lambda line: None)
+    # the same file, another optimizer: its bytes are the planned model's, its state is not
+    adam = karma.model(net.make_net, net.make_batch,
+                       make_optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
+    assert adam.sha256 == schedule.model.sha256
+    with pytest.raises(KarmaError, match="stale.*optimizer"):
+        karma.Runtime(schedule, model=adam, log=lambda line: None)
 
 
 def test_planning_inside_calibration_s_own_karma_run_is_refused(monkeypatch):

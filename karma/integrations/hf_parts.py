@@ -240,10 +240,6 @@ class KarmaOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
 
-    def set_lr(self, lr: float) -> None:
-        for group in self.param_groups:
-            group["lr"] = lr
-
 
 class KarmaLRScheduler:
     """The Trainer's `self.lr_scheduler` under karma: the learning rate of the latest step

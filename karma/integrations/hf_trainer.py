@@ -49,6 +49,7 @@ try:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.optimization import get_scheduler
     from transformers.trainer_pt_utils import nested_detach
+    from transformers.trainer_utils import _is_peft_model
 except ImportError as e:  # pragma: no cover - the optional dependency
     raise ImportError("karma.integrations.hf_trainer needs Hugging Face transformers and "
                       "accelerate; install them with `pip install karma[hf]`") from e
@@ -227,7 +228,7 @@ class KarmaTrainer(Trainer):
         rt.micro_step(call.inputs, call.targets)
         karma_run.step_starts = rt.stepped
         if rt.stepped:
-            for group in self.optimizer.param_groups:
+            for group in self.optimizer.param_groups:  # (Accelerate's wrapper of karma's)
                 group["lr"] = rt.lr  # as the Trainer's after its scheduler's step
         return self._karma_reported.to(self.args.device)
 
@@ -292,8 +293,10 @@ class KarmaTrainer(Trainer):
         """compute_loss_func's loss, or the label smoother's."""
         if self.compute_loss_func is not None:
             return self.compute_loss_func(outputs, labels, num_items_in_batch=num_items)
-        causal = self.accelerator.unwrap_model(self.model)._get_name() \
-            in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        model = self.accelerator.unwrap_model(self.model)
+        if _is_peft_model(model):  # named as Trainer.compute_loss names it
+            model = model.base_model.model
+        causal = model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
         return self.label_smoother(outputs, labels, shift_labels=causal,
                                    num_items_in_batch=num_items)
 

@@ -18,7 +18,6 @@ from karma.errors import KarmaError
 from karma.modelfile import ModelFile
 from karma.runtime.checkpoints.checkpoint import (
     latest_checkpoint,
-    save_checkpoint,
 )
 from karma.runtime.distributed import process_group
 from karma.runtime.distributed.exchange import hidden_s
@@ -219,8 +218,7 @@ def _evaluate(rt: Runtime, evals: list, step: int) -> dict:
 def _checkpoint(rt: Runtime, options: RunOptions, step: int) -> None:
     """Every rank writes its part (checkpoints/checkpoint.py); rank 0 puts the checkpoint in
     place."""
-    path = save_checkpoint(options.checkpoint_dir, step, rt.model, rt.engine, rt.schedule,
-                           rt.seed, rt.lr_schedule, rt.ranks, options.timeout_s)
+    path = rt.save(options.checkpoint_dir)  # step_N of the steps so far: `step`
     if rt.ranks.main:
         rt.log(f"checkpoint {path}")
     process_group.barrier(rt.ranks, f"after the checkpoint of step {step}",
