@@ -292,7 +292,7 @@ def test_one_planning_computes_the_fingerprint_once(monkeypatch):
     a model object) the fingerprint is computed once; outside, every call looks again."""
     import karma.fingerprint as fingerprint
 
-    mf = load_model_file(MODELS / "mlp.py")
+    mf = load_model_file(MODELS / "mlp_schedule.py")
     made = []
     real = fingerprint.model_fingerprint
     monkeypatch.setattr(fingerprint, "model_fingerprint", lambda m: made.append(m) or real(m))
