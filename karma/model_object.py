@@ -36,17 +36,12 @@ from typing import Any
 import torch
 
 from karma.errors import KarmaError
-from karma.modelfile import (
-    DEFAULT_BATCH_SIZE,
-    PROTOCOL,
-    ModelFile,
-    load_model_file,
-    make_model_file,
-)
+from karma.modelfile import DEFAULT_BATCH_SIZE, ModelFile, load_model_file, make_model_file
+from karma.schedule import MODEL_FUNCTIONS
 
 # the functions karma.model (and karma.plan, beside a module) takes by keyword: the
 # protocol's, but the builder
-MODEL_KEYWORDS = tuple(name for name in PROTOCOL if name != "build_model")
+MODEL_KEYWORDS = tuple(name for name in MODEL_FUNCTIONS if name != "build_model")
 OBJECT_PATH = "<model object>"  # the path of a model object none of whose code is in a file
 
 
@@ -96,10 +91,6 @@ def as_model(source: Any, **functions) -> ModelFile:
     """What karma.plan and karma.Runtime take as a model: a model file's path, a ModelFile
     (karma.model's or load_model_file's), or a module or builder with karma.model's
     keyword arguments."""
-    unknown = [name for name in functions if name not in (*MODEL_KEYWORDS, "batch_size")]
-    if unknown:
-        raise KarmaError(f"{', '.join(map(repr, unknown))}: not an option of the model; the "
-                         f"model's functions are {', '.join(MODEL_KEYWORDS)}")
     given = {k: v for k, v in functions.items() if v is not None}
     if isinstance(source, ModelFile) or isinstance(source, (str, Path)):
         if given:

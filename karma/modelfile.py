@@ -387,7 +387,7 @@ def load_model_file(path: str | Path,
             f"importing model file {path} failed: {type(e).__name__}: {e}{user_frame(e, path)}"
         ) from e
 
-    names = dict(entry) if entry is not None else {name: name for name in PROTOCOL}
+    names = dict(entry) if entry is not None else {name: name for name in MODEL_FUNCTIONS}
     functions = {p: resolve_function(module, where) for p, where in names.items()}
     for required in ("build_model", "example_batch"):
         if not callable(functions.get(required)):
@@ -416,7 +416,6 @@ def resolve_function(module: ModuleType, where: str) -> Any:
         return None
 
 
-PROTOCOL = MODEL_FUNCTIONS  # the protocol's functions, by their names in a model file
 
 
 def make_model_file(path: Path, sha256: str, module: ModuleType | None,

@@ -256,9 +256,10 @@ class ModelRef:
         SCHEDULE.yaml): the karma-plan command it records (where none is, the model's path
         and "..."), after the KARMA_* environment it was planned under. A model object's:
         karma.plan and save."""
-        out = "SCHEDULE.yaml" if schedule_path is None else shlex.quote(str(schedule_path))
+        out = "SCHEDULE.yaml" if schedule_path is None else str(schedule_path)
         if self.entry is not None:
             return f"karma.plan(karma.model(...), ...).save({out!r})"
+        out = shlex.quote(out)
         env = [f"{key}={shlex.quote(value)}" for key, value in self.env]
         command = self.plan_command or f"karma-plan {shlex.quote(self.path)} ..."
         return " ".join([*env, command, "-o", out])

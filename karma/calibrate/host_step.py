@@ -29,8 +29,7 @@ from karma.calibrate.machine import machine_key
 from karma.calibrate.measure_hw import on_worker
 from karma.fingerprint import code_sha256
 from karma.ir.graph import BlockGraph
-from karma.ir.trace import build_meta
-from karma.modelfile import ModelFile
+from karma.modelfile import ModelFile, build_meta
 from karma.runtime.host.threads import host_stream_threads
 from karma.runtime.params.host_optimizer import host_make_optimizer
 from karma.storage import tier_directory
