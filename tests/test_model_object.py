@@ -199,3 +199,13 @@ def test_a_forward_replaced_on_the_instance_is_named():
     with pytest.raises(KarmaError, match="forward is replaced on the instance"):
         karma.plan(instance, example_batch=net.make_batch, gpu_mem=BUDGET, hardware="cpu",
                    batch_size=BATCH, measure="estimate", log=lambda note: None)
+
+
+def test_the_model_state_dict_is_the_state_dict_s_model(tmp_path):
+    schedule, _ = planned(model(), tmp_path)
+    with karma.Runtime(schedule, model=model(), log=lambda line: None) as rt:
+        hand_loop(rt, 2)
+        weights = rt.model_state_dict()
+        whole = rt.state_dict()["model"]
+    assert weights.keys() == whole.keys()
+    assert_bitwise_equal(whole, weights)

@@ -402,7 +402,7 @@ class KarmaTrainer(Trainer):
         if karma_run is None:
             return
         try:
-            state = karma_run.runtime.state_dict()["model"] if keep_values else None
+            state = karma_run.runtime.model_state_dict() if keep_values else None
         finally:
             karma_run.runtime.close()
         if state is not None:
@@ -424,7 +424,7 @@ class KarmaTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """save_pretrained, of karma's current values while karma holds the model."""
         if state_dict is None and self._karma is not None:
-            state_dict = self._karma.runtime.state_dict()["model"]
+            state_dict = self._karma.runtime.model_state_dict()
         super()._save(output_dir, state_dict=state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

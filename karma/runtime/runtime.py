@@ -44,6 +44,7 @@ from karma.runtime.checkpoints.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_runtime_state,
+    model_state,
     runtime_state,
     save_checkpoint,
 )
@@ -383,6 +384,14 @@ class Runtime:
         with tempfile.TemporaryDirectory(prefix="karma-state-") as scratch:
             return runtime_state(self.model, self.engine, Path(scratch), snapshot=True,
                                  lr_schedule=self.lr_schedule)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict with its current values: state_dict()["model"], without
+        copying the optimizer state. A snapshot; between optimizer steps only."""
+        self._check_between_steps("model_state_dict")
+        self.engine.settle()  # the last step's updates, if still running
+        with tempfile.TemporaryDirectory(prefix="karma-state-") as scratch:
+            return model_state(self.model, self.engine, Path(scratch), snapshot=True)
 
     def load_state_dict(self, state: dict) -> None:
         self._check_between_steps("load_state_dict")
