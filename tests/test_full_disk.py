@@ -21,6 +21,7 @@ import torch
 import karma.runtime.checkpoints.checkpoint
 import karma.runtime.host.tier
 import karma.runtime.loop
+import karma.runtime.runtime
 from karma.cli.run import main
 from karma.errors import KarmaError
 from karma.runtime.checkpoints.checkpoint import latest_checkpoint
@@ -105,7 +106,7 @@ def test_a_checkpoint_past_the_file_size_limit_is_an_error_not_a_kill(
         schedule_path, tmp_path, capsys, monkeypatch):
     """A real EFBIG from the kernel: SIGXFSZ, which would kill the process, is ignored."""
     ckpt = tmp_path / "ckpt"
-    save = karma.runtime.loop.save_checkpoint
+    save = karma.runtime.runtime.save_checkpoint
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
 
     def save_under_a_limit(directory, step, *args):
@@ -116,7 +117,7 @@ def test_a_checkpoint_past_the_file_size_limit_is_an_error_not_a_kill(
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
-    monkeypatch.setattr(karma.runtime.loop, "save_checkpoint", save_under_a_limit)
+    monkeypatch.setattr(karma.runtime.runtime, "save_checkpoint", save_under_a_limit)
     code, out, err = run_main(capsys, schedule_path, "--steps", 2, "--checkpoint-every", 1,
                               "--checkpoint-dir", ckpt)
     assert_stopped_with(code, err, f"cannot write checkpoint {ckpt / 'step_2'}: File too large: "
