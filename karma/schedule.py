@@ -110,6 +110,9 @@ ACT_CHOICES = ("keep", "swap", "recompute", "selective")
 # selective: what the ops of BlockEntry.policy return is kept, the rest recomputed
 # (karma/selective_policy.py, [Note: selective recompute])
 RECOMPUTE_ACTS = ("recompute", "selective")  # the acts whose backward a recompute precedes
+# where what a selective block keeps waits for its backward (BlockEntry.kept): on the device,
+# or swapped out to the host after its forward and back before its recompute
+KEPT_CHOICES = ("device", "host")
 WEIGHT_CHOICES = ("resident", "streamed")
 OPTIM_CHOICES = ("device", "host")
 DTYPES = ("fp32", "bf16")  # config.dtype: fp32, or bf16 mixed precision
@@ -131,7 +134,7 @@ def is_sharded(host_state: str, world_size: int) -> bool:
 # --- buffer names ---------------------------------------------------------------------------
 # A buffer is named KIND.BLOCK[@WHERE]: act.3 (block 3's saved activations), act.3@in (swapped
 # in), act.3@re (recomputed), ckpt.3 (a recompute block's input), sac.3 (what a selective
-# block keeps: its policy's outputs), grad.3, opt.3 (device
+# block keeps: its policy's outputs; sac.3@in, swapped back in), grad.3, opt.3 (device
 # optimizer state), steptmp.3 and hoststep.3 (an optimizer step's temporaries), artmp.3 (an
 # all-reduce's flat buffer), w.3 (resident weights) and the fetched weights below; `process`
 # (PROCESS_BUFFER). Only the weight buffers are read back: a fetch fills the one its `uses`
@@ -354,6 +357,7 @@ class BlockEntry:
     param_bytes: int
     act_bytes: int
     policy: str = ""  # a selective block's policy (karma/selective_policy.py); "" otherwise
+    kept: str = "device"  # a selective block's: where what it keeps waits (KEPT_CHOICES)
 
 
 @dataclass(frozen=True)
@@ -461,10 +465,13 @@ def _section(key: str, entries: tuple, comment: str) -> list[str]:
 
 def _block_lines(blocks: tuple[BlockEntry, ...]) -> list[str]:
     lines = _section("blocks", blocks, "each block's decisions (act: keep | swap | recompute | "
-                     "selective, with its policy; weights: resident | streamed; optim: device "
-                     "| host)")
+                     "selective, with its policy and, if not on the device, where it keeps the "
+                     "policy's outputs: kept: host; weights: resident | streamed; optim: "
+                     "device | host)")
     for b in blocks:
         policy = f"policy: {yaml_str(b.policy)}, " if b.policy else ""
+        if b.kept != "device":
+            policy += f"kept: {yaml_str(b.kept)}, "
         lines.append(f"  - {{index: {yaml_int(b.index)}, name: {yaml_str(b.name)}, "
                      f"act: {yaml_str(b.act)}, {policy}weights: {yaml_str(b.weights)}, "
                      f"optim: {yaml_str(b.optim)}, param_bytes: {yaml_int(b.param_bytes)}, "

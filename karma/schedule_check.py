@@ -10,12 +10,14 @@ names the op or block, the rule, and the fix. The rules, in the order they are c
 
 - parameters named once: each parameter is owned by one block; a block's shared_params are
   owned by an earlier block.
-- decisions: streamed weights are stepped on the host.
+- decisions: streamed weights are stepped on the host; only a selective block has a policy
+  and keeps outputs on the host.
 - streams: each op kind runs on its stream (schedule.py's module docstring).
 - ops match decisions: a block's ops are those of its act, weights and optim (a keep block
-  is never swapped, a streamed block has its fetches, a host-stepped one its grads_to_host
-  and host_step), on several ranks its all-reduce; with sharded host state a host-stepped
-  block's reduce-scatter (its all-reduce with clipping) and all-gather.
+  is never swapped, a selective one only with kept: host, a streamed block has its
+  fetches, a host-stepped one its grads_to_host and host_step), on several ranks its
+  all-reduce; with sharded host state a host-stepped block's reduce-scatter (its all-reduce
+  with clipping) and all-gather.
 - stages ordered: stages never decrease along the op list (the runtime issues side ops in
   list order as compute reaches their stage).
 - compute order: the compute ops follow the model's own execution.
@@ -190,6 +192,10 @@ class _Checker:
                     parse_policy(b.policy)
                 except ValueError as e:
                     raise _Broken(f"{self.block(b.index)}: {e}; {_FIX}") from None
+            if b.kept != "device" and b.act != "selective":
+                raise _Broken(f"{self.block(b.index)} has act: {b.act} and kept: {b.kept} "
+                              "(rule: decisions: only a selective block keeps outputs, on the "
+                              f"device or the host); remove its kept, {_FIX}")
             if bool(b.policy) != (b.act == "selective"):
                 fix = (f"add policy: {SELECTIVE_POLICY}" if b.act == "selective"
                        else "remove its policy")
@@ -240,9 +246,13 @@ class _Checker:
                 f"{key}.act is {b.act}, and a block recomputes once if its act is recompute "
                 "or selective, never otherwise")
         if kind in ("swap_out", "swap_in"):
+            if b.act == "selective":
+                return int(b.kept == "host"), (
+                    f"{key}.kept is {b.kept}, and a selective block's kept outputs are "
+                    "swapped out and in once if they are kept on the host, never otherwise")
             return int(b.act == "swap"), (
                 f"{key}.act is {b.act}, and a block is swapped out and in once if its act is "
-                "swap, never otherwise")
+                "swap or it is selective with kept: host, never otherwise")
         if kind == "device_step":
             return int(b.optim == "device"), (
                 f"{key}.optim is {b.optim}, and a block is stepped on the device once if its "
@@ -348,6 +358,8 @@ class _Checker:
                 (fwd, out, "a block's activations are swapped out after its forward"),
                 (out, into, "a block's activations are swapped in after they were swapped out"),
                 (into, bwd, "a block's activations are swapped in before its backward"),
+                (into, self.one("recompute", i), "what a selective block keeps is swapped in "
+                                                 "before its recompute"),
                 (bwd, to_host, "a block's gradients go to the host after its backward"),
                 (bwd, ar, "a block's gradients are all-reduced after its backward"),
                 (bwd, dev, "a block is stepped after its backward"),

@@ -22,6 +22,7 @@ from karma.schedule import (
     DTYPES,
     HOST_OPTIMIZERS,
     HOST_STATES,
+    KEPT_CHOICES,
     MODEL_FUNCTIONS,
     OP_KINDS,
     OPTIM_CHOICES,
@@ -281,8 +282,8 @@ _BLOCK = _record(BlockEntry, {
     "weights": _text(WEIGHT_CHOICES, "a weights choice"),
     "optim": _text(OPTIM_CHOICES, "an optim choice"), "param_bytes": _COUNT,
     "act_bytes": _COUNT, "modules": _NAMES, "params": _NAMES, "shared_params": _NAMES,
-    "policy": _policy,
-}, "a block", optional=("policy",))
+    "policy": _policy, "kept": _text(KEPT_CHOICES, "where a selective block's kept outputs wait"),
+}, "a block", optional=("policy", "kept"))
 _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_schedule, **fields), {
     "karma_schedule": _COUNT,
     "model": _record(ModelRef, {

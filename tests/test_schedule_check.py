@@ -146,7 +146,7 @@ def test_the_original_failure_a_keep_block_whose_ops_swap_it(sched):
             f"op {op_of(sched, 'swap_out', 0).id} (swap_out of block 0 (head)) is one swap_out "
             "too many for block 0 (head)",
             "(rule: ops match decisions: blocks[0].act is keep, and a block is swapped out and "
-            "in once if its act is swap, never otherwise)")
+            "in once if its act is swap or it is selective with kept: host, never otherwise)")
 
 
 def test_a_swap_block_without_its_swap_ops(sched):

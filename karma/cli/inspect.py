@@ -125,6 +125,7 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
             "swap": sum(b.act == "swap" for b in s.blocks),
             "recompute": sum(b.act == "recompute" for b in s.blocks),
             "selective": sum(b.act == "selective" for b in s.blocks),
+            "kept_on_host": sum(b.kept == "host" for b in s.blocks),
             "streamed_weights": sum(b.weights == "streamed" for b in s.blocks),
             "host_optimizer": sum(b.optim == "host" for b in s.blocks),
         },
@@ -153,7 +154,7 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
                   "simulated_step_s": sim.step_s,
                   "simulated_peak_device_bytes": sim.peak_device_bytes, "matches": True},
         "blocks": [{"index": b.index, "name": b.name, "act": b.act, "policy": b.policy,
-                    "weights": b.weights, "optim": b.optim, "param_bytes": b.param_bytes,
+                    "kept": b.kept, "weights": b.weights, "optim": b.optim, "param_bytes": b.param_bytes,
                     "act_bytes": b.act_bytes}
                    for b in s.blocks],
     }
@@ -176,7 +177,9 @@ def render(info: dict) -> str:
         f"config      batch {c['batch_size']}, {c['dtype']}, {ranks}, seed {c['seed']}, "
         f"capacity {format_bytes(c['capacity_bytes'])}, hardware {info['hardware']}",
         f"decisions   {d['blocks']} blocks: {d['keep']} keep, {d['swap']} swap, "
-        f"{d['recompute']} recompute, {d['selective']} selective; "
+        f"{d['recompute']} recompute, {d['selective']} selective"
+        + (f" ({d['kept_on_host']} with their kept outputs on the host)"
+           if d["kept_on_host"] else "") + "; "
         f"{d['streamed_weights']} streamed weights, "
         f"{d['host_optimizer']} host optimizer",
         f"step        {format_seconds(p['step_s'])} predicted ("
@@ -223,7 +226,9 @@ def _step_parts(c: dict, p: dict) -> str:
 
 def _block_table(blocks: list[dict]) -> list[str]:
     head = ("#", "block", "act", "weights", "optim", "param MiB", "act MiB")
-    rows = [(str(b["index"]), b["name"], b["act"], b["weights"], b["optim"],
+    rows = [(str(b["index"]), b["name"],
+             b["act"] + (" (kept on host)" if b["kept"] == "host" else ""), b["weights"],
+             b["optim"],
              format_number(b["param_bytes"] / MIB), format_number(b["act_bytes"] / MIB))
             for b in blocks]
     widths = [max(len(r[k]) for r in [head, *rows]) for k in range(len(head))]

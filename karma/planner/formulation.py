@@ -334,6 +334,8 @@ _ACT_TAGS = {"keep": "k", "swap": "s", "recompute": "r", "selective": "c"}  # on
 
 def _tag(c: Choice) -> str:
     """A variable name's part for choice c, unique among choices (a selective policy's
-    threshold after its letter: karma/selective_policy.py)."""
+    threshold after its letter: karma/selective_policy.py; h where what it keeps goes to the
+    host)."""
     least = c.policy.partition("@")[2] if c.act == "selective" else ""
-    return f"{_ACT_TAGS[c.act]}{least}{c.weights[0]}{c.optim[0]}{c.ahead}"
+    host = "h" if c.kept == "host" else ""
+    return f"{_ACT_TAGS[c.act]}{least}{host}{c.weights[0]}{c.optim[0]}{c.ahead}"

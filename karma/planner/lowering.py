@@ -37,6 +37,7 @@ from karma.schedule import (
     ACT_CHOICES,
     FETCH_PHASES,
     HOST_TEMP_PREFIX,
+    KEPT_CHOICES,
     OPTIM_CHOICES,
     PROCESS_BUFFER,
     RECOMPUTE_ACTS,
@@ -57,13 +58,18 @@ class Choice:
     act: str  # keep | swap | recompute | selective
     weights: str = "resident"  # resident | streamed
     optim: str = "device"  # device | host
-    ahead: int = 1  # stages before its use that a swap-in or weight fetch is issued (1 or 2)
+    # stages before its use that a swap-in or weight fetch is issued (1 or 2; what a selective
+    # block keeps on the host comes back one stage ahead)
+    ahead: int = 1
     policy: str = ""  # selective: which ops it keeps (BlockEntry.policy); "" for other acts
+    kept: str = "device"  # selective: where what it keeps waits for the backward (BlockEntry)
 
     def __post_init__(self) -> None:
         if self.act not in ACT_CHOICES or self.weights not in WEIGHT_CHOICES \
                 or self.optim not in OPTIM_CHOICES or self.ahead not in (1, 2) \
-                or bool(self.policy) != (self.act == "selective"):
+                or bool(self.policy) != (self.act == "selective") \
+                or self.kept not in KEPT_CHOICES \
+                or (self.kept == "host" and self.act != "selective"):
             raise ValueError(f"not a choice: {self}")
         if self.weights == "streamed" and self.optim != "host":
             raise ValueError("streamed weights are stepped on the host")
@@ -71,8 +77,8 @@ class Choice:
 
 def valid_choices(problem: Problem, i: int) -> list[Choice]:
     """Choices block i may take: the last block cannot swap (its backward comes next); it is
-    selective under each policy that can run it; a block that copies nothing in has no
-    prefetch distance to choose."""
+    selective under each policy that can run it, what it keeps on the device or (but the
+    last) on the host; a block that copies nothing in has no prefetch distance to choose."""
     n = len(problem.blocks)
     acts = [(a, "") for a in (("keep", "swap", "recompute") if i < n - 1
                                else ("keep", "recompute"))]
@@ -84,6 +90,8 @@ def valid_choices(problem: Problem, i: int) -> list[Choice]:
             fetches = a == "swap" or w == "streamed"
             for ahead in (1, 2) if fetches and i + 2 <= n - 1 else (1,):
                 out.append(Choice(a, w, o, ahead, policy))
+            if a == "selective" and i < n - 1:
+                out.append(Choice(a, w, o, 1, policy, kept="host"))
     return out
 
 
@@ -228,10 +236,35 @@ def _activations(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice, f
         remade = b.act_bytes + b.shared_made_bytes
         if c.act == "selective":
             sel = b.selective_under(c.policy)
-            f.buffer(f"sac.{i}", i, sel.kept_bytes, fwd, bwd)
+            _kept(f, problem, st, i, c, sel.kept_bytes, fwd, bwd)
             remade = sel.recompute_bytes
         f.buffer(f"act.{i}@re", i, remade, ("recompute", i), bwd)
         f.buffer(f"tmp.r.{i}", i, b.fwd_temp_bytes, ("recompute", i), ("recompute", i))
+
+
+def _kept(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice, kept_bytes: int,
+          fwd: tuple, bwd: tuple) -> None:
+    """What selective block i keeps (its policy's outputs): on the device from its forward to
+    its backward, or copied to the host in the next block's forward and back in the next
+    block's backward, before its recompute ([Note: what a selective block keeps, on the host]
+    in karma/runtime/replay/kept.py)."""
+    if c.kept == "device":
+        f.buffer(kept_buffer(i), i, kept_bytes, fwd, bwd)
+        return
+    out = f.op(("swap_out", i), "swap_out", i, st.fwd(i + 1), "d2h",
+               problem.d2h_s(kept_bytes), kept_bytes, uses=(kept_buffer(i),))
+    into = f.op(("swap_in", i), "swap_in", i, st.bwd(i + 1), "h2d",
+                problem.h2d_s(kept_bytes), kept_bytes)
+    f.buffer(kept_buffer(i), i, kept_bytes, fwd, out)
+    f.buffer(kept_buffer(i, "host"), i, kept_bytes, into, bwd)
+    f.host_bytes += kept_bytes
+    f.pinned_bytes += kept_bytes
+
+
+def kept_buffer(i: int, kept: str = "device") -> str:
+    """The device buffer of what selective block i keeps: sac.3, or sac.3@in once it is
+    back from the host."""
+    return f"sac.{i}" + ("@in" if kept == "host" else "")
 
 
 def _weights(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice) -> None:
@@ -458,7 +491,7 @@ def _weight_uses(problem: Problem, choices: list[Choice]) -> dict[tuple, tuple[s
         fwd = tuple(weight_buffer(o, choices[o], "fwd", j, n) for o in owners)
         bwd = tuple(weight_buffer(o, choices[o], "bwd", j, n) for o in owners)
         uses[("forward", j)] = fwd
-        kept = (f"sac.{j}",) if choices[j].act == "selective" else ()
+        kept = (kept_buffer(j, choices[j].kept),) if choices[j].act == "selective" else ()
         uses[("recompute", j)] = (f"ckpt.{j}",) + kept + bwd
         uses[("backward", j)] = (_act_buffer(j, choices[j]),) + kept + bwd
     return uses

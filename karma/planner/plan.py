@@ -48,6 +48,7 @@ class Plan:
             "swap": acts["swap"],
             "recompute": acts["recompute"],
             "selective": acts["selective"],
+            "kept_on_host": sum(c.kept == "host" for c in self.choices),
             "streamed_weights": sum(c.weights == "streamed" for c in self.choices),
             "host_optimizer": sum(c.optim == "host" for c in self.choices),
         }

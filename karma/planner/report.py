@@ -80,7 +80,9 @@ class PlanReport:
             + (f", solved in {ev.plan.solve_s:.2f} s" if ev.plan.strategy == "ilp" else "") + ")"
             + (f"; {ev.plan.note}" if ev.plan.status == "fallback" else ""),
             f"decisions: {c['keep']} keep, {c['swap']} swap, {c['recompute']} recompute"
-            + (f", {c['selective']} selective" if c['selective'] else "") + "; "
+            + (f", {c['selective']} selective" if c['selective'] else "")
+            + (f" ({c['kept_on_host']} with their kept outputs on the host)"
+               if c['kept_on_host'] else "") + "; "
             f"{c['streamed_weights']} streamed weights; {c['host_optimizer']} on the host "
             "optimizer",
             f"block times: {self.block_times}",

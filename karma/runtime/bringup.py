@@ -62,6 +62,7 @@ from karma.runtime.params.placement import place_buffers
 from karma.runtime.params.streamed import SharedStorage
 from karma.runtime.params.weights import BlockWeights
 from karma.runtime.replay.engine import Engine, EngineParts
+from karma.runtime.replay.kept import KeptSwap
 from karma.runtime.replay.swap import SwapStore
 from karma.runtime.replay.training_options import GradClip, MixedPrecision
 from karma.schedule import BlockEntry, Schedule
@@ -264,8 +265,11 @@ def build_engine_parts(schedule: Schedule, model: torch.nn.Module, make_optimize
     place_buffers(model, backend.device, tier, pool)
     # after placement: a parameter's storage is the one on the device
     param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
-    swaps = {b.index: SwapStore(b.name, pool, param_storages, backend.device)
-             for b in schedule.blocks if b.act == "swap"}
+    swaps: dict[int, SwapStore | KeptSwap] = {
+        b.index: SwapStore(b.name, pool, param_storages, backend.device)
+        for b in schedule.blocks if b.act == "swap"}
+    swaps.update({b.index: KeptSwap(b.name, pool, backend.device)
+                  for b in schedule.blocks if b.act == "selective" and b.kept == "host"})
     return EngineParts(weights, shared, swaps, backend, precision, exchange, clip)
 
 

@@ -13,6 +13,7 @@ cached per loaded model file: tracing costs a second or two.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from unittest import mock
 
@@ -25,7 +26,7 @@ from karma.ir.optimizer import optimizer_profile
 from karma.modelfile import ModelFile, load_model_file
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import load_hardware
-from karma.planner.lowering import PLAIN, Training
+from karma.planner.lowering import PLAIN, Choice, Training
 from karma.planner.options import PlanOptions
 from karma.planner.pipeline import make_schedule
 from karma.planner.plan import evaluate
@@ -117,23 +118,41 @@ def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
          graph: BlockGraph | None = None, seed: int = 0, world_size: int = 1,
          hardware: str = HARDWARE, dtype: str = "fp32", accumulate: int = 1,
          clip_grad_norm: float | None = None, host_state: str = "auto",
-         nproc_per_node: int | None = None) -> Schedule:
+         nproc_per_node: int | None = None, kept_on_host: bool = False) -> Schedule:
     """Plan `mf` in-process at `fraction` of keep_all's stage peak (with the same training
     options), for the CPU backend (or the hardware profile named), its host state as asked
-    (karma-plan's --host-state).
+    (karma-plan's --host-state). `kept_on_host`: a baseline's recompute blocks made
+    selective, all but the last keeping their policy's outputs on the host (kept: host).
 
     Raises InfeasiblePlan when the strategy does not fit that budget.
     """
     graph = graph or block_graph(mf, dtype)
     training = (dtype, accumulate, clip_grad_norm)
     key = (id(mf), id(graph), strategy, fraction, seed, world_size, hardware, training,
-           host_state, nproc_per_node)
+           host_state, nproc_per_node, kept_on_host)
     if key not in _SCHEDULES:
         _LOADED.setdefault(id(mf), (mf, model_env(mf)))
         _KEEP_ALIVE.append(graph)
-        _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed, world_size, hardware,
-                                training, host_state, nproc_per_node)
+        baselines = {strategy: _kept_on_host(BASELINES[strategy])} if kept_on_host else {}
+        with mock.patch.dict(BASELINES, baselines):
+            _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed, world_size, hardware,
+                                    training, host_state, nproc_per_node)
     return _SCHEDULES[key]
+
+
+def _kept_on_host(baseline):
+    """`baseline` with its recompute blocks selective (the IR's first policy), what they
+    keep on the host but in the last block, whose backward comes next."""
+    def kept_on_host(problem, capacity_bytes, training=PLAIN):
+        plan = baseline(problem, capacity_bytes, training)
+        n = len(problem.blocks)
+        choices = tuple(
+            Choice("selective", c.weights, c.optim, 1, b.selective[0].policy,
+                   kept="host" if i < n - 1 else "device")
+            if c.act == "recompute" and b.selective else c
+            for i, (b, c) in enumerate(zip(problem.blocks, plan.choices)))
+        return dataclasses.replace(plan, choices=choices)
+    return kept_on_host
 
 
 def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,

@@ -39,6 +39,7 @@ from karma.runtime.params.weights import BlockWeights
 from karma.runtime.replay.chaos import Chaos, pause
 from karma.runtime.replay.evaluation import BlockByBlock
 from karma.runtime.replay.hooks import BlockHooks
+from karma.runtime.replay.kept import KeptSwap
 from karma.runtime.replay.streams import OpEvents, StreamWorker, raise_stream_failure
 from karma.runtime.replay.swap import SwapStore
 from karma.runtime.replay.tables import DivergedError, ReplayTables
@@ -54,7 +55,8 @@ class EngineParts:
 
     weights: list[BlockWeights]  # each block's, in the schedule's order
     shared: SharedStorage  # the storage of streamed parameters, which fetches fill
-    swaps: dict[int, SwapStore]  # block index -> where its swapped activations go
+    # block index -> where its swapped activations go (a selective block's kept outputs)
+    swaps: dict[int, SwapStore | KeptSwap]
     backend: Backend
     precision: MixedPrecision  # the schedule's dtype (training_options.py)
     exchange: GradientExchange | None = None  # on several ranks
@@ -361,7 +363,7 @@ class Engine:
         if op.kind == "all_gather":
             return w.layout.all_gather, False
         if op.kind == "swap_out":
-            return self.swaps[op.block].swap_out, False
+            return self.swaps[op.block].prepare_swap_out(), False
         if op.kind == "grads_to_host":
             return self.updates.grads_to_host(w, op.block), False
         if op.kind == "host_step":

@@ -9,7 +9,8 @@ thread. `BlockHooks` tells the engine where that execution is:
   when block i's has produced that gradient (`backward(i - 1)`); and a hook on the model's
   output: the last block's backward starts with the first gradient to reach it;
 - the modules of recompute and selective blocks run under non-reentrant checkpointing, in the
-  contexts of their act (selective.py), and a swap block's forward under its `SwapStore`'s
+  contexts of their act (selective.py; a selective block's kept outputs in its `KeptSwap`
+  where they wait on the host, kept.py), and a swap block's forward under its `SwapStore`'s
   saved-tensors hooks (swap.py).
 """
 
@@ -23,6 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from karma.modelfile import output_tensors
+from karma.runtime.replay.kept import KeptSwap
 from karma.runtime.replay.selective import checkpoint_contexts
 from karma.runtime.replay.swap import SwapStore
 from karma.runtime.replay.training_options import MixedPrecision
@@ -33,10 +35,12 @@ class BlockHooks:
     """The hooks on one model, installed once; they act only while `follow` is in force."""
 
     def __init__(self, model: torch.nn.Module, blocks: Sequence[BlockEntry],
-                 swaps: Mapping[int, SwapStore], precision: MixedPrecision):
+                 swaps: Mapping[int, SwapStore | KeptSwap], precision: MixedPrecision):
         self.model = model
         self.blocks = blocks
-        self.swaps = swaps
+        # a swap block's saved tensors; a selective block's kept outputs on the host
+        self.swaps = {i: s for i, s in swaps.items() if isinstance(s, SwapStore)}
+        self.kept = {i: s for i, s in swaps.items() if isinstance(s, KeptSwap)}
         self.precision = precision
         self._enter: Callable[[int], None] | None = None  # None: not following
         self._backward: Callable[[int], None] | None = None  # None: a forward without grads
@@ -152,8 +156,9 @@ class BlockHooks:
 
         def checkpointed(*args, **kwargs):
             block = self.blocks[self._current if self._current in blocks else blocks[0]]
-            return checkpoint(forward, *args, use_reentrant=False,
-                              context_fn=partial(checkpoint_contexts, block, buffers), **kwargs)
+            contexts = partial(checkpoint_contexts, block, buffers, self.kept.get(block.index))
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts,
+                              **kwargs)
 
         self._restore.append((module, forward))
         module.forward = checkpointed

@@ -10,8 +10,9 @@ forward
 and its recompute run under torch.utils.checkpoint's selective contexts, one dispatch mode
 that stores what the policy saves and one that hands it back in the recompute. Either way the
 recompute restores the module's buffers afterwards (a BatchNorm's running statistics are
-updated once, by the forward). The same code serves the CPU and CUDA backends: the policy
-looks only at operator names and their arguments' shapes.
+updated once, by the forward). What a selective block keeps may wait for its recompute on
+the host (kept.py). The same code serves the CPU and CUDA backends: the policy looks only at
+operator names and their arguments' shapes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from karma.errors import KarmaError
+from karma.runtime.replay.kept import KeptSwap
 from karma.schedule import BlockEntry
 from karma.selective_policy import checkpoint_policy
 
@@ -31,13 +33,17 @@ from karma.selective_policy import checkpoint_policy
 _MUTATED = "cached during selective activation checkpoint has been mutated"
 
 
-def checkpoint_contexts(block: BlockEntry, buffers: list[torch.Tensor]
+def checkpoint_contexts(block: BlockEntry, buffers: list[torch.Tensor],
+                        kept: KeptSwap | None = None
                         ) -> tuple[AbstractContextManager, AbstractContextManager]:
-    """checkpoint's `context_fn` for one call of a module of `block` (`buffers`: the module's):
-    (the context of its forward, that of its recompute)."""
+    """checkpoint's `context_fn` for one call of a module of `block` (`buffers`: the module's;
+    `kept`: where a selective block with kept: host keeps its outputs, kept.py): (the context
+    of its forward, that of its recompute)."""
     if block.act != "selective":
         return contextlib.nullcontext(), _restore_buffers(buffers)
-    forward, recompute = create_selective_checkpoint_contexts(checkpoint_policy(block.policy))
+    policy = checkpoint_policy(block.policy)
+    forward, recompute = (create_selective_checkpoint_contexts(policy) if kept is None
+                          else kept.contexts(policy))
     return forward, _recompute(block, recompute, buffers)
 
 

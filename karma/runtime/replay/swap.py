@@ -63,7 +63,7 @@ class SwapStore:
         entry = self._by_view.get(key)
         if entry is None:
             entry = Saved(device=t, host=None, refs=0, shape=t.shape, dtype=t.dtype,
-                          stride=t.stride() if _dense(t) else None)
+                          stride=t.stride() if dense(t) else None)
             self._by_view[key] = entry
             self._entries.append(entry)
         entry.refs += 1
@@ -83,6 +83,11 @@ class SwapStore:
             entry.device = None
         return t
 
+    def prepare_swap_out(self) -> Callable[[], Callable[[], None]]:
+        """The swap-out, as the compute thread issues it (every saved tensor was packed by
+        the block's forward)."""
+        return self.swap_out
+
     def swap_out(self):
         """Copy every saved tensor to the host tier; the device copies are dropped once the
         copy has finished (the returned release)."""
@@ -99,7 +104,7 @@ class SwapStore:
     def allocate(self) -> list[torch.Tensor]:
         """Empty device tensors for the swap-in, made on the compute thread when it issues
         the swap-in (with the saved tensors' strides where they are dense)."""
-        return [_like(e, self.device) for e in self._entries]
+        return [empty_like_saved(e, self.device) for e in self._entries]
 
     def swap_in(self, fresh: list[torch.Tensor], backend):
         """Copy the saved tensors back into `fresh`, ready for the block's backward; the host
@@ -128,7 +133,7 @@ class SwapStore:
         self._by_view.clear()
 
 
-def _dense(t: torch.Tensor) -> bool:
+def dense(t: torch.Tensor) -> bool:
     """Whether t's elements fill a block of memory exactly once (any order of dimensions)."""
     expected = 1
     for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
@@ -138,9 +143,9 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _like(e: Saved, device: torch.device) -> torch.Tensor:
-    """An empty device tensor for `host`'s values, with the saved tensor's strides where they
-    are dense: the backward then sees the layout the forward saved (a transposed weight
+def empty_like_saved(e, device: torch.device) -> torch.Tensor:
+    """An empty device tensor for the values of `e` (a Saved, or anything with its shape,
+    dtype and stride), with the saved tensor's strides where they are dense: the backward then sees the layout the forward saved (a transposed weight
     gradient picks the same kernel, and on CUDA the same result bits)."""
     if e.stride is None:
         return torch.empty(e.shape, dtype=e.dtype, device=device)

@@ -1,0 +1,294 @@
+"""A selective block with `kept: host` keeps its policy's outputs on the host between its
+forward and its recompute ([Note: what a selective block keeps, on the host] in
+karma/runtime/replay/kept.py), and trains bitwise equal to plain PyTorch.
+
+The schedules are a baseline's recompute blocks made selective, all but the last keeping
+on the host (karma.testing.exactness.plan's kept_on_host): recompute_all and offload_all
+(streamed weights and host steps beside the swaps), on the three small models, in fp32 and
+bf16, on one rank and on two, under chaos timing too. The bytes each swap moves are the
+bytes the plan gives its swap ops; the schedule's checks refuse the edits that break the
+decision, and karma-inspect shows it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from karma.cli.inspect import check_predicted, render, summary
+from karma.planner.hardware import load_hardware
+from karma.planner.lowering import Choice, valid_choices
+from karma.planner.problem import build_problem
+from karma.runtime.backends.backend import CpuBackend
+from karma.runtime.host.tier import HostPool
+from karma.runtime.replay import kept as kept_module
+from karma.runtime.replay.kept import KeptSwap
+from karma.runtime.replay.selective import _MUTATED as MUTATED
+from karma.runtime.replay.swap import DivergedError
+from karma.schedule import Schedule, ScheduleFileError, dump_schedule
+from karma.schedule_check import validate
+from karma.schedule_load import load_schedule
+from karma.selective_policy import SELECTIVE_POLICY, checkpoint_policy
+from karma.testing.exactness import (
+    assert_bitwise_equal,
+    block_graph,
+    host_stepped,
+    plan,
+    run,
+)
+from tests.dist_helpers import finish, start_ranks
+from tests.runtime_helpers import load_small
+from tests.test_distributed import final_parameters
+from tests.test_runtime import STEPS, load_model_pt
+from tests.test_selective import reference
+
+RANKS = 2
+CPU = CpuBackend()  # what KeptSwap asks of a backend: a marker (none on the CPU)
+CASES = [("gpt", "offload_all", "bf16"), ("resnet", "recompute_all", "fp32"),
+         ("mlp", "recompute_all", "fp32"), ("gpt", "recompute_all", "fp32"),
+         ("resnet", "offload_all", "bf16")]
+FAST = CASES[:2]  # dropout, streamed weights, host steps, autocast; BatchNorm
+
+
+def kept_plan(name: str, strategy: str, dtype: str, **options) -> Schedule:
+    schedule = plan(load_small(name), strategy, dtype=dtype, kept_on_host=True, **options)
+    kept = [b for b in schedule.blocks if b.kept == "host"]
+    assert kept and all(b.act == "selective" for b in kept)
+    return schedule
+
+
+def case_id(name, strategy, dtype) -> str:
+    return f"{name}-{strategy}-{dtype}"
+
+
+@pytest.fixture
+def moved(monkeypatch) -> dict[str, list[int]]:
+    """Block name -> the bytes each of its swap-outs copied to the host tier."""
+    out: dict[str, list[int]] = {}
+    swap_out = KeptSwap.swap_out
+
+    def counting(self):
+        release = swap_out(self)
+        out.setdefault(self.block, []).append(
+            sum(k.host.numel() * k.host.element_size() for k in self._kept))
+        return release
+
+    monkeypatch.setattr(KeptSwap, "swap_out", counting)
+    return out
+
+
+# --- one rank ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,strategy,dtype", [
+    pytest.param(*c, id=case_id(*c), marks=() if c in FAST else pytest.mark.slow)
+    for c in CASES])
+def test_kept_on_the_host_trains_bitwise_equal_to_plain_pytorch(name, strategy, dtype,
+                                                                moved, tmp_path):
+    schedule = kept_plan(name, strategy, dtype)
+    ref = reference(name, dtype, **host_stepped(schedule))
+
+    report = run(schedule, load_small(name), STEPS, checkpoint_dir=tmp_path)
+
+    assert report.losses == ref.losses
+    assert_bitwise_equal(load_model_pt(tmp_path, STEPS), ref.model.state_dict())
+    # each swap moved what the plan says its policy's ops return, every step
+    planned = {schedule.blocks[o.block].name: o.bytes for o in schedule.ops
+               if o.kind == "swap_out"}
+    assert planned and moved == {block: [nbytes] * STEPS for block, nbytes in planned.items()}
+
+
+def test_the_device_copies_are_dropped_and_the_recompute_gets_them_back():
+    """KeptSwap alone, on a checkpointed function: after the swap-out the storage holds no
+    tensor; the swap-in gives the recompute the forward's values, so the gradient is the
+    one of keeping them on the device; a recompute before the swap-in is refused."""
+    pool = HostPool(1 << 20)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        return torch.relu(x @ w) @ w
+
+    x = torch.randn(4, 8)
+    expected = torch.autograd.grad(fn(x).sum(), w)[0]
+    policy = checkpoint_policy(SELECTIVE_POLICY)
+    store = KeptSwap("f", pool)
+
+    out = checkpoint(fn, x, use_reentrant=False, context_fn=lambda: store.contexts(policy))
+    release = store.prepare_swap_out()()
+    release()
+    held = [getattr(leaf, "val", "none") for storage in store._storages
+            for calls in storage.values() for entry in calls.values()
+            for leaf in (entry if isinstance(entry, tuple) else (entry,))]
+    assert held and all(v is None for v in held if v != "none")  # both matmuls' outputs
+    store.swap_in(store.allocate(), backend=CPU)
+    assert torch.equal(torch.autograd.grad(out.sum(), w)[0], expected)
+
+    early = KeptSwap("f", pool)
+    out = checkpoint(fn, x, use_reentrant=False, context_fn=lambda: early.contexts(policy))
+    early.prepare_swap_out()()
+    with pytest.raises(DivergedError, match="before their swap-in"):
+        torch.autograd.grad(out.sum(), w)
+
+
+def test_a_kept_output_changed_in_place_is_still_refused():
+    """Changed in place during the forward (before its swap-out), a kept output cannot be
+    handed back from the host either: the recompute refuses it, as on the device."""
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        return torch.relu_(x @ w) @ w  # the kept matmul output, changed in place
+
+    store = KeptSwap("f", HostPool(1 << 20))
+    policy = checkpoint_policy(SELECTIVE_POLICY)
+    out = checkpoint(fn, torch.randn(4, 8), use_reentrant=False,
+                     context_fn=lambda: store.contexts(policy))
+    store.prepare_swap_out()()
+    store.swap_in(store.allocate(), backend=CPU)
+    with pytest.raises(RuntimeError, match=MUTATED):
+        torch.autograd.grad(out.sum(), w)
+
+
+def test_under_chaos_timing(monkeypatch, tmp_path):
+    """Random pauses around every op and hand-off: a swap-in late for its recompute would
+    show ([Note: chaos timing])."""
+    name, strategy, dtype = FAST[0]
+    schedule = kept_plan(name, strategy, dtype)
+    ref = reference(name, dtype, **host_stepped(schedule))
+    monkeypatch.setenv("KARMA_CHAOS", "7:5")
+    report = run(schedule, load_small(name), STEPS, checkpoint_dir=tmp_path)
+    assert report.losses == ref.losses
+    assert_bitwise_equal(load_model_pt(tmp_path, STEPS), ref.model.state_dict())
+
+
+# --- two ranks -----------------------------------------------------------------------------
+
+TWO_RANK_CASES = [("gpt", "offload_all", "bf16"), ("resnet", "recompute_all", "fp32")]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> dict:
+    """Each case planned for two ranks (sharded host state), trained in one launch of
+    tests/dist_worker.py: case -> (schedule, its run's directory)."""
+    root = tmp_path_factory.mktemp("kept-ranks")
+    runs, out = [], {}
+    for case in TWO_RANK_CASES:
+        schedule = kept_plan(*case, world_size=RANKS, host_state="sharded")
+        directory = root / case_id(*case)
+        directory.mkdir()
+        (directory / "schedule.yaml").write_text(dump_schedule(schedule))
+        runs.append({"schedule": str(directory / "schedule.yaml"), "out": str(directory),
+                     "steps": STEPS})
+        out[case] = (schedule, directory)
+    job = root / "job.json"
+    job.write_text(json.dumps({"runs": runs}))
+    for rank, (code, _, stderr) in enumerate(
+            finish(start_ranks(["-m", "tests.dist_worker", str(job)], RANKS), timeout_s=600)):
+        assert code == 0, f"rank {rank} failed:\n{stderr[-4000:]}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,strategy,dtype", TWO_RANK_CASES,
+                         ids=[case_id(*c) for c in TWO_RANK_CASES])
+def test_two_ranks_equal_one_process_averaging_them(two_rank_runs, name, strategy, dtype):
+    schedule, out = two_rank_runs[(name, strategy, dtype)]
+    assert any(b.kept == "host" for b in load_schedule(out / "schedule.yaml").blocks)
+    ref = reference(name, dtype, RANKS, **host_stepped(schedule))
+    ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
+    assert_bitwise_equal(final_parameters(out, ref_params), ref_params)
+    for rank in range(RANKS):
+        report = json.loads((out / f"rank{rank}.json").read_text())
+        assert report["losses"] == ref.rank_losses[rank]
+        assert not report["protocol"]["violations"], report["protocol"]["violations"][:5]
+
+
+# --- the plan, the schedule, karma-inspect -------------------------------------------------
+
+def test_every_selective_choice_but_the_last_blocks_may_keep_on_the_host():
+    graph = block_graph(load_small("gpt"))
+    problem = build_problem(graph, load_hardware("cpu"))
+    n = len(problem.blocks)
+    selective = [i for i in range(n) if problem.blocks[i].selective]
+    assert n - 1 in selective and len(selective) > 1
+    for i in selective:
+        kept = {c.kept for c in valid_choices(problem, i) if c.act == "selective"}
+        assert kept == ({"device", "host"} if i < n - 1 else {"device"}), i
+    with pytest.raises(ValueError, match="not a choice"):
+        Choice("recompute", kept="host")
+
+
+@pytest.fixture(scope="module")
+def sched() -> Schedule:
+    return load_schedule(dump_schedule(kept_plan("gpt", "recompute_all", "fp32")))
+
+
+def test_the_schedule_reads_back_what_it_wrote(sched):
+    text = dump_schedule(sched)
+    assert "kept: host" in text
+    assert load_schedule(text) == sched
+    kept = next(b.index for b in sched.blocks if b.kept == "host")
+    kinds = [(o.kind, o.bytes) for o in sched.ops if o.block == kept and "swap" in o.kind]
+    assert [k for k, _ in kinds] == ["swap_out", "swap_in"] and kinds[0][1] == kinds[1][1] > 0
+
+
+def refused(s: Schedule, *fragments: str) -> None:
+    with pytest.raises(ScheduleFileError) as info:
+        validate(s, "s.yaml")
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def with_block(s: Schedule, i: int, **fields) -> Schedule:
+    blocks = list(s.blocks)
+    blocks[i] = replace(blocks[i], **fields)
+    return replace(s, blocks=tuple(blocks))
+
+
+def test_the_checks_refuse_a_decision_its_ops_do_not_follow(sched):
+    kept = next(b.index for b in sched.blocks if b.kept == "host")
+    last = len(sched.blocks) - 1
+    refused(with_block(sched, kept, kept="device"),
+            f"is one swap_out too many for block {kept}",
+            f"blocks[{kept}].kept is device, and a selective block's kept outputs are swapped "
+            "out and in once if they are kept on the host")
+    refused(with_block(sched, last, kept="host"), f"block {last} ", "has no swap_out op")
+    refused(with_block(sched, kept, act="recompute", policy=""),
+            "has act: recompute and kept: host", "only a selective block keeps outputs")
+    # the swap-in after the recompute that needs it
+    into = next(o for o in sched.ops if (o.kind, o.block) == ("swap_in", kept))
+    recompute = next(o for o in sched.ops if (o.kind, o.block) == ("recompute", kept))
+    ops = [replace(o, deps=tuple(d for d in o.deps if d != into.id)) if o.id == recompute.id
+           else o for o in sched.ops]
+    refused(replace(sched, ops=tuple(ops)),
+            "what a selective block keeps is swapped in before its recompute")
+
+
+def test_a_kept_place_that_is_not_one_is_refused_on_load(sched):
+    text = dump_schedule(sched).replace(", kept: host,", ", kept: disk,", 1)
+    with pytest.raises(ScheduleFileError, match="'disk' is not where a selective block's kept "
+                                                "outputs wait; use one of device, host"):
+        load_schedule(text)
+
+
+def test_karma_inspect_shows_where_a_selective_block_keeps(sched):
+    path = "s.yaml"
+    info = summary(sched, check_predicted(sched, str(path)), str(path))
+    n = sum(b.kept == "host" for b in sched.blocks)
+    assert info["decisions"]["kept_on_host"] == n
+    text = render(info)
+    assert f"({n} with their kept outputs on the host)" in text
+    assert text.count("selective (kept on host)") == n
+
+
+def test_the_policy_module_is_what_the_runtime_swaps():
+    # the private torch classes kept.py builds on are those create_selective_checkpoint_
+    # contexts returns in this torch: a torch that renames them fails here, not in training
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    forward, recompute = create_selective_checkpoint_contexts(checkpoint_policy(SELECTIVE_POLICY))
+    assert type(forward) is kept_module._CachingTorchDispatchMode
+    assert isinstance(recompute, kept_module._CachedTorchDispatchMode)
+    assert forward.storage is recompute.storage
