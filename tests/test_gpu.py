@@ -9,7 +9,8 @@
   with atomics); the plain loop is first checked to reproduce itself, so that a failure says
   which of the two is at fault.
 - Selective blocks: recompute_all and offload_all of the three models, every block made
-  selective, in fp32 and bf16, bitwise equal to the plain loop on the GPU.
+  selective, in fp32 and bf16, bitwise equal to the plain loop on the GPU; and with their
+  kept outputs on the host (kept: host), every copy started late.
 - Races: with every copy and all-reduce started late (`torch.cuda._sleep` on its stream
   before the op) and every buffer a copy fills poisoned with NaN before it (deterministic
   mode's fill of uninitialized memory, and the streamed weights' storage filled by hand), a
@@ -148,6 +149,24 @@ def test_cuda_selective_blocks_follow_the_plain_loop(name, strategy, dtype, tmp_
     kept), on the GPU against the plain loop on the GPU: bitwise."""
     mf = load_small(name)
     schedule = selective(plan(mf, strategy, hardware=HARDWARE, dtype=dtype))
+    ref = reference(mf, host_params(schedule), dtype=dtype)
+    report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
+    assert report.losses == ref.losses
+    assert_bitwise_equal(load_model_pt(tmp_path, STEPS), state(ref))
+
+
+@pytest.mark.parametrize("name,strategy,dtype", [
+    (name, strategy, dtype) for name in MODELS for strategy in ("recompute_all", "offload_all")
+    for dtype in ("fp32", "bf16")])
+def test_cuda_selective_blocks_keeping_on_the_host_follow_the_plain_loop(name, strategy, dtype,
+                                                                         monkeypatch, tmp_path):
+    """Selective blocks with kept: host (tests/test_kept_on_host.py), every copy late on its
+    stream (LateCopies, below): a recompute that read its kept outputs before their swap-in
+    had landed would read an empty tensor. Bitwise against the plain loop on the GPU."""
+    mf = load_small(name)
+    schedule = plan(mf, strategy, hardware=HARDWARE, dtype=dtype, kept_on_host=True)
+    assert any(b.kept == "host" for b in schedule.blocks)
+    monkeypatch.setattr("karma.runtime.runtime.make_backend", lambda kind: LateCopies())
     ref = reference(mf, host_params(schedule), dtype=dtype)
     report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
     assert report.losses == ref.losses

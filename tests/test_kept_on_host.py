@@ -12,7 +12,11 @@ decision, and karma-inspect shows it.
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
+import time
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -28,6 +32,7 @@ from karma.runtime.host.tier import HostPool
 from karma.runtime.replay import kept as kept_module
 from karma.runtime.replay.kept import KeptSwap
 from karma.runtime.replay.selective import _MUTATED as MUTATED
+from karma.runtime.replay.streams import StreamWorker
 from karma.runtime.replay.swap import DivergedError
 from karma.schedule import Schedule, ScheduleFileError, dump_schedule
 from karma.schedule_check import validate
@@ -116,21 +121,53 @@ def test_the_device_copies_are_dropped_and_the_recompute_gets_them_back():
     policy = checkpoint_policy(SELECTIVE_POLICY)
     store = KeptSwap("f", pool)
 
-    out = checkpoint(fn, x, use_reentrant=False, context_fn=lambda: store.contexts(policy))
+    made = []  # the contexts of the call: (forward's caching mode, recompute's cached mode)
+    out = checkpoint(fn, x, use_reentrant=False,
+                     context_fn=lambda: made.append(store.contexts(policy)) or made[-1])
     release = store.prepare_swap_out()()
     release()
-    held = [getattr(leaf, "val", "none") for storage in store._storages
-            for calls in storage.values() for entry in calls.values()
+    held = [getattr(leaf, "val", "none") for calls in made[0][0].storage.values()
+            for entry in calls.values()
             for leaf in (entry if isinstance(entry, tuple) else (entry,))]
+    made.clear()  # the checkpoint's own references to its contexts are the ones that count
     assert held and all(v is None for v in held if v != "none")  # both matmuls' outputs
-    store.swap_in(store.allocate(), backend=CPU)
+    fresh = store.allocate()
+    back = [weakref.ref(t.untyped_storage()) for t in fresh]  # lives while any tensor uses it
+    store.swap_in(fresh, backend=CPU)
+    del fresh
+    assert all(r() is not None for r in back)
     assert torch.equal(torch.autograd.grad(out.sum(), w)[0], expected)
+    # once the recompute has taken them, nothing holds the swapped-in memory: it goes with the
+    # block's backward, as planned (sac.N@in), not at the end of the step
+    assert all(r() is None for r in back)
 
     early = KeptSwap("f", pool)
     out = checkpoint(fn, x, use_reentrant=False, context_fn=lambda: early.contexts(policy))
     early.prepare_swap_out()()
     with pytest.raises(DivergedError, match="before their swap-in"):
         torch.autograd.grad(out.sum(), w)
+
+
+def fill_zeros(t: torch.Tensor) -> None:
+    t.zero_()
+
+
+def test_a_stream_holds_nothing_of_an_op_it_has_run():
+    """A copy stream waiting for its next op no longer references the last one's work (a
+    swap-in's fresh tensors would live on, beyond the plan, until the next copy)."""
+    events: dict = {"op": threading.Event()}
+    stream = StreamWorker("h2d", events, [], CPU)
+    held = torch.empty(1 << 10)
+    gone = weakref.ref(held)
+    stream.submit("op", functools.partial(fill_zeros, held), ())
+    del held
+    assert events["op"].wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while gone() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the event is set just before the worker lets go of the op
+    released = gone() is None
+    stream.close()
+    assert released
 
 
 def test_a_kept_output_changed_in_place_is_still_refused():

@@ -86,6 +86,9 @@ class KeptSwap:
         what it copies is known from here on, so the swap-in can allocate for it even before
         the copy stream has run the swap-out."""
         self._kept = self._collect()
+        # the storages live on in their checkpoints' contexts as long as those need them
+        # (an output the recompute never asks for, since it stops early, goes with them)
+        self._storages.clear()
         return self.swap_out
 
     def swap_out(self):
@@ -121,7 +124,9 @@ class KeptSwap:
                 # changed in place before the swap-out: a version that cannot match
                 w.version = t._version - 1 if k.mutated else t._version
             hosts.append(k.host)
-            k.host = None
+        # the wrappers now hold the only references: each tensor goes once the recompute
+        # has taken it from the storage (its buffer is freed after the block's backward)
+        self._kept = []
         self._away = False
 
         def release():
@@ -139,7 +144,8 @@ class KeptSwap:
             self._ready()
 
     def reset(self) -> None:
-        """End of the replay: forget the storages (the recomputes have consumed them)."""
+        """End of the replay: forget the storages (the recomputes have consumed them), and
+        free the host slots of a swap-out that was not swapped back in (a failed step)."""
         for k in self._kept:
             if k.host is not None:
                 self._pool.free(k.host)

@@ -91,6 +91,9 @@ class StreamWorker:
                     except BaseException as e:  # noqa: BLE001 - handed to the compute thread
                         self._errors.append((self.name, item.label, e))
                 self._events[item.op_id].set()
+                # what the op held (a swap-in's fresh tensors, say) is not kept alive while
+                # the stream waits for its next op
+                item = release = None
 
 
 class OpEvents:
