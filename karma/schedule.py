@@ -78,8 +78,10 @@ STREAM_OF_KIND = {
     "loss": "compute",  # loss_fn(output, targets), then the start of backward
     "recompute": "compute",  # run a block's forward again to rebuild its activations
     "backward": "compute",  # a block's backward
-    "swap_out": "d2h",  # copy a block's saved activations to the host; frees them on the device
-    "swap_in": "h2d",  # copy them back before the block's backward
+    # copy a block's saved activations (a selective block's kept outputs) to the host; frees
+    # them on the device
+    "swap_out": "d2h",
+    "swap_in": "h2d",  # copy them back before the block's backward (its recompute)
     "fetch": "h2d",  # copy a block's weights from the host into device buffers
     "grads_to_host": "d2h",  # copy a block's gradients to the host; frees them on the device
     "allreduce": "net",  # average a block's gradients over ranks

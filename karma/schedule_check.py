@@ -11,7 +11,7 @@ names the op or block, the rule, and the fix. The rules, in the order they are c
 - parameters named once: each parameter is owned by one block; a block's shared_params are
   owned by an earlier block.
 - decisions: streamed weights are stepped on the host; only a selective block has a policy
-  and keeps outputs on the host.
+  and keeps outputs on the host, and only one of a single module.
 - streams: each op kind runs on its stream (schedule.py's module docstring).
 - ops match decisions: a block's ops are those of its act, weights and optim (a keep block
   is never swapped, a selective one only with kept: host, a streamed block has its
@@ -22,7 +22,8 @@ names the op or block, the rule, and the fix. The rules, in the order they are c
   list order as compute reaches their stage).
 - compute order: the compute ops follow the model's own execution.
 - dependencies: an op that needs another's result waits for it (see [Note: happens-before]
-  in schedule_replay.py).
+  in schedule_replay.py); a selective block's kept outputs leave in a later stage than its
+  forward (the swap-out takes what the forward kept when it is issued).
 - buffer lifetime: a buffer is allocated before every use, used before it is freed, and an
   allocated buffer is freed once in the replay; with clipping, fetched weights are not
   freed by an op that may run on into the next step (see _deferred_weight_frees).
@@ -196,6 +197,11 @@ class _Checker:
                 raise _Broken(f"{self.block(b.index)} has act: {b.act} and kept: {b.kept} "
                               "(rule: decisions: only a selective block keeps outputs, on the "
                               f"device or the host); remove its kept, {_FIX}")
+            if b.kept == "host" and len(b.modules) != 1:
+                raise _Broken(f"{self.block(b.index)} has kept: host and {len(b.modules)} "
+                              "modules (rule: decisions: what a block of several module calls "
+                              "keeps stays on the device, where the checkpoint of each call "
+                              f"holds what the one before kept); set its kept to device, {_FIX}")
             if bool(b.policy) != (b.act == "selective"):
                 fix = (f"add policy: {SELECTIVE_POLICY}" if b.act == "selective"
                        else "remove its policy")
@@ -382,6 +388,11 @@ class _Checker:
                     raise _Broken(f"{self.op(then)} may start before {self.op(first)} ends: "
                                   f"no chain of deps orders them (rule: dependencies: {why}); "
                                   f"add {first.id} to ops[{then.id}].deps, {_FIX}")
+            if b.kept == "host" and out is not None and out.stage <= fwd.stage:
+                raise _Broken(f"{self.op(out)} is in stage {out.stage}, that of its block's "
+                              "forward (rule: dependencies: what a selective block keeps is "
+                              "swapped out in a later stage, once its forward has kept it); "
+                              f"move it to stage {fwd.stage + 1}, {_FIX}")
             if cfg.accumulate > 1 and world > 1 and b.optim == "host" and ar is not None \
                     and to_host is not None and not on_host:
                 raise _Broken(f"{self.op(ar)} comes before {self.op(to_host)} (rule: "

@@ -74,10 +74,11 @@ def test_problem_refuses_a_graph_measured_in_another_dtype(example):
 
 
 def swapped_bytes(schedule) -> dict[int, int]:
-    """Bytes each block's swap_out ops move to the host."""
+    """Bytes each swap block's swap_out ops move to the host (not a selective block's kept
+    outputs)."""
     out: dict[int, int] = {}
     for op in schedule.ops:
-        if op.kind == "swap_out":
+        if op.kind == "swap_out" and schedule.blocks[op.block].act == "swap":
             out[op.block] = out.get(op.block, 0) + op.bytes
     return out
 

@@ -142,7 +142,8 @@ def test_training_is_bitwise_equal_to_plain_pytorch(name, strategy, fraction, tm
                 assert size == named[n].numel() * named[n].element_size(), n
 
     held = host_optimizer_bytes(schedule, probe.model)
-    if any(a == "swap" for a in acts):  # swapped activations went through the host tier
+    # swapped activations, or a selective block's kept outputs, went through the host tier
+    if any(b.act == "swap" or b.kept == "host" for b in schedule.blocks):
         assert report.host_tier_peak_bytes > held
     else:
         assert report.host_tier_peak_bytes == held
@@ -188,15 +189,17 @@ def test_a_model_built_in_the_host_tier_trains_exactly(name, strategy, fraction,
 
 def test_schedules_under_test_cover_every_decision():
     """The ILP budgets above really mix decisions (else the exactness tests prove little)."""
-    seen = set()
+    seen, kept = set(), set()
     for cell in cells(MODELS, STRATEGIES):
         name, strategy, fraction = cell.values
         s = plan(load_small(name), strategy, fraction)
         seen |= {(b.act, b.weights, b.optim) for b in s.blocks if strategy == "ilp"}
+        kept |= {b.kept for b in s.blocks if strategy == "ilp" and b.act == "selective"}
     acts, weights, optims = ({c[k] for c in seen} for k in range(3))
     # (a whole recompute: recompute_all's and offload_all's cells, where the ILP prefers
     # selective)
     assert acts >= {"keep", "swap", "selective"}
+    assert kept == {"device", "host"}  # a selective block's kept outputs, either way
     assert weights == {"resident", "streamed"}
     assert optims == {"device", "host"}
     # resident weights with host master copies

@@ -78,7 +78,8 @@ class Choice:
 def valid_choices(problem: Problem, i: int) -> list[Choice]:
     """Choices block i may take: the last block cannot swap (its backward comes next); it is
     selective under each policy that can run it, what it keeps on the device or (but the
-    last) on the host; a block that copies nothing in has no prefetch distance to choose."""
+    last, and a block of several module calls: SelectiveCost.leaves) on the host; a block
+    that copies nothing in has no prefetch distance to choose."""
     n = len(problem.blocks)
     acts = [(a, "") for a in (("keep", "swap", "recompute") if i < n - 1
                                else ("keep", "recompute"))]
@@ -90,7 +91,8 @@ def valid_choices(problem: Problem, i: int) -> list[Choice]:
             fetches = a == "swap" or w == "streamed"
             for ahead in (1, 2) if fetches and i + 2 <= n - 1 else (1,):
                 out.append(Choice(a, w, o, ahead, policy))
-            if a == "selective" and i < n - 1:
+            if a == "selective" and i < n - 1 \
+                    and problem.blocks[i].selective_under(policy).leaves:
                 out.append(Choice(a, w, o, 1, policy, kept="host"))
     return out
 

@@ -99,6 +99,10 @@ class SelectiveCost:
     recompute_bytes: int  # the saved bytes its recompute makes again (its own act_bytes and
     # the shared ones it made, less what the policy's ops made)
     recompute_s: float  # the recompute: the ops its policy does not name
+    # what it keeps may wait on the host (kept: host): a block of one module call; one of
+    # several is checkpointed call by call, where a later call's checkpoint holds what an
+    # earlier call kept, so a swap-out would free nothing (karma/runtime/replay/kept.py)
+    leaves: bool = True
 
 
 @dataclass(frozen=True)
@@ -420,5 +424,5 @@ def _selective_costs(b: Block, i: int, fwd_s: float, traffic: int, shared_made_b
         out.append(SelectiveCost(
             policy=sel.policy, kept_bytes=sel.kept_bytes,
             recompute_bytes=max(0, b.act_bytes + shared_made_bytes - sel.kept_saved_bytes),
-            recompute_s=recompute_s))
+            recompute_s=recompute_s, leaves=len(b.modules) == 1))
     return tuple(out)

@@ -142,14 +142,15 @@ def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
 
 def _kept_on_host(baseline):
     """`baseline` with its recompute blocks selective (the IR's first policy), what they
-    keep on the host but in the last block, whose backward comes next."""
+    keep on the host but in the last block, whose backward comes next (those of several
+    module calls, which cannot keep on the host, left as they are)."""
     def kept_on_host(problem, capacity_bytes, training=PLAIN):
         plan = baseline(problem, capacity_bytes, training)
         n = len(problem.blocks)
         choices = tuple(
             Choice("selective", c.weights, c.optim, 1, b.selective[0].policy,
                    kept="host" if i < n - 1 else "device")
-            if c.act == "recompute" and b.selective else c
+            if c.act == "recompute" and b.selective and b.selective[0].leaves else c
             for i, (b, c) in enumerate(zip(problem.blocks, plan.choices)))
         return dataclasses.replace(plan, choices=choices)
     return kept_on_host

@@ -156,9 +156,14 @@ class BlockHooks:
 
         def checkpointed(*args, **kwargs):
             block = self.blocks[self._current if self._current in blocks else blocks[0]]
-            contexts = partial(checkpoint_contexts, block, buffers, self.kept.get(block.index))
-            return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts,
-                              **kwargs)
+            # a selective block's kept outputs go to the host in a training replay only
+            kept = self.kept.get(block.index) if self._backward is not None else None
+            contexts = partial(checkpoint_contexts, block, buffers, kept)
+            output = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts,
+                                **kwargs)
+            if kept is not None:
+                kept.returned(output)
+            return output
 
         self._restore.append((module, forward))
         module.forward = checkpointed

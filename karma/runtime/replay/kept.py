@@ -10,6 +10,9 @@ back into fresh device tensors during the next block's backward, before the reco
 Nothing else changes: the recompute receives the same values, so the gradients are
 bitwise those of keeping them on the device.
 
+PyTorch's policies name this (`CheckpointPolicy.MUST_CPU_OFFLOAD`), but in eager mode its
+caching mode recomputes such an output instead (torch 2.13, torch/utils/checkpoint.py).
+
 The contexts are torch.utils.checkpoint's own (`_CachingTorchDispatchMode`,
 `_CachedTorchDispatchMode`), built over storage this store owns, as
 `create_selective_checkpoint_contexts` builds them over a storage of its own: private
@@ -44,6 +47,9 @@ class _Kept:
     dtype: torch.dtype
     stride: tuple[int, ...] | None  # the tensor's where dense, to restore; else None
     mutated: bool = False  # changed in place before its swap-out
+    # the block returned it: the next block holds it and may change it in place, which the
+    # swap-in then checks (the tensor is alive anyway)
+    returned: torch.Tensor | None = None
     host: torch.Tensor | None = None  # in the host tier: from swap-out to swap-in
     ready: Callable[[], None] | None = field(default=None, repr=False)
 
@@ -52,8 +58,8 @@ class _Returning(_CachedTorchDispatchMode):
     """The recompute's cached mode, first making the compute stream wait for the swap-in
     (the recompute may start before the backward op the schedule orders it after)."""
 
-    def __init__(self, store: KeptSwap, storage):
-        super().__init__(None, storage)
+    def __init__(self, store: KeptSwap, policy_fn, storage):
+        super().__init__(policy_fn, storage, False)  # no kept output changed in place
         self._store = store
 
     def __enter__(self):
@@ -69,17 +75,29 @@ class KeptSwap:
         self.device = device or torch.device("cpu")
         self._pool = pool
         self._storages: list[dict] = []  # one per checkpointed call this replay
+        self._outputs: set[int] = set()  # data_ptr of the storages the block returned
         self._kept: list[_Kept] = []
         self._away = False  # between the swap-out and the swap-in
         self._ready: Callable[[], None] | None = None  # the swap-in's marker (CUDA)
 
     def contexts(self, policy_fn) -> tuple[_CachingTorchDispatchMode, _CachedTorchDispatchMode]:
-        """The selective contexts of one checkpointed call of the block, over storage this
-        store swaps (create_selective_checkpoint_contexts's, with the storage ours)."""
+        """The selective contexts of one checkpointed call of the block in a training replay,
+        over storage this store swaps (create_selective_checkpoint_contexts's, with the
+        storage ours)."""
         storage: dict = defaultdict(dict)
         if torch.is_grad_enabled():  # else checkpoint runs the forward without the contexts
             self._storages.append(storage)
-        return _CachingTorchDispatchMode(policy_fn, storage), _Returning(self, storage)
+        return (_CachingTorchDispatchMode(policy_fn, storage),
+                _Returning(self, policy_fn, storage))
+
+    def returned(self, output) -> None:
+        """What the block's call returned. A kept output that is (a view of) it is held by
+        the next block, which may change it in place while the swap-out copies it: the
+        recompute must then refuse it, as it would on the device, not be handed a copy
+        taken before or after the change depending on when the copy ran."""
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor):
+                self._outputs.add(t.untyped_storage().data_ptr())
 
     def prepare_swap_out(self) -> Callable[[], Callable[[], None]]:
         """The swap-out, as the compute thread issues it (the block's forward has ended):
@@ -89,6 +107,7 @@ class KeptSwap:
         # the storages live on in their checkpoints' contexts as long as those need them
         # (an output the recompute never asks for, since it stops early, goes with them)
         self._storages.clear()
+        self._outputs.clear()
         return self.swap_out
 
     def swap_out(self):
@@ -117,8 +136,11 @@ class KeptSwap:
         for k, t in zip(self._kept, fresh):
             t.copy_(k.host, non_blocking=True)
         self._ready = backend.marker()
-        hosts = []
+        hosts, filling = [], list(fresh)  # held until the copies have finished (CUDA)
         for k, t in zip(self._kept, fresh):
+            if k.returned is not None:  # changed in place since it was kept?
+                k.mutated |= k.returned._version != k.wrappers[0].version
+                k.returned = None
             for w in k.wrappers:  # each its own tensor object, as the forward stored them
                 w.val = t.detach()
                 # changed in place before the swap-out: a version that cannot match
@@ -132,6 +154,7 @@ class KeptSwap:
         def release():
             for h in hosts:
                 self._pool.free(h)
+            filling.clear()
 
         return release
 
@@ -150,6 +173,7 @@ class KeptSwap:
             if k.host is not None:
                 self._pool.free(k.host)
         self._storages.clear()
+        self._outputs.clear()
         self._kept = []
         self._away = False
         self._ready = None
@@ -160,7 +184,8 @@ class KeptSwap:
         by_tensor: dict[tuple, _Kept] = {}
         for storage in self._storages:
             for calls in storage.values():
-                for entry in calls.values():
+                # call index -> output (torch 2.13); a list of outputs in some earlier torch
+                for entry in (calls.values() if isinstance(calls, dict) else calls):
                     for w in tree_leaves(entry):
                         t = getattr(w, "val", None)
                         if not isinstance(t, torch.Tensor) or t.device != self.device:
@@ -169,7 +194,9 @@ class KeptSwap:
                                tuple(t.shape), t.stride(), t.dtype)
                         k = by_tensor.get(key)
                         if k is None:
+                            returned = t.untyped_storage().data_ptr() in self._outputs
                             k = by_tensor[key] = _Kept([], t.shape, t.dtype,
-                                                       t.stride() if dense(t) else None)
+                                                       t.stride() if dense(t) else None,
+                                                       returned=t if returned else None)
                         k.wrappers.append(w)
         return list(by_tensor.values())
