@@ -199,7 +199,9 @@ def test_schedules_under_test_cover_every_decision():
     # (a whole recompute: recompute_all's and offload_all's cells, where the ILP prefers
     # selective)
     assert acts >= {"keep", "swap", "selective"}
-    assert kept == {"device", "host"}  # a selective block's kept outputs, either way
+    # selective blocks keeping their outputs on the host (on the device: selective_all's
+    # cells, and tests/test_selective.py)
+    assert "host" in kept
     assert weights == {"resident", "streamed"}
     assert optims == {"device", "host"}
     # resident weights with host master copies
