@@ -10,6 +10,7 @@ repository root.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
@@ -109,4 +110,28 @@ def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, s
             raise AssertionError(
                 f"ranks still running after {timeout_s} s:\n{stdout}\n{stderr}") from e
         out.append((p.returncode, stdout, stderr))
+    return out
+
+
+def train_job(root: Path, schedules: dict, steps: int, world_size: int,
+              timeout_s: float) -> dict:
+    """Train each schedule of `schedules` (name -> Schedule) on `world_size` ranks in one
+    launch of tests/dist_worker.py, each in a directory of its own under `root`: name ->
+    (schedule, its run's directory, which holds rank{R}.json and ckpt/)."""
+    from karma.schedule import dump_schedule
+
+    runs, out = [], {}
+    for name, schedule in schedules.items():
+        directory = root / name
+        directory.mkdir()
+        (directory / "schedule.yaml").write_text(dump_schedule(schedule))
+        runs.append({"schedule": str(directory / "schedule.yaml"), "out": str(directory),
+                     "steps": steps})
+        out[name] = (schedule, directory)
+    job = root / "job.json"
+    job.write_text(json.dumps({"runs": runs}))
+    for rank, (code, _, stderr) in enumerate(
+            finish(start_ranks(["-m", "tests.dist_worker", str(job)], world_size),
+                   timeout_s=timeout_s)):
+        assert code == 0, f"rank {rank} failed:\n{stderr[-4000:]}"
     return out

@@ -45,7 +45,7 @@ from karma.testing.exactness import (
     plan,
     run,
 )
-from tests.dist_helpers import finish, start_ranks
+from tests.dist_helpers import train_job
 from tests.runtime_helpers import load_small
 from tests.test_distributed import final_parameters
 from tests.test_runtime import STEPS, load_model_pt
@@ -229,22 +229,10 @@ TWO_RANK_CASES = [("gpt", "offload_all", "bf16"), ("resnet", "recompute_all", "f
 def two_rank_runs(tmp_path_factory) -> dict:
     """Each case planned for two ranks (sharded host state), trained in one launch of
     tests/dist_worker.py: case -> (schedule, its run's directory)."""
-    root = tmp_path_factory.mktemp("kept-ranks")
-    runs, out = [], {}
-    for case in TWO_RANK_CASES:
-        schedule = kept_plan(*case, world_size=RANKS, host_state="sharded")
-        directory = root / case_id(*case)
-        directory.mkdir()
-        (directory / "schedule.yaml").write_text(dump_schedule(schedule))
-        runs.append({"schedule": str(directory / "schedule.yaml"), "out": str(directory),
-                     "steps": STEPS})
-        out[case] = (schedule, directory)
-    job = root / "job.json"
-    job.write_text(json.dumps({"runs": runs}))
-    for rank, (code, _, stderr) in enumerate(
-            finish(start_ranks(["-m", "tests.dist_worker", str(job)], RANKS), timeout_s=600)):
-        assert code == 0, f"rank {rank} failed:\n{stderr[-4000:]}"
-    return out
+    schedules = {case_id(*case): kept_plan(*case, world_size=RANKS, host_state="sharded")
+                 for case in TWO_RANK_CASES}
+    runs = train_job(tmp_path_factory.mktemp("kept-ranks"), schedules, STEPS, RANKS, 600)
+    return {case: runs[case_id(*case)] for case in TWO_RANK_CASES}
 
 
 @pytest.mark.slow

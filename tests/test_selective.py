@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import karma.runtime.replay.selective as contexts
 from karma.errors import KarmaError
 from karma.reference import train_reference
-from karma.schedule import Schedule, dump_schedule
+from karma.schedule import Schedule
 from karma.schedule_load import load_schedule
 from karma.selective_policy import SELECTIVE_POLICIES, SELECTIVE_POLICY
 from karma.testing.exactness import (
@@ -40,7 +40,7 @@ from karma.testing.exactness import (
     plan,
     run,
 )
-from tests.dist_helpers import finish, start_ranks
+from tests.dist_helpers import train_job
 from tests.matrix import MODELS
 from tests.runtime_helpers import load_small
 from tests.test_distributed import final_parameters
@@ -273,24 +273,11 @@ def test_a_kept_output_changed_in_place_names_the_block_and_the_fix(tmp_path):
 def two_rank_runs(tmp_path_factory) -> dict:
     """Every case planned for two ranks (sharded host state) and made selective, trained in
     one launch of tests/dist_worker.py: case -> (schedule, its run's directory)."""
-    root = tmp_path_factory.mktemp("selective-ranks")
-    runs, out = [], {}
-    for case in CASES:
-        name, strategy, dtype = case
-        schedule = selective(plan(load_small(name), strategy, world_size=RANKS,
-                                  host_state="sharded", dtype=dtype))
-        directory = root / case_id(*case)
-        directory.mkdir()
-        (directory / "schedule.yaml").write_text(dump_schedule(schedule))
-        runs.append({"schedule": str(directory / "schedule.yaml"), "out": str(directory),
-                     "steps": STEPS})
-        out[case] = (schedule, directory)
-    job = root / "job.json"
-    job.write_text(json.dumps({"runs": runs}))
-    for rank, (code, _, stderr) in enumerate(
-            finish(start_ranks(["-m", "tests.dist_worker", str(job)], RANKS), timeout_s=900)):
-        assert code == 0, f"rank {rank} failed:\n{stderr[-4000:]}"
-    return out
+    schedules = {case_id(*case): selective(plan(load_small(case[0]), case[1], world_size=RANKS,
+                                                host_state="sharded", dtype=case[2]))
+                 for case in CASES}
+    runs = train_job(tmp_path_factory.mktemp("selective-ranks"), schedules, STEPS, RANKS, 900)
+    return {case: runs[case_id(*case)] for case in CASES}
 
 
 @pytest.mark.slow
