@@ -19,15 +19,16 @@ The contexts are torch.utils.checkpoint's own (`_CachingTorchDispatchMode`,
 classes of torch 2.13, whose storage maps (op, overload) -> call index -> the op's output
 as a tree of `_VersionWrapper`s (val: the tensor, version: its version counter when it
 was stored). The swap replaces each wrapper's `val`; a kept output changed in place before
-its swap-out keeps a version that no longer matches, so the recompute still refuses it
-(selective.py's error), as it would on the device.
+its swap-out (or, one the block returns, before its swap-in: the next block holds it) gets a
+version that no longer matches, so the recompute still refuses it (selective.py's error), as
+it would on the device.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -51,7 +52,6 @@ class _Kept:
     # swap-in then checks (the tensor is alive anyway)
     returned: torch.Tensor | None = None
     host: torch.Tensor | None = None  # in the host tier: from swap-out to swap-in
-    ready: Callable[[], None] | None = field(default=None, repr=False)
 
 
 class _Returning(_CachedTorchDispatchMode):
