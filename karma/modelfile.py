@@ -416,8 +416,6 @@ def resolve_function(module: ModuleType, where: str) -> Any:
         return None
 
 
-
-
 def make_model_file(path: Path, sha256: str, module: ModuleType | None,
                 functions: Mapping[str, Any], batch_size: int,
                 entry: tuple[tuple[str, str], ...] | None = None) -> ModelFile:

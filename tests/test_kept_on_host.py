@@ -13,7 +13,6 @@ decision, and karma-inspect shows it.
 from __future__ import annotations
 
 import functools
-import json
 import threading
 import time
 import weakref
@@ -47,11 +46,9 @@ from karma.testing.exactness import (
 )
 from tests.dist_helpers import train_job
 from tests.runtime_helpers import load_small
-from tests.test_distributed import final_parameters
 from tests.test_runtime import STEPS, load_model_pt
-from tests.test_selective import reference
+from tests.test_selective import RANKS, assert_ranks_follow_the_averaged_loop, reference
 
-RANKS = 2
 CPU = CpuBackend()  # what KeptSwap asks of a backend: a marker (none on the CPU)
 CASES = [("gpt", "offload_all", "bf16"), ("resnet", "recompute_all", "fp32"),
          ("mlp", "recompute_all", "fp32"), ("gpt", "recompute_all", "fp32"),
@@ -241,13 +238,8 @@ def two_rank_runs(tmp_path_factory) -> dict:
 def test_two_ranks_equal_one_process_averaging_them(two_rank_runs, name, strategy, dtype):
     schedule, out = two_rank_runs[(name, strategy, dtype)]
     assert any(b.kept == "host" for b in load_schedule(out / "schedule.yaml").blocks)
-    ref = reference(name, dtype, RANKS, **host_stepped(schedule))
-    ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
-    assert_bitwise_equal(final_parameters(out, ref_params), ref_params)
-    for rank in range(RANKS):
-        report = json.loads((out / f"rank{rank}.json").read_text())
-        assert report["losses"] == ref.rank_losses[rank]
-        assert not report["protocol"]["violations"], report["protocol"]["violations"][:5]
+    assert_ranks_follow_the_averaged_loop(out, reference(name, dtype, RANKS,
+                                                         **host_stepped(schedule)))
 
 
 # --- the plan, the schedule, karma-inspect -------------------------------------------------

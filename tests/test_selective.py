@@ -288,7 +288,13 @@ def test_two_ranks_of_selective_blocks_equal_one_process_averaging_them(two_rank
     schedule, out = two_rank_runs[(name, strategy, dtype)]
     ran = load_schedule(out / "schedule.yaml")  # what the ranks loaded: selective blocks
     assert {(b.act, b.policy) for b in ran.blocks} == {("selective", SELECTIVE_POLICY)}
-    ref = reference(name, dtype, RANKS, **host_stepped(schedule))
+    assert_ranks_follow_the_averaged_loop(out, reference(name, dtype, RANKS,
+                                                         **host_stepped(schedule)))
+
+
+def assert_ranks_follow_the_averaged_loop(out, ref) -> None:
+    """A 2-rank run in `out` (tests/dist_worker.py's): the parameters bitwise the
+    gradient-averaged reference's `ref`, each rank's losses its own, no protocol violation."""
     ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
     assert_bitwise_equal(final_parameters(out, ref_params), ref_params)
     for rank in range(RANKS):
