@@ -1,7 +1,8 @@
 """How fast the host steps AdamW, against the bound the machine's memory bandwidth sets.
 
     .venv/bin/python bench/host_optimizer.py [--layers 8] [--width 512] [--heads 8] [--seq 256]
-        [--vocab 8192] [--batch-size 8] [--repeats 5] [--gpu-mem 2G] [--json FILE]
+        [--vocab 8192] [--batch-size 8] [--repeats 5] [--traced-steps 4] [--gpu-mem 2G]
+        [--json FILE]
 
 On the block shapes of examples/gpt.py (by default KARMA_GPT=8x512x8x8192, KARMA_SEQ=256,
 batch 8), one table in GB/s (1e9 bytes a second) of fp32 parameter bytes stepped:
@@ -16,10 +17,11 @@ batch 8), one table in GB/s (1e9 bytes a second) of fp32 parameter bytes stepped
    --repeats steps;
 4. karma's host steps inside a traced out-of-core step: karma-plan --hardware cpu --strategy
    offload_all (every block's weights streamed, every block stepped on the host; block times
-   estimated, --no-measure), karma-run --steps 3 --trace-step 3, and from the trace the
-   parameter bytes of the blocks the host_step ops stepped (the schedule's param_bytes) over
-   the sum of their durations: all of them; those that no compute op (forward, loss,
-   recompute, backward, device_step) overlapped in time; and those that one did.
+   estimated, --no-measure), karma-run tracing steps 3 to 2 + --traced-steps, and from the
+   traces the parameter bytes of the blocks the host_step ops stepped (the schedule's
+   param_bytes) over the sum of their durations: all of them; those that no compute op
+   (forward, loss, recompute, backward, device_step) of their step overlapped in time; and
+   those that one did.
 """
 
 from __future__ import annotations
@@ -134,17 +136,20 @@ def run(cmd: list[str], env: dict[str, str]) -> None:
         sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
 
 
-def traced_step(args: argparse.Namespace, work: Path) -> tuple[Schedule, StepTrace]:
-    """Plan offload_all for the GPT, train 3 steps and trace the third."""
+def traced_steps(args: argparse.Namespace, work: Path) -> tuple[Schedule, list[StepTrace]]:
+    """Plan offload_all for the GPT, train 2 + --traced-steps steps and trace all from the
+    third."""
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, **gpt_env(args), "PYTHONPATH": os.pathsep.join(path)}
     schedule, trace = work / "schedule.yaml", work / "trace.json"
     run([sys.executable, "-m", "karma.cli.plan", str(GPT), "--hardware", "cpu", "--strategy",
          "offload_all", "--gpu-mem", args.gpu_mem, "--batch-size", str(args.batch_size),
          "--no-measure", "-o", str(schedule)], env)
-    run([sys.executable, "-m", "karma.cli.run", str(schedule), "--steps", "3",
-         "--trace-step", "3", "--trace", str(trace)], env)
-    return load_schedule(schedule), load_trace(trace)
+    k = args.traced_steps
+    run([sys.executable, "-m", "karma.cli.run", str(schedule), "--steps", str(2 + k),
+         "--trace-step", "3", "--trace-steps", str(k), "--trace", str(trace)], env)
+    paths = [trace] if k == 1 else [work / f"trace.step{n}.json" for n in range(3, 3 + k)]
+    return load_schedule(schedule), [load_trace(path) for path in paths]
 
 
 def overlaps(span: OpSpan, others: list[OpSpan]) -> bool:
@@ -160,12 +165,15 @@ def host_rate(name: str, steps: list[OpSpan], schedule: Schedule) -> Row:
     return rate_row(name, nbytes, seconds, f"{len(steps)} host step{plural}", len(steps))
 
 
-def karma_rows(schedule: Schedule, trace: StepTrace) -> list[Row]:
-    """The traced step's host steps: all, those beside no compute op, those beside one."""
-    steps = [s for s in trace.ops if s.kind == "host_step"]
-    compute = [s for s in trace.ops if s.stream == "compute"]
-    alone = [s for s in steps if not overlaps(s, compute)]
-    beside = [s for s in steps if overlaps(s, compute)]
+def karma_rows(schedule: Schedule, traces: list[StepTrace]) -> list[Row]:
+    """The traced steps' host steps: all, those beside no compute op, those beside one."""
+    steps, alone, beside = [], [], []
+    for trace in traces:
+        compute = [s for s in trace.ops if s.stream == "compute"]
+        for s in trace.ops:
+            if s.kind == "host_step":
+                steps.append(s)
+                (beside if overlaps(s, compute) else alone).append(s)
     return [host_rate("karma host steps, all", steps, schedule),
             host_rate("karma host steps, no compute op overlapping", alone, schedule),
             host_rate("karma host steps, a compute op overlapping", beside, schedule)]
@@ -192,19 +200,21 @@ def measure(args: argparse.Namespace) -> list[Row]:
     shapes = param_shapes(gpt_env(args))
     rows += [adamw_row(shapes, kernel, args.repeats) for kernel in KERNELS]
     with tempfile.TemporaryDirectory(prefix="karma-host-optimizer-") as tmp:
-        rows += karma_rows(*traced_step(args, Path(tmp)))
+        rows += karma_rows(*traced_steps(args, Path(tmp)))
     return rows
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("layers", 8), ("width", 512), ("heads", 8), ("seq", 256),
-                          ("vocab", 8192), ("batch-size", 8), ("repeats", 5)):
+                          ("vocab", 8192), ("batch-size", 8), ("repeats", 5),
+                          ("traced-steps", 4)):
         p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--gpu-mem", default="2G", help="karma-plan's budget (default 2G)")
     p.add_argument("--json", type=Path, help="also write the table here")
     args = p.parse_args()
-    for flag in ("layers", "width", "heads", "seq", "vocab", "batch_size", "repeats"):
+    for flag in ("layers", "width", "heads", "seq", "vocab", "batch_size", "repeats",
+                 "traced_steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not positive; "
                     "give a whole number of 1 or more")
@@ -212,12 +222,14 @@ def main() -> int:
     bound = rows[1].bytes_per_s
     env = " ".join(f"{k}={v}" for k, v in gpt_env(args).items())
     print(f"{env}, batch {args.batch_size}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats} (the triad: the best; karma: step 3's host steps); GB/s "
+          f"median of {args.repeats} (the triad: the best; karma: the host steps of "
+          f"{args.traced_steps} traced step(s)); GB/s "
           "of fp32 parameter bytes stepped (the triad: of bytes moved)")
     print(table(rows, bound))
     if args.json:
         write_text_atomic(args.json, json.dumps(
             {"env": gpt_env(args), "batch_size": args.batch_size, "repeats": args.repeats,
+             "traced_steps": args.traced_steps,
              "threads": torch.get_num_threads(), "adamw_bound_bytes_per_s": bound,
              "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
     return 0

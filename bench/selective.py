@@ -2,6 +2,7 @@
 with and without the selective choice, against the ideal and against selective everywhere.
 
     .venv/bin/python bench/selective.py [--json FILE]
+    .venv/bin/python bench/selective.py --bounds
 
 For each model: the ideal (keep_all with unlimited memory), the ILP's plan without selective
 recompute (karma-plan --no-selective), with it but what a selective block keeps on the device
@@ -9,7 +10,17 @@ only (the ILP's choices without `kept: host`, a restriction this script makes) a
 all (the default), each over the ideal, and
 the selective_all baseline (torchtitan's default: every block keeps what its matmuls return)
 over the ideal where it fits, else the memory it needs. Roofline block times from the
-v100-16g profile (--no-measure: this machine is not a V100).
+v100-16g profile (--no-measure: this machine is not a V100). Then what each last plan holds
+on the device at its fullest stage (the ILP's memory model): the saved tensors several
+blocks hold (a ResNet block's output, which the next block saves as its input; on the
+device until that block's backward whatever either chooses), recomputing blocks' inputs,
+what selective blocks keep, what keeping and swapped blocks save, and the rest.
+
+--bounds: for the ResNets, what the ILP would reach were some copies free, bounds on what a
+finer choice could gain and not plans karma makes: what selective blocks keep on the host
+copied out at no copy-engine time; and besides, the tensors several blocks save (a block's
+output, its next block's input) sent to the host at no copy-engine time once the reader
+that holds them has run its forward.
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 from karma.api import plan_options, plan_report  # noqa: E402
 from karma.planner import lowering  # noqa: E402
+from karma.planner.memory import buffer_spans, stage_memory  # noqa: E402
+from karma.schedule import HOST_TEMP_PREFIX  # noqa: E402
 from karma.units import format_bytes  # noqa: E402
 
 COMMAND = ".venv/bin/python bench/selective.py"
@@ -62,6 +75,82 @@ def kept_on_the_device():
         yield
 
 
+# what the chosen plan holds at its fullest stage, by the lowering's buffer names
+HELD = (("saved by several blocks", "shared."), ("inputs checkpointed", "ckpt."),
+        ("kept by selective blocks", "sac."), ("saved by kept or swapped blocks", "act."))
+
+
+def peak_held(report) -> dict[str, int]:
+    """The device bytes live in the chosen plan's fullest stage (the ILP's memory model), by
+    what they are: HELD's kinds, the rest as "other" (weights, gradients, optimizer state,
+    temporaries, what a recompute makes again)."""
+    problem, ev = report.problem, report.chosen
+    choices = list(ev.plan.choices)
+    per_stage = stage_memory(problem, choices, ev.training)
+    peak = max(range(len(per_stage)), key=per_stage.__getitem__)
+    held = {kind: 0 for kind, _ in HELD} | {"other": 0}
+    frags = [lowering.common_fragment(problem)] + [
+        lowering.fragment(problem, i, c, ev.training) for i, c in enumerate(choices)]
+    for f in frags:
+        device = [b for b in f.buffers if not b.name.startswith(HOST_TEMP_PREFIX)]
+        for buf, (first, last, nbytes) in zip(device, buffer_spans(problem, f), strict=True):
+            if first <= peak <= last:
+                kind = next((k for k, prefix in HELD if buf.name.startswith(prefix)), "other")
+                kind = "other" if buf.name.endswith("@re") else kind
+                held[kind] += nbytes
+    assert sum(held.values()) == per_stage[peak], (held, per_stage[peak])
+    return held
+
+
+@contextlib.contextmanager
+def kept_copies_free():
+    """A bound: a selective block's kept outputs go to the host in no time (the swap-out's
+    copy takes 0 s; the swap-in is as planned)."""
+    kept = lowering._kept
+
+    def free(f, problem, st, i, c, *rest):
+        kept(f, problem, st, i, c, *rest)
+        for o in f.ops:
+            if o.key == ("swap_out", i):
+                o.dur_s = 0.0
+
+    with mock.patch.object(lowering, "_kept", free):
+        yield
+
+
+@contextlib.contextmanager
+def held_outputs_free():
+    """A bound: a saved tensor that a later block holds (HeldSaved) until its backward, where
+    no other block holds it longer, leaves the device in no time once the forward after that
+    block's is over and is back from the backward before that block's (the runtime has no
+    such copy)."""
+    activations = lowering._activations
+
+    def offloaded(f, problem, st, i, c, fwd, bwd):
+        activations(f, problem, st, i, c, fwd, bwd)
+        for h in problem.held_by_first_reader[i]:
+            reader = h.next_reader
+            if h.freed_after(c.act) != reader or reader + 1 >= len(problem.blocks):
+                continue
+            name = f"shared.{h.made_by}.{i}.{reader}"
+            next(b for b in f.buffers if b.name == name).free = ("forward", reader + 1)
+            f.buffer(f"{name}@in", i, h.bytes, ("backward", reader + 1), ("backward", reader))
+
+    with mock.patch.object(lowering, "_activations", offloaded):
+        yield
+
+
+def bounds(path: str, env: dict[str, str], batch: int) -> tuple[float, list[float]]:
+    """The ideal's step, and the ILP plan's: as karma makes it, with kept copies free, and
+    with the held outputs free too."""
+    plans = [plan_one(path, env, batch, selective=True)]
+    with kept_copies_free():
+        plans.append(plan_one(path, env, batch, selective=True))
+        with held_outputs_free():
+            plans.append(plan_one(path, env, batch, selective=True))
+    return plans[0].schedule.predicted.ideal_s, [p.chosen.step_s for p in plans]
+
+
 def row(label: str, path: str, env: dict[str, str], batch: int) -> dict:
     start = time.perf_counter()
     before = plan_one(path, env, batch, selective=False)
@@ -80,6 +169,7 @@ def row(label: str, path: str, env: dict[str, str], batch: int) -> dict:
                                            "kept_on_host")},
         "solve_s": {"before": before.chosen.plan.solve_s, "device": device.chosen.plan.solve_s,
                     "after": after.chosen.plan.solve_s},
+        "peak_held_bytes": peak_held(after),
         "seconds": time.perf_counter() - start,
     }
 
@@ -107,16 +197,41 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def held_table(rows: list[dict]) -> str:
+    """What each ILP plan (with the host) holds at its fullest stage."""
+    kinds = [k for k, _ in HELD] + ["other"]
+    lines = ["| model | " + " | ".join(kinds) + " | in all |",
+             "| --- |" + " ---: |" * (len(kinds) + 1)]
+    for r in rows:
+        held = r["peak_held_bytes"]
+        lines.append(f"| {r['model']} | " + " | ".join(format_bytes(held[k]) for k in kinds)
+                     + f" | {format_bytes(sum(held.values()))} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON too")
+    ap.add_argument("--bounds", action="store_true",
+                    help="the ResNets' plans were some copies free, instead")
     args = ap.parse_args()
+    if args.bounds:
+        print(f"    {COMMAND} --bounds\n")
+        print("| model | batch | ILP, over ideal | kept outputs' copies free | and the held "
+              "outputs' too |\n| --- | ---: | --- | --- | --- |")
+        for label, path, env, batch in MODELS[:2]:
+            ideal_s, steps = bounds(path, env, batch)
+            print(f"| {label} | {batch} | " + " | ".join(
+                f"{s:.3f} s, {s / ideal_s:.3f}x" for s in steps) + " |")
+        return 0
     rows = []
     for label, path, env, batch in MODELS:
         rows.append(row(label, path, env, batch))
         print(f"{label}: {rows[-1]['seconds']:.0f} s", file=sys.stderr)
     print(f"    {COMMAND}\n")
     print(table(rows))
+    print("\nWhat each plan (the last ILP) holds on the device at its fullest stage:\n")
+    print(held_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0

@@ -104,6 +104,41 @@ def test_the_host_stream_sets_only_its_own_threads():
     assert host_stream_threads("cuda", 16) == 15
 
 
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.2, fused=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True, fused=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1, fused=True),
+], ids=["adamw", "adam-amsgrad", "sgd", "adagrad"])
+def test_a_fused_step_is_the_same_on_one_thread_or_two(make):
+    """The host stream steps with its own thread count (one on two cores), the reference
+    (karma.reference) on the main thread's, a rank on one: the fused kernels are elementwise,
+    so where a tensor is split among threads changes no bit (tensors of several of PyTorch's
+    grains, split off the vector width)."""
+    def stepped(threads: int) -> list[torch.Tensor]:
+        ps, out = [], []
+
+        def work():
+            use_threads_here(threads)
+            g = torch.Generator().manual_seed(0)
+            ps.extend(torch.nn.Parameter(torch.randn(n, generator=g))
+                      for n in (100_003, 3 * 65_536 + 5))
+            opt = make(ps)
+            for _ in range(3):
+                for p in ps:
+                    p.grad = torch.randn(p.shape, generator=g)
+                opt.step()
+            out.extend(p.detach() for p in ps)
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        return out
+
+    one, two = stepped(1), stepped(2)
+    assert all(torch.equal(a, b) for a, b in zip(one, two)) and len(one) == 2
+
+
 def test_host_steps_are_timed_per_block_with_the_host_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     mf = load_small("gpt")
