@@ -32,7 +32,7 @@ from karma.runtime.replay import kept as kept_module
 from karma.runtime.replay.kept import KeptSwap
 from karma.runtime.replay.selective import _MUTATED as MUTATED
 from karma.runtime.replay.streams import StreamWorker
-from karma.runtime.replay.swap import DivergedError
+from karma.runtime.replay.tables import DivergedError
 from karma.schedule import Schedule, ScheduleFileError, dump_schedule
 from karma.schedule_check import validate
 from karma.schedule_load import load_schedule

@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from karma.runtime.host.tier import HostPool
-from karma.runtime.replay.swap import DivergedError, dense, empty_like_saved
+from karma.runtime.replay.swap import dense, empty_like_saved
+from karma.runtime.replay.tables import DivergedError
 
 
 @dataclass(eq=False)

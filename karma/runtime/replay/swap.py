@@ -17,12 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from karma.errors import KarmaError
 from karma.runtime.host.tier import HostPool
-
-
-class DivergedError(KarmaError):
-    """Execution did not follow the schedule (the model's forward left its planned order)."""
+from karma.runtime.replay.tables import DivergedError
 
 
 @dataclass(eq=False)
