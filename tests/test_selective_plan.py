@@ -185,5 +185,6 @@ def test_the_selective_bench_splits_a_plans_peak_and_bounds_finer_copies(monkeyp
     assert held["saved by several blocks"] > 0 and held["kept by selective blocks"] > 0
     assert report.chosen.plan.counts()["selective"] > 0
     assert seconds[0] == pytest.approx(report.chosen.step_s)
-    assert seconds[1] <= seconds[0] * 1.01 and seconds[2] <= seconds[1] * 1.01
+    assert seconds[1] <= seconds[0] * 1.01  # a zero gap
+    assert seconds[2] <= seconds[0] * 1.01 and seconds[3] <= seconds[2] * 1.01
     assert offloaded["saved by several blocks"] < held["saved by several blocks"]
