@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's karma, here and in the commands
 
 from karma.fileio import write_text_atomic  # noqa: E402
 from karma.modelfile import load_model_file  # noqa: E402
+from karma.runtime.loop import trace_file  # noqa: E402
 from karma.schedule import Schedule  # noqa: E402
 from karma.schedule_load import load_schedule  # noqa: E402
 from karma.timeline import OpSpan, StepTrace, load_trace  # noqa: E402
@@ -148,7 +149,7 @@ def traced_steps(args: argparse.Namespace, work: Path) -> tuple[Schedule, list[S
     k = args.traced_steps
     run([sys.executable, "-m", "karma.cli.run", str(schedule), "--steps", str(2 + k),
          "--trace-step", "3", "--trace-steps", str(k), "--trace", str(trace)], env)
-    paths = [trace] if k == 1 else [work / f"trace.step{n}.json" for n in range(3, 3 + k)]
+    paths = [trace_file(trace, n, k) for n in range(3, 3 + k)]
     return load_schedule(schedule), [load_trace(path) for path in paths]
 
 

@@ -116,10 +116,11 @@ def test_a_fused_step_is_the_same_on_one_thread_or_two(make):
     so where a tensor is split among threads changes no bit (tensors of several of PyTorch's
     grains, split off the vector width)."""
     def stepped(threads: int) -> list[torch.Tensor]:
-        ps, out = [], []
+        ps, out, seen = [], [], []
 
         def work():
             use_threads_here(threads)
+            seen.append(torch.get_num_threads())
             g = torch.Generator().manual_seed(0)
             ps.extend(torch.nn.Parameter(torch.randn(n, generator=g))
                       for n in (100_003, 3 * 65_536 + 5))
@@ -133,6 +134,7 @@ def test_a_fused_step_is_the_same_on_one_thread_or_two(make):
         t = threading.Thread(target=work)
         t.start()
         t.join()
+        assert seen == [threads]  # the OpenMP runtime took the setting
         return out
 
     one, two = stepped(1), stepped(2)
