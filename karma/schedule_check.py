@@ -11,7 +11,7 @@ names the op or block, the rule, and the fix. The rules, in the order they are c
 - parameters named once: each parameter is owned by one block; a block's shared_params are
   owned by an earlier block.
 - decisions: streamed weights are stepped on the host; only a selective block has a policy
-  and keeps outputs on the host, and only one of a single module.
+  and keeps outputs on the host, and only one of a single module that is not the last.
 - streams: each op kind runs on its stream (schedule.py's module docstring).
 - ops match decisions: a block's ops are those of its act, weights and optim (a keep block
   is never swapped, a selective one only with kept: host, a streamed block has its
@@ -197,6 +197,11 @@ class _Checker:
                 raise _Broken(f"{self.block(b.index)} has act: {b.act} and kept: {b.kept} "
                               "(rule: decisions: only a selective block keeps outputs, on the "
                               f"device or the host); remove its kept, {_FIX}")
+            if b.kept == "host" and b.index == self.n - 1:
+                raise _Broken(f"{self.block(b.index)} has kept: host and is the last block "
+                              "(rule: decisions: its backward follows its forward at once, so "
+                              "what it keeps has no stage to wait on the host in); set its "
+                              f"kept to device, {_FIX}")
             if b.kept == "host" and len(b.modules) != 1:
                 raise _Broken(f"{self.block(b.index)} has kept: host and {len(b.modules)} "
                               "modules (rule: decisions: what a block of several module calls "

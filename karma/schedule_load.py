@@ -83,7 +83,10 @@ def _read(path: Path) -> str:
                                 "schedule written by karma-plan")
     try:
         return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise ScheduleFileError(f"schedule file '{path}' is not text ({e}); give the path of a "
+                                "schedule written by karma-plan") from e
+    except OSError as e:
         raise ScheduleFileError(f"cannot read schedule file '{path}': {e}") from e
 
 
@@ -345,7 +348,8 @@ def _check_references(s: Schedule) -> None:
             if d >= i:
                 earlier = f"ids 0..{i - 1}" if i else "op 0 has none"
                 raise _Invalid(f"ops[{i}].deps: {d} is not an earlier op; an op waits only for "
-                               f"ops listed before it ({earlier})")
+                               f"ops listed before it ({earlier}): list the op it waits for "
+                               "before it, or re-plan with karma-plan")
     seen: dict[str, int] = {}
     for i, b in enumerate(s.buffers):
         if b.name in seen:

@@ -107,6 +107,8 @@ def load_trace(path: str | Path) -> StepTrace:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"it holds a JSON {type(data).__name__}, not a trace's object")
         if data.get("karma_trace") != TRACE_VERSION:
             raise ValueError(f"karma_trace is {data.get('karma_trace')!r}, not {TRACE_VERSION}")
         return StepTrace(str(data["schedule_sha256"]), str(data["model"]), str(data["backend"]),

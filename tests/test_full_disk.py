@@ -187,3 +187,15 @@ def test_a_tier_that_cannot_grow_on_a_stream_stops_the_run_with_its_message(
     assert_stopped_with(code, err, "cannot write the host tier's file ")
     assert "No space left on device" in err and "operation" not in err
     assert "step 1/2" not in out
+
+
+def test_a_tier_leaves_nothing_in_its_directory_while_it_runs(tmp_path):
+    """Each arena's file and its directory go once the file is mapped, so a run killed
+    mid-step (SIGKILL: no clean-up runs) leaves no karma-tier-* directory behind."""
+    pool = HostPool(1 << 20, kind="file", directory=str(tmp_path))
+    small = pool.empty((1000,), torch.float32).fill_(1.0)
+    large = pool.empty((1 << 20,), torch.float32).fill_(2.0)  # 4 MiB: a second arena
+    assert len(pool._arenas) == 2 and pool.directory == str(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert small.sum().item() == 1000 and large.sum().item() == 2 * (1 << 20)
+    pool.close()

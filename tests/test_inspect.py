@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
 import sys
 
 import pytest
@@ -14,6 +15,7 @@ from karma.schedule import dump_schedule, schedule_sha256
 from karma.schedule_load import load_schedule
 from karma.selective_policy import SELECTIVE_POLICY
 from karma.units import format_bytes
+from tests.conftest import ROOT
 from tests.schedule_fixtures import tiny_schedule
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -168,6 +170,13 @@ def test_bad_files_exit_2_without_traceback(capsys, tmp_path, content, says):
     assert_refused(*run(capsys, p), f"{p}", says)
 
 
+def test_a_binary_file_is_not_a_schedule(capsys, tmp_path):
+    p = tmp_path / "model.pt"
+    p.write_bytes(b"PK\x03\x04\xd0\xcf\x11\xe0" * 8)
+    assert_refused(*run(capsys, p), f"schedule file '{p}' is not text",
+                   "give the path of a schedule written by karma-plan")
+
+
 def test_check_validates_each_file(capsys, tmp_path, path, text):
     code, out, err = run(capsys, "--check", path, path)
     assert (code, err) == (0, "")
@@ -228,3 +237,16 @@ def test_plot_without_matplotlib(capsys, monkeypatch, tmp_path, path):
     assert_refused(*run(capsys, path, "--plot", png),
                    "--plot needs matplotlib: pip install 'karma[plot]'")
     assert not png.exists()
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_reader_that_stops_early_ends_it_quietly(json_flag):
+    """`karma-inspect s.yaml | head -1`: once the pipe's reader has gone, karma-inspect stops
+    with SIGPIPE's status and prints nothing (it printed an internal error)."""
+    golden = sorted((ROOT / "schedules").glob("*.yaml"))[0]
+    proc = subprocess.Popen([sys.executable, "-m", "karma.cli.inspect", str(golden),
+                             *json_flag], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT)
+    proc.stdout.close()  # the reader goes before anything is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141 and err == "", (proc.returncode, err)

@@ -312,6 +312,10 @@ def test_the_checks_refuse_kept_on_host_where_the_runtime_cannot_swap_it(sched):
     kept = next(b for b in sched.blocks if b.kept == "host")
     refused(with_block(sched, kept.index, modules=(*kept.modules, "lm_head")),
             "has kept: host and 2 modules", "set its kept to device")
+    last = sched.blocks[-1]  # its backward follows its forward at once
+    refused(with_block(sched, last.index, act="selective", policy=kept.policy, kept="host",
+                       modules=last.modules[:1]),
+            "has kept: host and is the last block", "set its kept to device")
     # a swap-out issued with its block's forward would find nothing kept yet
     out = next(o for o in sched.ops if (o.kind, o.block) == ("swap_out", kept.index))
     fwd = next(o for o in sched.ops if (o.kind, o.block) == ("forward", kept.index))

@@ -223,7 +223,8 @@ INVALID = [
     ("ops.4.id", 7, "ops[4].id: 7 is not its position in the list (4)"),
     ("blocks.2.index", 0, "blocks[2].index: 0 is not its position in the list (2)"),
     ("ops.2.deps", [5], "ops[2].deps: 5 is not an earlier op; an op waits only for ops listed "
-                        "before it (ids 0..1)"),
+                        "before it (ids 0..1): list the op it waits for before it, or re-plan "
+                        "with karma-plan"),
     ("ops.0.deps", [0], "ops[0].deps: 0 is not an earlier op"),
     ("ops.3.block", 99, "ops[3].block: 99 is not a block; blocks are numbered 0..3"),
     ("buffers.7.block", 4, "buffers[7].block: 4 is not a block"),

@@ -264,6 +264,11 @@ def test_inspect_refuses_what_is_not_a_trace(traced, tmp_path, capsys):
     bad.write_text('{"karma_trace": 1, "ops": []}')
     code = inspect_main([str(schedule_path), "--trace", str(bad)])
     assert_refused(code, capsys.readouterr().err, "karma-inspect", "is not a karma trace")
+    bad.write_text("[1, 2]")
+    code = inspect_main([str(schedule_path), "--trace", str(bad)])
+    assert_refused(code, capsys.readouterr().err, "karma-inspect",
+                   "is not a karma trace (ValueError: it holds a JSON list, not a trace's "
+                   "object); write one with karma-run SCHEDULE --trace FILE")
     code = inspect_main([str(schedule_path), "--chrome", str(tmp_path / "c.json")])
     assert_refused(code, capsys.readouterr().err, "karma-inspect", "--chrome needs --trace")
 

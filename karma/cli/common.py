@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
+import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -86,10 +88,13 @@ def _boundary(prog: str, body: Callable[[argparse.Namespace], int],
               args: argparse.Namespace) -> int:
     try:
         if args.debug:
-            return body(args)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return body(args)
+            code = body(args)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                code = body(args)
+        sys.stdout.flush()  # here, where a reader gone away is seen (below), not at exit
+        return code
     except KarmaError as e:
         if args.debug:
             raise
@@ -98,10 +103,34 @@ def _boundary(prog: str, body: Callable[[argparse.Namespace], int],
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError as e:
+        if args.debug:
+            raise
+        if stdout_reader_gone():
+            # `karma-inspect s.yaml | head`: the reader has what it wanted; stop quietly (what
+            # is still buffered goes nowhere, not into a second error at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + signal.SIGPIPE
+        return _internal_error(prog, e)
     except Exception as e:  # noqa: BLE001 - the boundary: never a bare traceback
         if args.debug:
             raise
-        print(f"{prog}: internal error: {type(e).__name__}: {e}\n"
-              f"(this is a bug in karma; rerun with --debug for the traceback and report it)",
-              file=sys.stderr)
-        return 1
+        return _internal_error(prog, e)
+
+
+def _internal_error(prog: str, e: Exception) -> int:
+    print(f"{prog}: internal error: {type(e).__name__}: {e}\n"
+          f"(this is a bug in karma; rerun with --debug for the traceback and report it)",
+          file=sys.stderr)
+    return 1
+
+
+def stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reading end is closed (poll reports an error
+    on the writing end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor, or no poll here
+        return False

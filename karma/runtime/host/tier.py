@@ -40,8 +40,7 @@ class HostPool:
         if kind not in ("file", "pinned", "plain"):
             raise ValueError(f"host pool kind {kind!r}")
         self.kind = kind
-        self._dir = tempfile.TemporaryDirectory(prefix="karma-tier-", dir=directory) \
-            if kind == "file" else None
+        self._dir = (directory or tempfile.gettempdir()) if kind == "file" else None
         self._arenas: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per arena: sorted (offset, size)
         self.used_bytes = 0
@@ -51,8 +50,9 @@ class HostPool:
 
     @property
     def directory(self) -> str | None:
-        """Where a file-backed pool keeps its arenas (a directory of its own)."""
-        return self._dir.name if self._dir is not None else None
+        """Where a file-backed pool makes its arenas' files (each in a directory of its own,
+        gone with the file's name once it is mapped)."""
+        return self._dir
 
     @property
     def capacity_bytes(self) -> int:
@@ -112,8 +112,6 @@ class HostPool:
     def close(self) -> None:
         self._arenas.clear()
         self._free.clear()
-        if self._dir is not None:
-            self._dir.cleanup()
 
     def _alloc(self, nbytes: int) -> tuple[int, int]:
         size = _aligned(nbytes)
@@ -133,10 +131,13 @@ class HostPool:
     def _grow(self, nbytes: int, request: int = 0) -> None:
         nbytes = _aligned(nbytes)
         if self.kind == "file":
-            path = Path(self._dir.name) / f"arena{len(self._arenas)}.bin"
-            reserve_file(path, nbytes, "the host tier's file")
-            arena = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-            os.unlink(path)  # the mapping stays; the name goes, so nothing is left behind
+            # the mapping stays; the file's name and its directory go at once, so a process
+            # killed later leaves nothing behind in the tier's directory
+            with tempfile.TemporaryDirectory(prefix="karma-tier-", dir=self._dir) as made:
+                path = Path(made) / f"arena{len(self._arenas)}.bin"
+                reserve_file(path, nbytes, "the host tier's file")
+                arena = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+                os.unlink(path)
         elif self.kind == "pinned":
             for size in pinned_arena_sizes(nbytes, request):
                 self._arenas.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
