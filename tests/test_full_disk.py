@@ -22,6 +22,7 @@ import karma.runtime.checkpoints.checkpoint
 import karma.runtime.host.tier
 import karma.runtime.loop
 import karma.runtime.runtime
+from karma.calibrate.measure_hw import scratch_mapping
 from karma.cli.run import main
 from karma.errors import KarmaError
 from karma.runtime.checkpoints.checkpoint import latest_checkpoint
@@ -199,3 +200,13 @@ def test_a_tier_leaves_nothing_in_its_directory_while_it_runs(tmp_path):
     assert list(tmp_path.iterdir()) == []
     assert small.sum().item() == 1000 and large.sum().item() == 2 * (1 << 20)
     pool.close()
+
+
+def test_calibrations_scratch_tier_leaves_nothing_in_the_tier_directory(tmp_path, monkeypatch):
+    """Calibration times copies and host steps in a mapping like the tier's, in the tier's
+    directory: its file goes at once, so a killed karma-plan leaves no RAM taken in
+    /dev/shm."""
+    monkeypatch.setenv("KARMA_TIER_DIR", str(tmp_path))
+    mapping = scratch_mapping(1000, torch.float32, 4000)
+    mapping.fill_(3.0)
+    assert list(tmp_path.iterdir()) == [] and mapping.sum().item() == 3000

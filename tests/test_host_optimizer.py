@@ -143,6 +143,9 @@ def test_a_fused_step_is_the_same_on_one_thread_or_two(make):
 
 def test_host_steps_are_timed_per_block_with_the_host_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    tier = tmp_path / "tier"  # where the steps' masters and gradients are mapped
+    tier.mkdir()
+    monkeypatch.setenv("KARMA_TIER_DIR", str(tier))
     mf = load_small("gpt")
     graph = block_graph(mf)
     lines: list[str] = []
@@ -153,6 +156,7 @@ def test_host_steps_are_timed_per_block_with_the_host_kernel(tmp_path, monkeypat
     again: list[str] = []
     assert host_step_times(mf, graph, "fused", "cpu", again.append) == seconds  # cached
     assert not again
+    assert list(tier.iterdir()) == []
 
 
 def test_offload_all_steps_fused_and_as_given_is_the_plain_loop(tmp_path):

@@ -16,9 +16,7 @@ beside it are the simulator's contention fractions, not timed here.
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -26,13 +24,12 @@ import torch
 
 from karma.calibrate.cache import cache_path, read, write
 from karma.calibrate.machine import machine_key
-from karma.calibrate.measure_hw import on_worker
+from karma.calibrate.measure_hw import on_worker, scratch_mapping
 from karma.fingerprint import code_sha256
 from karma.ir.graph import BlockGraph
 from karma.modelfile import ModelFile, build_meta
 from karma.runtime.host.threads import host_stream_threads
 from karma.runtime.params.host_optimizer import host_make_optimizer
-from karma.storage import tier_directory
 
 REPEATS = 5
 Shapes = tuple[tuple[int, ...], ...]
@@ -79,20 +76,16 @@ def _step_seconds(shapes: Shapes, make_optimizer: Callable) -> float:
         return 0.0
     numels = [max(1, torch.Size(s).numel()) for s in shapes]
     total = sum(numels)
-    with tempfile.TemporaryDirectory(prefix="karma-host-step-",
-                                     dir=tier_directory(8 * total)) as directory:
-        mapping = torch.from_file(os.path.join(directory, "tier.bin"), shared=True,
-                                  size=2 * total, dtype=torch.float32)
-        parts = iter(mapping.split([n for _ in range(2) for n in numels]))
-        masters = [torch.nn.Parameter(next(parts).view(s).normal_()) for s in shapes]
-        for m, s in zip(masters, shapes):
-            m.grad = next(parts).view(s).fill_(1e-3)
-        optimizer = make_optimizer(masters)
-        optimizer.step()  # makes the state
-        seconds = []
-        for _ in range(REPEATS):
-            t0 = time.perf_counter()
-            optimizer.step()
-            seconds.append(time.perf_counter() - t0)
-        del optimizer, masters, parts, mapping  # the mapping goes before its file
-        return statistics.median(seconds)
+    mapping = scratch_mapping(2 * total, torch.float32, 8 * total)
+    parts = iter(mapping.split([n for _ in range(2) for n in numels]))
+    masters = [torch.nn.Parameter(next(parts).view(s).normal_()) for s in shapes]
+    for m, s in zip(masters, shapes):
+        m.grad = next(parts).view(s).fill_(1e-3)
+    optimizer = make_optimizer(masters)
+    optimizer.step()  # makes the state
+    seconds = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        optimizer.step()
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds)

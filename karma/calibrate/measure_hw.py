@@ -210,19 +210,28 @@ def _pinned_copy_bytes_per_s(dev: torch.device, nbytes: int, repeats: int) -> tu
     return h2d, d2h
 
 
+def scratch_mapping(numel: int, dtype: torch.dtype, need_bytes: int) -> torch.Tensor:
+    """A shared mapping of a new file where the runtime would put the tier ([Note: the CPU
+    tier lives in memory where it can]; `need_bytes`: the room it should have), as the tier's
+    arenas are. Its name and directory go at once: the memory goes with the tensor, even if
+    the process is killed (a file left in /dev/shm would hold its RAM until a reboot)."""
+    with tempfile.TemporaryDirectory(prefix="karma-profile-",
+                                     dir=tier_directory(need_bytes)) as directory:
+        path = os.path.join(directory, "tier.bin")
+        mapping = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        os.unlink(path)
+    return mapping
+
+
 def _file_tier_bytes_per_s(nbytes: int, repeats: int) -> tuple[float, float, int]:
     """(file -> RAM, RAM -> file) bytes per second, and free bytes, for the CPU offload tier."""
-    # where the runtime would put the tier ([Note: the CPU tier lives in memory where it can])
-    with tempfile.TemporaryDirectory(prefix="karma-profile-",
-                                     dir=tier_directory(2 * nbytes)) as directory:
-        to_ram, to_file = _file_copy_bytes_per_s(
-            os.path.join(directory, "tier.bin"), nbytes, repeats
-        )
-        free_bytes = shutil.disk_usage(directory).free
-    return to_ram, to_file, free_bytes
+    tier = scratch_mapping(nbytes // 4, torch.float32, 2 * nbytes)
+    to_ram, to_file = _file_copy_bytes_per_s(tier, nbytes, repeats)
+    return to_ram, to_file, shutil.disk_usage(tier_directory(2 * nbytes)).free
 
 
-def _file_copy_bytes_per_s(path: str, nbytes: int, repeats: int) -> tuple[float, float]:
+def _file_copy_bytes_per_s(tier: torch.Tensor, nbytes: int,
+                           repeats: int) -> tuple[float, float]:
     """(file -> RAM, RAM -> file) bytes per second of fp32 copies on a worker thread, as the
     runtime's h2d and d2h streams copy.
 
@@ -233,8 +242,6 @@ def _file_copy_bytes_per_s(path: str, nbytes: int, repeats: int) -> tuple[float,
     GPT's swaps ran at 4-5 GB/s beside its compute, against 6.6 GB/s from the worker's rate and
     the contention fraction.
     """
-    # The mapping is released when this returns, before the caller removes the file.
-    tier = torch.from_file(path, shared=True, size=nbytes // 4, dtype=torch.float32)
     ram = torch.ones(nbytes // 4, dtype=torch.float32)
     cpu = torch.device("cpu")
     to_ram = nbytes / on_worker(lambda: _median_seconds(lambda: ram.copy_(tier), cpu, repeats))
@@ -304,10 +311,9 @@ def _contention(nbytes: int, layers: int, repeats: int) -> dict[str, float]:
     """
     cpu = torch.device("cpu")
     compute = _training_layer(layers)
-    with tempfile.TemporaryDirectory(prefix="karma-profile-",
-                                     dir=tier_directory(2 * nbytes)) as directory:
-        compute_copy, copy_compute = _slowdowns(
-            compute, _file_copy(os.path.join(directory, "tier.bin"), nbytes), cpu, repeats)
+    compute_copy, copy_compute = _slowdowns(
+        compute, _file_copy(scratch_mapping(nbytes, torch.uint8, 2 * nbytes), nbytes), cpu,
+        repeats)
     params = [torch.nn.Parameter(torch.randn(nbytes // 4 // 8)) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -337,9 +343,8 @@ def _training_layer(repeats: int, width: int = 512, tokens: int = 2048) -> Calla
     return compute
 
 
-def _file_copy(path: str, nbytes: int) -> Callable[[], None]:
+def _file_copy(tier: torch.Tensor, nbytes: int) -> Callable[[], None]:
     """`nbytes` from a file-tier mapping to RAM and back, as a swap moves them."""
-    tier = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     ram = torch.ones(nbytes, dtype=torch.uint8)
 
     def copy() -> None:
