@@ -364,7 +364,8 @@ def main() -> int:
         print(f"{label}: {rows[-1]['seconds']:.0f} s", file=sys.stderr)
     print(f"    {COMMAND}\n")
     print(table(rows))
-    print("\nWhat each plan (the last ILP) holds on the device at its fullest stage:\n")
+    print("\nWhat each ILP plan with the selective choice holds on the device at its fullest "
+          "stage:\n")
     print(held_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
