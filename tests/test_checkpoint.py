@@ -17,6 +17,7 @@ from karma.cli.run import main as run_main
 from karma.runtime.checkpoints.dcp_state import consolidated_optimizer
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.schedule import dump_schedule
+from karma.schedule_load import load_schedule
 from karma.testing.exactness import assert_bitwise_equal, plan, run
 from tests.runtime_helpers import load_small
 
@@ -106,13 +107,18 @@ def damage(step_dir, how: str) -> None:
     elif how == "another model":
         meta = json.loads((step_dir / "meta.json").read_text())
         (step_dir / "meta.json").write_text(json.dumps({**meta, "model_sha256": "0" * 64}))
+    elif how == "truncated metadata":
+        metadata = step_dir / "state" / ".metadata"
+        with open(metadata, "r+b") as f:
+            f.truncate(metadata.stat().st_size // 2)
 
 
 DAMAGE = [("missing shard", "a shard is missing or damaged"),
           ("truncated shard", "a shard is missing or damaged"),
           ("another optimizer", "holds the state of a SGD for block 0, but the model file's "
                                 "make_optimizer makes a AdamW"),
-          ("another model", "was written by another model file")]
+          ("another model", "was written by another model file"),
+          ("truncated metadata", "a shard is missing or damaged")]
 
 
 @pytest.mark.parametrize("how,expected", DAMAGE, ids=[h for h, _ in DAMAGE])
@@ -125,6 +131,76 @@ def test_resuming_from_a_damaged_or_foreign_checkpoint_is_one_line(trained, caps
     assert code == 2, err
     assert err.startswith("karma-run: error: ") and expected in err, err
     assert "Traceback" not in err and "step 3/3" not in out
+
+
+@pytest.mark.parametrize("meta", [[1, 2], {"step": "two", "complete": True},
+                                  {"complete": True}, {"step": 99, "complete": True}],
+                         ids=["a list", "a step not a number", "no step", "another step"])
+def test_a_checkpoint_whose_meta_is_not_its_own_is_passed_over(trained, capsys, meta):
+    """A meta.json that does not say step_2 is step 2, complete, is not a complete
+    checkpoint: --resume takes the one before (it ended in an internal error, or resumed at
+    the step the file claimed)."""
+    from karma.runtime.checkpoints.checkpoint import latest_checkpoint
+
+    mf, schedule, ckpt = trained
+    run(load_schedule(schedule), mf, 1, checkpoint_dir=ckpt / "one")
+    step_1 = ckpt / "one" / "step_1"
+    step_1.rename(ckpt / "step_1")
+    (ckpt / "step_2" / "meta.json").write_text(json.dumps(meta))
+    assert latest_checkpoint(ckpt) == ckpt / "step_1"
+    code, out, err = cli(run_main, capsys, schedule, "--steps", 2, "--checkpoint-dir", ckpt,
+                         "--resume")
+    assert code == 0 and "Traceback" not in err, err
+    assert f"resumed from {ckpt / 'step_1'} (step 1)" in out and "step 2/2" in out
+
+
+def test_a_checkpoint_of_other_shapes_is_not_called_damaged(trained, tmp_path, capsys):
+    """The same model file at another width (its environment) has the same entries, of
+    other shapes: the message says so, not that a shard is damaged (whose advice, to delete
+    the checkpoint, would throw good ones away)."""
+    from karma.testing.exactness import load_with_env
+
+    _, _, ckpt = trained
+    wider = load_with_env("examples/gpt.py", {"KARMA_GPT": "2x48x2x128", "KARMA_SEQ": "32"})
+    path = tmp_path / "wider.yaml"
+    path.write_text(dump_schedule(plan(wider, "offload_all")))
+    code, out, err = cli(run_main, capsys, path, "--steps", 3, "--checkpoint-dir", ckpt,
+                         "--resume")
+    assert code == 2 and "Traceback" not in err, err
+    assert "holds tensors of other shapes than this model's" in err and "damaged" not in err
+
+
+def test_a_resume_with_nothing_left_to_train_says_so(trained, capsys):
+    _, schedule, ckpt = trained
+    code, out, err = cli(run_main, capsys, schedule, "--steps", 1, "--checkpoint-dir", ckpt,
+                         "--resume")
+    assert code == 2 and "Traceback" not in err, err
+    assert "was taken after step 2, and --steps 1 ends there: nothing is left to train; give " \
+        "--steps more than 2" in err
+
+
+def test_one_run_writes_a_checkpoint_directory_at_a_time(trained, capsys):
+    """A second run into a directory another run is writing stops before it trains; the
+    first run clears what killed writes left hidden there."""
+    from karma.runtime.checkpoints.dir_lock import DirectoryLock
+
+    _, schedule, ckpt = trained
+    (ckpt / ".step_7.tmp" / "state").mkdir(parents=True)  # a killed write's leftovers
+    (ckpt / ".step_2.old123").mkdir()
+    other = DirectoryLock(ckpt)
+    assert other.acquire() is None  # another run holds the directory
+    assert not (ckpt / ".step_7.tmp").exists() and not (ckpt / ".step_2.old123").exists()
+    try:
+        code, out, err = cli(run_main, capsys, schedule, "--steps", 3, "--checkpoint-dir",
+                             ckpt, "--resume")
+    finally:
+        other.release()
+    assert code == 2 and "step 3/3" not in out, err
+    assert f"is writing checkpoints in {ckpt}; wait for it to end, or choose another " \
+        "--checkpoint-dir" in err
+    code, out, err = cli(run_main, capsys, schedule, "--steps", 3, "--checkpoint-dir", ckpt,
+                         "--resume")
+    assert code == 0 and "step 3/3" in out, err
 
 
 def test_a_run_killed_while_saving_resumes_from_the_checkpoint_before(trained, tmp_path):

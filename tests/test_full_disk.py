@@ -26,6 +26,7 @@ from karma.calibrate.measure_hw import scratch_mapping
 from karma.cli.run import main
 from karma.errors import KarmaError
 from karma.runtime.checkpoints.checkpoint import latest_checkpoint
+from karma.runtime.checkpoints.dir_lock import LOCK_NAME
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.host.tier import HostPool
 from karma.schedule import dump_schedule
@@ -90,7 +91,8 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_resume_is_exact(
     assert " free there); free about " in err and "on its filesystem, or choose another " \
         "--checkpoint-dir (--resume continues from the newest complete checkpoint)" in err
     assert "step 2/3" in out and "step 3/3" not in out
-    assert sorted(os.listdir(ckpt)) == ["step_1"]  # nothing of step 2, hidden or not
+    # nothing of step 2, hidden or not (the run's lock of the directory: dir_lock.py)
+    assert sorted(os.listdir(ckpt)) == [LOCK_NAME, "step_1"]
     assert latest_checkpoint(ckpt) == ckpt / "step_1"
 
     code, out, err = run_main(capsys, schedule_path, "--steps", 3, "--checkpoint-dir", ckpt,
@@ -124,7 +126,7 @@ def test_a_checkpoint_past_the_file_size_limit_is_an_error_not_a_kill(
     assert_stopped_with(code, err, f"cannot write checkpoint {ckpt / 'step_2'}: File too large: "
                                    "a file would pass this process's file-size limit of "
                                    "4.00 KiB (ulimit -f); raise the limit, or choose another ")
-    assert sorted(os.listdir(ckpt)) == ["step_1"]
+    assert sorted(os.listdir(ckpt)) == [LOCK_NAME, "step_1"]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import torch
 
 from karma.runtime.checkpoints.checkpoint import latest_checkpoint
 from karma.runtime.checkpoints.dcp_state import consolidated_optimizer
+from karma.runtime.checkpoints.dir_lock import LOCK_NAME
 from karma.runtime.checkpoints.export import model_state_dict
 from karma.runtime.host.tier import ALIGN
 from karma.runtime.replay.tables import DivergedError
@@ -218,7 +219,8 @@ def test_checkpoint_format(name, strategy, fraction, tmp_path):
     schedule = plan(mf, strategy, fraction)
     run(schedule, mf, 2, checkpoint_dir=tmp_path)
     d = tmp_path / "step_2"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]  # no temporaries left
+    # no temporaries left; the run's lock of the directory (dir_lock.py)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME, "step_2"]
     assert sorted(p.name for p in d.iterdir()) == ["extras.pt", "meta.json", "state"]
     assert sorted(p.name for p in (d / "state").iterdir()) == [".metadata", "__0_0.distcp"]
 

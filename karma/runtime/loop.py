@@ -4,6 +4,7 @@ progress lines, evaluation, checkpoints, resume and the report.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -19,6 +20,7 @@ from karma.modelfile import ModelFile
 from karma.runtime.checkpoints.checkpoint import (
     latest_checkpoint,
 )
+from karma.runtime.checkpoints.dir_lock import DirectoryLock
 from karma.runtime.distributed import process_group
 from karma.runtime.distributed.exchange import hidden_s
 from karma.runtime.replay.engine import Engine
@@ -107,7 +109,7 @@ def train(schedule: Schedule, mf: ModelFile, options: RunOptions) -> RunReport:
     with Runtime(schedule, options.seed, model_file=mf, timeout_s=options.timeout_s,
                  cap_device_memory=options.cap_device_memory, log=options.log,
                  agree=agree, dist_backend=options.dist_backend,
-                 host_optimizer=options.host_optimizer) as rt:
+                 host_optimizer=options.host_optimizer) as rt, _sole_writer(rt, options):
         report = _train(rt, options, evals)
     return dataclasses.replace(report, host_tier_peak_bytes=rt.pool_peak_bytes,
                                outside_private_bytes=rt.outside_bytes)
@@ -162,6 +164,23 @@ def _train(rt: Runtime, options: RunOptions, evals: list) -> RunReport:
                                **rt.meter.absolute())
 
 
+@contextlib.contextmanager
+def _sole_writer(rt: Runtime, options: RunOptions):
+    """The run's hold on its checkpoint directory, rank 0's for all ([Note: one writer a
+    checkpoint directory]); every rank stops if another run holds it."""
+    lock = DirectoryLock(options.checkpoint_dir) \
+        if options.checkpoint_dir is not None and rt.ranks.main else None
+    problem = lock.acquire() if lock is not None else None
+    problem = process_group.gather(rt.ranks, problem, "locking the checkpoint directory")[0]
+    if problem is not None:
+        raise KarmaError(problem)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def _resume(rt: Runtime, options: RunOptions, data) -> int:
     """Load the newest complete checkpoint, if any, and move the data on to where it
     stopped; the step it was taken after (0: none found)."""
@@ -173,6 +192,10 @@ def _resume(rt: Runtime, options: RunOptions, data) -> int:
         rt.log("resume: no complete checkpoint found; starting from step 0")
         return 0
     start_step = rt.load(found)
+    if start_step >= options.steps:
+        raise KarmaError(f"{found} was taken after step {start_step}, and --steps "
+                         f"{options.steps} ends there: nothing is left to train; give --steps "
+                         f"more than {start_step}")
     for _ in range(start_step * rt.accumulate):  # the data continues where it stopped
         next(data)
     rt.log(f"resumed from {found} (step {start_step})")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -178,12 +179,14 @@ def save_checkpoint(directory: Path, step: int, model, engine, schedule, seed: i
                     "schedule_sha256": schedule_sha256(schedule),
                     "model_sha256": schedule.model.sha256, "complete": True}
             _write(tmp / "meta.json", json.dumps(meta, indent=2).encode())
-            if final.exists():  # a rerun of the same step replaces it
-                old = directory / f".step_{step}.old{os.getpid()}"
+            old = directory / f".step_{step}.old{os.getpid()}"
+            replacing = final.exists()  # a rerun of the same step replaces it
+            if replacing:
                 os.replace(final, old)
-                shutil.rmtree(old)
-            os.replace(tmp, final)
+            os.replace(tmp, final)  # step_N is gone only between these two renames
             _fsync_dir(directory)
+            if replacing:
+                shutil.rmtree(old)
     except (OSError, CheckpointException) as e:
         if ranks.main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -259,11 +262,20 @@ def latest_checkpoint(directory: Path | None) -> Path | None:
             meta = json.loads((d / "meta.json").read_text())
         except (OSError, ValueError):
             continue
+        # what a complete checkpoint's meta.json says: its own step, as its name does
+        if not isinstance(meta, dict) or meta.get("step") != _named_step(d):
+            continue
         files = LEGACY_FILES if meta.get("format") == LEGACY_FORMAT else FILES
         if meta.get("complete") and all((d / f).is_file() for f in files):
             if best is None or meta["step"] > best[0]:
-                best = (int(meta["step"]), d)
+                best = (meta["step"], d)
     return best[1] if best else None
+
+
+def _named_step(d: Path) -> int | None:
+    """N of a directory named step_N, else None."""
+    n = d.name.removeprefix("step_")
+    return int(n) if n.isdigit() else None
 
 
 def load_checkpoint(path: Path, model, engine, lr_schedule=None, ranks: Ranks = SINGLE,
@@ -292,7 +304,12 @@ def load_checkpoint(path: Path, model, engine, lr_schedule=None, ranks: Ranks = 
     engine.settle()  # nothing of the last step may still write what is loaded
     try:
         dcp_state.load(model, engine, ranks, path / dcp_state.STATE_DIR)
-    except (CheckpointException, OSError, RuntimeError, ValueError, KeyError) as e:
+    except (CheckpointException, OSError, RuntimeError, ValueError, KeyError, EOFError,
+            pickle.UnpicklingError) as e:
+        if "Size mismatch" in str(e):  # DCP's words for a tensor of another shape
+            raise KarmaError(f"{where} holds tensors of other shapes than this model's "
+                             f"({_first_line(e)}); resume with the model file and the "
+                             "environment that wrote it") from e
         raise KarmaError(f"cannot read the state of {where} ({_first_line(e)}): a shard is "
                          "missing or damaged; delete the checkpoint to resume from the one "
                          "before") from e
