@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from karma.errors import KarmaError
 from karma.planner.hardware import Hardware
 from karma.runtime.host.check import mem_available_bytes as meminfo_available_bytes
 from karma.runtime.host.threads import host_stream_threads, use_threads_here
+from karma.runtime.host.tier import unnamed_file_mapping
 from karma.storage import tier_directory
 
 _GiB = 1024**3
@@ -212,15 +212,11 @@ def _pinned_copy_bytes_per_s(dev: torch.device, nbytes: int, repeats: int) -> tu
 
 def scratch_mapping(numel: int, dtype: torch.dtype, need_bytes: int) -> torch.Tensor:
     """A shared mapping of a new file where the runtime would put the tier ([Note: the CPU
-    tier lives in memory where it can]; `need_bytes`: the room it should have), as the tier's
-    arenas are. Its name and directory go at once: the memory goes with the tensor, even if
-    the process is killed (a file left in /dev/shm would hold its RAM until a reboot)."""
-    with tempfile.TemporaryDirectory(prefix="karma-profile-",
-                                     dir=tier_directory(need_bytes)) as directory:
-        path = os.path.join(directory, "tier.bin")
-        mapping = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-        os.unlink(path)
-    return mapping
+    tier lives in memory where it can]; `need_bytes`: the room it should have), unnamed as the
+    tier's arenas are (tier.unnamed_file_mapping)."""
+    nbytes = numel * dtype.itemsize
+    return unnamed_file_mapping(tier_directory(need_bytes), nbytes, "tier.bin",
+                                prefix="karma-profile-").view(dtype)
 
 
 def _file_tier_bytes_per_s(nbytes: int, repeats: int) -> tuple[float, float, int]:

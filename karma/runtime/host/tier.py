@@ -131,13 +131,8 @@ class HostPool:
     def _grow(self, nbytes: int, request: int = 0) -> None:
         nbytes = _aligned(nbytes)
         if self.kind == "file":
-            # the mapping stays; the file's name and its directory go at once, so a process
-            # killed later leaves nothing behind in the tier's directory
-            with tempfile.TemporaryDirectory(prefix="karma-tier-", dir=self._dir) as made:
-                path = Path(made) / f"arena{len(self._arenas)}.bin"
-                reserve_file(path, nbytes, "the host tier's file")
-                arena = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-                os.unlink(path)
+            arena = unnamed_file_mapping(self._dir, nbytes, f"arena{len(self._arenas)}.bin",
+                                         reserve="the host tier's file")
         elif self.kind == "pinned":
             for size in pinned_arena_sizes(nbytes, request):
                 self._arenas.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
@@ -157,6 +152,22 @@ class HostPool:
 # EDQUOT, EFBIG) here, which stops the run with the path and what to free. The tier then
 # holds its whole size on disk, not only the pages written: the pool's size is the schedule's
 # host_bytes plus 10%, which the planner meant to use anyway.
+
+def unnamed_file_mapping(directory: str, nbytes: int, name: str,
+                         prefix: str = "karma-tier-", reserve: str | None = None) -> torch.Tensor:
+    """A shared mapping (uint8) of a new file `name` of `nbytes`, in a directory of its own
+    (`prefix`) in `directory`. The file's name and its directory go as soon as it is mapped,
+    so its memory goes with the tensor, even if the process is killed (a file left in
+    /dev/shm would hold its RAM until a reboot). `reserve`: take the file's blocks first
+    ([Note: the tier's disk is taken when it grows]), naming it so in a failure."""
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=directory) as made:
+        path = Path(made) / name
+        if reserve is not None:
+            reserve_file(path, nbytes, reserve)
+        mapping = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        os.unlink(path)
+    return mapping
+
 
 def reserve_file(path: Path, nbytes: int, what: str, mode: str = "wb") -> None:
     """Create `path` with `nbytes` of disk taken ([Note: the tier's disk is taken when it
