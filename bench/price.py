@@ -3,6 +3,7 @@ the CPU backend.
 
     .venv/bin/python bench/price.py [--budgets 400M,600M,800M] [--rounds 3] [--steps 9]
                                     [--no-trace] [--json FILE] [--keep DIR] [--no-selective-too]
+                                    [--no-pairs-too]
                                     [--model FILE --env K=V,... --batch N] [--host-mem SIZE]
 
 The GPT of 8 layers, width 512, 8 heads, a vocabulary of 8192, sequence 256, batch 8
@@ -12,7 +13,8 @@ times measured in keep_all steps, taken again here with `--remeasure` so that ev
 time is of this sitting; or --model, its --env and --batch; --host-mem: the host memory the
 plans have): keep_all with unlimited memory, and the ILP at each budget (with
 --no-selective-too, at each budget also without selective recompute: karma-plan
---no-selective, the budget's name followed by "-nosel").
+--no-selective, the budget's name followed by "-nosel"; with --no-pairs-too, also without
+two blocks recomputed under one checkpoint: --no-pairs, "-nopairs").
 
 Then `--rounds` rounds, each training every plan `--steps` steps in a fresh karma-run, the
 plans' order rotated by one each round. A run's step time is the median of its steps after
@@ -54,17 +56,19 @@ def run(cmd: list[str], env: dict) -> str:
 
 
 NO_SELECTIVE = "-nosel"  # a budget's name with this suffix: planned with --no-selective
+NO_PAIRS = "-nopairs"  # and with this one: planned with --no-pairs
 
 
 def plan(env: dict, out: Path, name: str, keep_all: bool = False, model: str = "examples/gpt.py",
          batch: int = BATCH, host_mem: str | None = None) -> dict:
-    gpu_mem = name.removesuffix(NO_SELECTIVE)
+    gpu_mem = name.removesuffix(NO_SELECTIVE).removesuffix(NO_PAIRS)
     return json.loads(run([str(BIN / "karma-plan"), model, "--hardware", "cpu",
                            "--gpu-mem", gpu_mem, "--batch-size", str(batch), "--json",
                            "-o", str(out),
                            *(["--host-mem", host_mem] if host_mem and not keep_all else []),
                            *(["--strategy", "keep_all", "--remeasure"] if keep_all else []),
-                           *(["--no-selective"] if name.endswith(NO_SELECTIVE) else [])],
+                           *(["--no-selective"] if name.endswith(NO_SELECTIVE) else []),
+                           *(["--no-pairs"] if name.endswith(NO_PAIRS) else [])],
                           env))
 
 
@@ -153,6 +157,9 @@ def main() -> int:
     p.add_argument("--no-selective-too", action="store_true",
                    help="plan each budget without selective recompute too (karma-plan "
                         "--no-selective), beside the default")
+    p.add_argument("--no-pairs-too", action="store_true",
+                   help="plan each budget without two blocks under one checkpoint too "
+                        "(karma-plan --no-pairs), beside the default")
     p.add_argument("--keep", type=Path, metavar="DIR",
                    help="leave the schedules, reports and traces in DIR (default: a temporary "
                         "directory, removed)")
@@ -162,8 +169,9 @@ def main() -> int:
     env = {**os.environ, **model_env}
     shape = {"model": args.model, "batch": args.batch, "host_mem": args.host_mem}
     budgets = args.budgets.split(",")
-    names = ["keep_all", *(b + s for b in budgets
-                           for s in (("", NO_SELECTIVE) if args.no_selective_too else ("",)))]
+    suffixes = ("", *([NO_SELECTIVE] if args.no_selective_too else []),
+                *([NO_PAIRS] if args.no_pairs_too else []))
+    names = ["keep_all", *(b + s for b in budgets for s in suffixes)]
     where = contextlib.nullcontext(args.keep) if args.keep else \
         tempfile.TemporaryDirectory(prefix="karma-price-")
     with where as tmp:
@@ -211,7 +219,7 @@ def main() -> int:
     print("| plan | predicted step | measured step | predicted price | measured price (median) "
           "| range over rounds | within 10% | step spread (max/min) | "
           + " | ".join(f"{s} busy / planned" for s in SIDE_STREAMS)
-          + " | keep / swap / recompute / selective |")
+          + " | keep / swap / recompute / selective, pairs |")
     print("|---|---:|---:|---:|---:|---|---|---:|" + "---:|" * len(SIDE_STREAMS) + "---|")
     keep_spread = rows[0]["step_spread"]
     for r in rows:
@@ -224,7 +232,8 @@ def main() -> int:
               f"| {min(r['prices']):.3f}-{max(r['prices']):.3f} | {'yes' if within else 'no'} "
               f"| {r['step_spread']:.2f} | {busy_cells} | "
               + " / ".join(str(r["decisions"].get(a, 0))
-                           for a in ("keep", "swap", "recompute", "selective")) + " |")
+                           for a in ("keep", "swap", "recompute", "selective"))
+              + f", {r['decisions'].get('pairs', 0)} |")
     print(f"keep_all's step spread {keep_spread:.2f}; out-of-core plans within it + 10%: "
           + ", ".join(f"{r['plan']} {'yes' if r['step_spread'] <= keep_spread + 0.10 else 'no'}"
                       for r in rows[1:]))

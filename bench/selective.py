@@ -6,8 +6,9 @@ with and without the selective choice, against the ideal and against selective e
 
 For each model: the ideal (keep_all with unlimited memory), the ILP's plan without selective
 recompute (karma-plan --no-selective), with it but what a selective block keeps on the device
-only (the ILP's choices without `kept: host`, a restriction this script makes) and with it
-all (the default), each over the ideal, and
+only (the ILP's choices without `kept: host`, a restriction this script makes), with it all
+but no two blocks recomputed under one checkpoint (--no-pairs) and with everything (the
+default), each over the ideal, and
 the selective_all baseline (torchtitan's default: every block keeps what its matmuls return)
 over the ideal where it fits, else the memory it needs. Roofline block times from the
 v100-16g profile (--no-measure: this machine is not a V100). Then what each model's plan
@@ -62,10 +63,10 @@ MODELS = (
 
 
 def plan_one(path: str, env: dict[str, str], batch: int, selective: bool,
-             kept_on_host: bool = True, gap: float = 0.01):
+             kept_on_host: bool = True, gap: float = 0.01, pairs: bool = True):
     os.environ.update(env)
     options = plan_options(gpu_mem=BUDGET, hardware=HARDWARE, batch_size=batch,
-                           measure="estimate", selective=selective, gap=gap)
+                           measure="estimate", selective=selective, gap=gap, pairs=pairs)
     with contextlib.nullcontext() if kept_on_host else kept_on_the_device():
         return plan_report(ROOT / path, options, log=lambda _: None)
 
@@ -190,7 +191,8 @@ def held_outputs_offered(parts: int):
         return choices + held
 
     def plain_kept(c):
-        return lowering.Choice(c.act, c.weights, c.optim, c.ahead, c.policy, plain[c.kept])
+        return lowering.Choice(c.act, c.weights, c.optim, c.ahead, c.policy, plain[c.kept],
+                               c.with_next, c.with_prev)
 
     def kept_as_planned(f, problem, st, i, c, *rest):
         kept(f, problem, st, i, plain_kept(c) if c.kept in plain else c, *rest)
@@ -286,6 +288,7 @@ def row(label: str, path: str, env: dict[str, str], batch: int) -> dict:
     start = time.perf_counter()
     before = plan_one(path, env, batch, selective=False)
     device = plan_one(path, env, batch, selective=True, kept_on_host=False)
+    unpaired = plan_one(path, env, batch, selective=True, pairs=False)
     after = plan_one(path, env, batch, selective=True)
     ideal_s = after.schedule.predicted.ideal_s
     sel = after.baselines["selective_all"]
@@ -293,13 +296,14 @@ def row(label: str, path: str, env: dict[str, str], batch: int) -> dict:
     return {
         "model": label, "batch": batch, "ideal_s": ideal_s,
         "before_s": before.chosen.step_s, "device_s": device.chosen.step_s,
-        "after_s": after.chosen.step_s,
+        "unpaired_s": unpaired.chosen.step_s, "after_s": after.chosen.step_s,
         "selective_all_s": sel.step_s if sel.feasible else None,
         "selective_all_peak_bytes": sel.stage_peak_bytes,
         "decisions": {k: acts[k] for k in ("keep", "swap", "recompute", "selective",
-                                           "kept_on_host")},
+                                           "kept_on_host")}
+        | {"pairs": sum(c.with_next for c in after.chosen.plan.choices)},
         "solve_s": {"before": before.chosen.plan.solve_s, "device": device.chosen.plan.solve_s,
-                    "after": after.chosen.plan.solve_s},
+                    "unpaired": unpaired.chosen.plan.solve_s, "after": after.chosen.plan.solve_s},
         "peak_held_bytes": peak_held(after),
         "seconds": time.perf_counter() - start,
     }
@@ -307,10 +311,10 @@ def row(label: str, path: str, env: dict[str, str], batch: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | batch | ideal | ILP without selective, over ideal | ILP, kept on the "
-             "device only | ILP, over ideal | selective everywhere, over ideal | ILP over "
-             "selective everywhere | keep / swap / recompute / selective (of them kept on the "
-             "host) | solve |",
-             "| --- | ---: | ---: | --- | --- | --- | --- | --- | --- | --- |"]
+             "device only | ILP without pairs | ILP, over ideal | selective everywhere, over "
+             "ideal | ILP over selective everywhere | keep / swap / recompute / selective (of "
+             "them kept on the host), pairs | solve |",
+             "| --- | ---: | ---: | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ideal = r["ideal_s"]
         sel = (f"{r['selective_all_s']:.3f} s, {r['selective_all_s'] / ideal:.2f}x"
@@ -318,13 +322,16 @@ def table(rows: list[dict]) -> str:
                f"does not fit (needs {format_bytes(r['selective_all_peak_bytes'])})")
         vs = (f"{r['after_s'] / r['selective_all_s']:.2f}x" if r["selective_all_s"] else "-")
         d = r["decisions"]
-        solve = " / ".join(f"{r['solve_s'][k]:.2f}" for k in ("before", "device", "after"))
+        solve = " / ".join(f"{r['solve_s'][k]:.2f}"
+                           for k in ("before", "device", "unpaired", "after"))
         lines.append(
             f"| {r['model']} | {r['batch']} | {ideal:.3f} s | {r['before_s']:.3f} s, "
             f"{r['before_s'] / ideal:.3f}x | {r['device_s']:.3f} s, "
-            f"{r['device_s'] / ideal:.3f}x | {r['after_s']:.3f} s, "
+            f"{r['device_s'] / ideal:.3f}x | {r['unpaired_s']:.3f} s, "
+            f"{r['unpaired_s'] / ideal:.3f}x | {r['after_s']:.3f} s, "
             f"**{r['after_s'] / ideal:.3f}x** | {sel} | {vs} | {d['keep']} / {d['swap']} / "
-            f"{d['recompute']} / {d['selective']} ({d['kept_on_host']}) | {solve} s |")
+            f"{d['recompute']} / {d['selective']} ({d['kept_on_host']}), {d['pairs']} | "
+            f"{solve} s |")
     return "\n".join(lines)
 
 

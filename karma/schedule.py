@@ -360,6 +360,23 @@ class BlockEntry:
     act_bytes: int
     policy: str = ""  # a selective block's policy (karma/selective_policy.py); "" otherwise
     kept: str = "device"  # a selective block's: where what it keeps waits (KEPT_CHOICES)
+    # recomputed with the next block, in one checkpoint over both ([Note: a checkpoint over
+    # two blocks])
+    with_next: bool = False
+
+
+# [Note: a checkpoint over two blocks] A recompute or selective block with `with_next` runs
+# its forward and the next block's under one non-reentrant checkpoint: what it returns to
+# the next block is not held from the next block's forward to its backward (as a block's
+# input is when that block recomputes alone); both blocks run again, this one first, just
+# before the next block's backward, where the next block's input is made once more. So its
+# recompute moves one stage earlier and its outputs leave the device one stage after its
+# forward, for no extra compute. The next block must recompute too (its act recompute or
+# selective) and take no tensor from an earlier block but this one; each is one call of its
+# module (nothing of its caller's runs between them), this one's weights resident, what a
+# selective one keeps on the device; two blocks a checkpoint at most (the next block has
+# no with_next). The runtime
+# (karma/runtime/replay/pair.py) and the planner (lowering.py's fragment) follow it.
 
 
 @dataclass(frozen=True)
@@ -468,12 +485,15 @@ def _section(key: str, entries: tuple, comment: str) -> list[str]:
 def _block_lines(blocks: tuple[BlockEntry, ...]) -> list[str]:
     lines = _section("blocks", blocks, "each block's decisions (act: keep | swap | recompute | "
                      "selective, with its policy and, if not on the device, where it keeps the "
-                     "policy's outputs: kept: host; weights: resident | streamed; optim: "
+                     "policy's outputs: kept: host; with_next: true where it recomputes in one "
+                     "checkpoint with the next block; weights: resident | streamed; optim: "
                      "device | host)")
     for b in blocks:
         policy = f"policy: {yaml_str(b.policy)}, " if b.policy else ""
         if b.kept != "device":
             policy += f"kept: {yaml_str(b.kept)}, "
+        if b.with_next:
+            policy += "with_next: true, "
         lines.append(f"  - {{index: {yaml_int(b.index)}, name: {yaml_str(b.name)}, "
                      f"act: {yaml_str(b.act)}, {policy}weights: {yaml_str(b.weights)}, "
                      f"optim: {yaml_str(b.optim)}, param_bytes: {yaml_int(b.param_bytes)}, "

@@ -207,6 +207,8 @@ class _Checker:
                               "modules (rule: decisions: what a block of several module calls "
                               "keeps stays on the device, where the checkpoint of each call "
                               f"holds what the one before kept); set its kept to device, {_FIX}")
+            if b.with_next:
+                self._pair(b)
             if bool(b.policy) != (b.act == "selective"):
                 fix = (f"add policy: {SELECTIVE_POLICY}" if b.act == "selective"
                        else "remove its policy")
@@ -329,6 +331,33 @@ class _Checker:
                               f"are fetched before each forward and backward that reads "
                               f"them); {_REPLAN}")
 
+    def _pair(self, b: BlockEntry) -> None:
+        """A block with with_next ([Note: a checkpoint over two blocks] in karma/schedule.py)."""
+        where = f"{self.block(b.index)} has with_next: true"
+        fix = f"set its with_next to false, {_FIX}"
+        if b.index == self.n - 1:
+            raise _Broken(f"{where} and is the last block (rule: decisions: a block recomputes "
+                          f"with the next one); {fix}")
+        nxt = self.s.blocks[b.index + 1]
+        for block in (b, nxt):
+            if block.act not in RECOMPUTE_ACTS or block.kept != "device":
+                raise _Broken(f"{where}, and {self.block(block.index)} has act: {block.act}"
+                              f"{', kept: host' if block.kept != 'device' else ''} (rule: "
+                              "decisions: both blocks of a checkpoint over two recompute, "
+                              f"what they keep on the device); {fix}")
+            if len(block.modules) != 1:
+                raise _Broken(f"{where}, and {self.block(block.index)} has "
+                              f"{len(block.modules)} modules (rule: decisions: both blocks "
+                              f"of a checkpoint over two are one module call each); {fix}")
+        if b.weights != "resident":
+            raise _Broken(f"{where} and weights: {b.weights} (rule: decisions: the first "
+                          "block of a checkpoint over two recomputes in the next block's "
+                          "backward, before its weights would be fetched); set its weights to "
+                          f"resident or its with_next to false, {_FIX}")
+        if nxt.with_next:
+            raise _Broken(f"{where}, and so has {self.block(nxt.index)} (rule: decisions: a "
+                          f"checkpoint covers two blocks at most); {fix}")
+
     def stages(self) -> None:
         for prev, op in zip(self.s.ops, self.s.ops[1:]):
             if op.stage < prev.stage:
@@ -339,11 +368,15 @@ class _Checker:
 
     def compute_order(self) -> None:
         """Forwards from block 0 up, the loss, backwards from the last block down, each
-        recompute just before its block's backward; device steps anywhere after their
-        block's backward (checked with the dependencies)."""
+        recompute just before its block's backward (a pair's two before the second block's:
+        [Note: a checkpoint over two blocks]); device steps anywhere after their block's
+        backward (checked with the dependencies)."""
         want = [("forward", i) for i in range(self.n)] + [("loss", self.n - 1)]
+        blocks = self.s.blocks
         for i in reversed(range(self.n)):
-            if self.s.blocks[i].act in RECOMPUTE_ACTS:
+            if i > 0 and blocks[i - 1].with_next:  # a pair's: the first block's first
+                want.append(("recompute", i - 1))
+            if blocks[i].act in RECOMPUTE_ACTS and not blocks[i].with_next:
                 want.append(("recompute", i))
             want.append(("backward", i))
         ran = [op for op in self.s.ops if op.stream == "compute" and op.kind != "device_step"]

@@ -226,6 +226,14 @@ def _clip_norm(v, path):
     return float(v)
 
 
+def _flag(what: str) -> _Check:
+    def check(v, path):
+        if not isinstance(v, bool):
+            raise _Invalid(f"{path}: {_show(v)} is not true or false ({what}); {_FIX}")
+        return v
+    return check
+
+
 def _policy(v, path) -> str:
     text = _text()(v, path)
     try:
@@ -286,7 +294,8 @@ _BLOCK = _record(BlockEntry, {
     "optim": _text(OPTIM_CHOICES, "an optim choice"), "param_bytes": _COUNT,
     "act_bytes": _COUNT, "modules": _NAMES, "params": _NAMES, "shared_params": _NAMES,
     "policy": _policy, "kept": _text(KEPT_CHOICES, "where a selective block's kept outputs wait"),
-}, "a block", optional=("policy", "kept"))
+    "with_next": _flag("whether the block recomputes with the next one"),
+}, "a block", optional=("policy", "kept", "with_next"))
 _SCHEDULE = _record(lambda karma_schedule, **fields: Schedule(version=karma_schedule, **fields), {
     "karma_schedule": _COUNT,
     "model": _record(ModelRef, {

@@ -172,14 +172,16 @@ def test_the_plan_command_reads_back_as_the_same_options():
         gpu_mem="1536M", hardware="h100-80g", batch_size=4, world_size=8, nproc_per_node=4,
         host_mem=(512 << 30) + 1, host_state="sharded", dtype="bf16", accumulate=2,
         clip_grad_norm=0.5, strategy="greedy", seed=3, time_limit_s=9.5, gap=0.02,
-        blocks="h\\.\\d+ ", measure="estimate", host_optimizer="as-given", selective=False)
+        blocks="h\\.\\d+ ", measure="estimate", host_optimizer="as-given", selective=False,
+        pairs=False)
     command = options.plan_command("my models/m.py")
     argv = shlex.split(command)
     assert argv[:4] == ["karma-plan", "my models/m.py", "--hardware", "h100-80g"]
     assert "--gpu-mem 1536M" in command and "--no-measure" in command
+    assert "--no-selective" in command and "--no-pairs" in command
     assert options_from(_parser().parse_args(argv[1:])) == options
     for measure in ("cached", "fresh"):
-        o = replace(options, measure=measure, selective=True)
+        o = replace(options, measure=measure, selective=True, pairs=True)
         assert options_from(_parser().parse_args(shlex.split(o.plan_command("m.py"))[1:])) == o
 
 

@@ -173,6 +173,22 @@ def test_cuda_selective_blocks_keeping_on_the_host_follow_the_plain_loop(name, s
     assert_bitwise_equal(load_model_pt(tmp_path, STEPS), state(ref))
 
 
+@pytest.mark.parametrize("name,strategy,dtype", [
+    (name, strategy, dtype) for name in MODELS for strategy in ("recompute_all", "selective_all")
+    for dtype in ("fp32", "bf16")])
+def test_cuda_pairs_follow_the_plain_loop(name, strategy, dtype, tmp_path):
+    """Two blocks recomputed under one checkpoint (tests/test_pairs.py), on the GPU: the
+    pair's recompute restores the CUDA random state dropout drew from; bitwise against the
+    plain loop on the GPU."""
+    mf = load_small(name)
+    schedule = plan(mf, strategy, hardware=HARDWARE, dtype=dtype, paired=True)
+    assert any(b.with_next for b in schedule.blocks)
+    ref = reference(mf, host_params(schedule), dtype=dtype)
+    report = run(schedule, mf, STEPS, checkpoint_dir=tmp_path)
+    assert report.losses == ref.losses
+    assert_bitwise_equal(load_model_pt(tmp_path, STEPS), state(ref))
+
+
 # --- races: late copies, poisoned memory ---------------------------------------------------
 
 SLEEP_CYCLES = 20_000_000  # about 10 ms at the H200's clock: far longer than any copy here

@@ -113,8 +113,8 @@ def test_json(capsys, path):
     s = load_schedule(path)
     assert info["schedule_sha256"] == schedule_sha256(s)
     assert info["decisions"] == {"blocks": 4, "keep": 2, "swap": 1, "recompute": 1,
-                                 "selective": 0, "kept_on_host": 0, "streamed_weights": 2,
-                                 "host_optimizer": 3}
+                                 "selective": 0, "kept_on_host": 0, "pairs": 0,
+                                 "streamed_weights": 2, "host_optimizer": 3}
     assert info["predicted"]["peak_device_bytes"] == s.predicted.peak_device_bytes
     assert info["predicted"]["peak_fraction_of_capacity"] == pytest.approx(
         s.predicted.peak_device_bytes / 491520)

@@ -28,7 +28,7 @@ import pytest
 
 from karma.planner.baselines import BASELINES, keep_all
 from karma.planner.ilp import min_capacity_bytes, solve_ilp
-from karma.planner.lowering import Choice, valid_choices
+from karma.planner.lowering import Choice, pairs_agree, valid_choices
 from karma.planner.memory import stage_memory
 from karma.planner.plan import Evaluation, InfeasiblePlan, Plan, evaluate
 from karma.planner.prefetch import refine_prefetch
@@ -118,7 +118,16 @@ def random_problem(rng: random.Random, n: int, world_size: int = 1) -> Problem:
     problem = with_shared_outputs(problem, [rng.choice([0, rng.randint(10, 200) * 10**6])
                                             for _ in range(n - 1)])
     # drawn apart, so that the other draws stay those the cases were chosen with
-    return with_selective(problem, random.Random(f"selective {n} {world_size} {link}"))
+    problem = with_selective(problem, random.Random(f"selective {n} {world_size} {link}"))
+    return with_pairs(problem, random.Random(f"pairs {n} {world_size} {link}"))
+
+
+def with_pairs(problem: Problem, rng: random.Random) -> Problem:
+    """Most blocks able to recompute in one checkpoint with the next (BlockCost.joins_next)."""
+    n = len(problem.blocks)
+    return dataclasses.replace(problem, blocks=tuple(
+        dataclasses.replace(b, joins_next=i + 1 < n and rng.random() < 0.7)
+        for i, b in enumerate(problem.blocks)))
 
 
 def with_selective(problem: Problem, rng: random.Random) -> Problem:
@@ -166,7 +175,9 @@ def keep_all_peak(problem: Problem) -> int:
 
 
 def all_plans(problem: Problem):
-    return itertools.product(*(valid_choices(problem, i) for i in range(len(problem.blocks))))
+    """Every plan: each block's valid choice, the halves of each pair together."""
+    return filter(pairs_agree, itertools.product(*(valid_choices(problem, i)
+                                                   for i in range(len(problem.blocks)))))
 
 
 def brute_force(problem: Problem, capacity: int) -> Evaluation | None:

@@ -118,7 +118,7 @@ def test_the_running_statistics_would_differ_without_the_restore(tmp_path, monke
     """The control of the test above: a ResNet's selective recompute runs its BatchNorms
     again, so without the buffers' restore their statistics move twice a step (and the
     parameters, normalized by the batch's statistics, do not notice)."""
-    monkeypatch.setattr(contexts, "_restore_buffers", lambda buffers: contextlib.nullcontext())
+    monkeypatch.setattr(contexts, "restore_buffers", lambda buffers: contextlib.nullcontext())
     schedule = selective(plan(load_small("resnet"), "recompute_all"))
     run(schedule, load_small("resnet"), STEPS, checkpoint_dir=tmp_path)
     trained, expected = load_model_pt(tmp_path, STEPS), reference("resnet", "fp32",

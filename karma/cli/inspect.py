@@ -126,6 +126,8 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
             "recompute": sum(b.act == "recompute" for b in s.blocks),
             "selective": sum(b.act == "selective" for b in s.blocks),
             "kept_on_host": sum(b.kept == "host" for b in s.blocks),
+            # checkpoints over two blocks ([Note: a checkpoint over two blocks])
+            "pairs": sum(b.with_next for b in s.blocks),
             "streamed_weights": sum(b.weights == "streamed" for b in s.blocks),
             "host_optimizer": sum(b.optim == "host" for b in s.blocks),
         },
@@ -154,7 +156,8 @@ def summary(schedule: Schedule, sim: SimResult, source: str) -> dict:
                   "simulated_step_s": sim.step_s,
                   "simulated_peak_device_bytes": sim.peak_device_bytes, "matches": True},
         "blocks": [{"index": b.index, "name": b.name, "act": b.act, "policy": b.policy,
-                    "kept": b.kept, "weights": b.weights, "optim": b.optim, "param_bytes": b.param_bytes,
+                    "kept": b.kept, "with_next": b.with_next, "weights": b.weights,
+                    "optim": b.optim, "param_bytes": b.param_bytes,
                     "act_bytes": b.act_bytes}
                    for b in s.blocks],
     }
@@ -179,8 +182,9 @@ def render(info: dict) -> str:
         f"decisions   {d['blocks']} blocks: {d['keep']} keep, {d['swap']} swap, "
         f"{d['recompute']} recompute, {d['selective']} selective"
         + (f" ({d['kept_on_host']} with their kept outputs on the host)"
-           if d["kept_on_host"] else "") + "; "
-        f"{d['streamed_weights']} streamed weights, "
+           if d["kept_on_host"] else "")
+        + (f", {d['pairs']} pair(s) recomputed under one checkpoint" if d["pairs"] else "")
+        + f"; {d['streamed_weights']} streamed weights, "
         f"{d['host_optimizer']} host optimizer",
         f"step        {format_seconds(p['step_s'])} predicted ("
         + (f"{p['price_of_budget']:.2f}x the ideal {format_seconds(p['ideal_s'])} of "

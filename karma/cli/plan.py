@@ -107,6 +107,10 @@ def _solver_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-selective", dest="selective", action="store_false",
                    help="plan without selective recompute (keeping what a block's matmuls "
                         "return and recomputing the rest), as before it existed")
+    p.add_argument("--no-pairs", dest="pairs", action="store_false",
+                   help="plan no two blocks recomputed under one checkpoint (a block's output "
+                        "then held from the next block's forward to its backward when that "
+                        "block recomputes)")
 
 
 def _output_flags(p: argparse.ArgumentParser) -> None:
@@ -140,7 +144,7 @@ def options_from(args: argparse.Namespace, hardware: str | None = None) -> PlanO
         accumulate=args.accumulate, clip_grad_norm=args.clip_grad_norm,
         strategy=args.strategy, seed=args.seed, time_limit_s=args.time_limit, gap=args.gap,
         blocks=args.blocks, measure=args.measure, host_optimizer=args.host_optimizer,
-        selective=args.selective)
+        selective=args.selective, pairs=args.pairs)
 
 
 def _plan(args: argparse.Namespace) -> int:

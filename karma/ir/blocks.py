@@ -31,6 +31,7 @@ class BlockSpec:
     nodes: tuple[str, ...]  # names of the graph's compute nodes, in order
     params: tuple[str, ...]  # owned (first user)
     shared_params: tuple[str, ...]  # used, owned by an earlier block
+    one_call: bool = False  # its nodes are one call of its module, nothing of the caller's
 
 
 def find_units(model: nn.Module, blocks_regex: str | None = None) -> set[str]:
@@ -99,6 +100,7 @@ def group_nodes(gm: torch.fx.GraphModule, units: set[str]) -> list[BlockSpec]:
             seen_keys.add(run.key)
             name = run.fqn + (f"#{run.key.rsplit('@', 1)[1]}" if "@" in run.key else "")
             modules: tuple[str, ...] = (run.fqn,)
+            one_call = not run.glued
         else:
             if first_unit is None or i < first_unit:
                 name = "head" if first_unit is not None else "model"
@@ -107,17 +109,19 @@ def group_nodes(gm: torch.fx.GraphModule, units: set[str]) -> list[BlockSpec]:
             else:
                 name = f"after.{specs[-1].name}"
             modules = tuple(run.modules)
+            one_call = False
         owned = tuple(p for p in run.params if p not in owner)
         for p in owned:
             owner[p] = len(specs)
         shared = tuple(p for p in run.params if p not in owned)
-        specs.append(BlockSpec(name, modules, tuple(run.nodes), owned, shared))
+        specs.append(BlockSpec(name, modules, tuple(run.nodes), owned, shared, one_call))
 
     unused = [p for p in param_names.values() if p not in owner]
     if unused and specs:  # parameters the forward never uses still occupy memory: first block
         first = specs[0]
         specs[0] = BlockSpec(first.name, first.modules, first.nodes,
-                             first.params + tuple(unused), first.shared_params)
+                             first.params + tuple(unused), first.shared_params,
+                             first.one_call)
     return specs
 
 
@@ -128,10 +132,12 @@ class _Run:
     nodes: list[str]
     modules: list[str]
     params: list[str]
+    glued: bool  # it took in a run of the caller's parameter-free nodes
 
     def __init__(self, key: str | None, fqn: str):
         self.key, self.fqn = key, fqn
         self.nodes, self.modules, self.params = [], [], []
+        self.glued = False
 
 
 def _merge_parameter_free_glue(runs: list[_Run]) -> list[_Run]:
@@ -165,6 +171,7 @@ def _merge_parameter_free_glue(runs: list[_Run]) -> list[_Run]:
 
 
 def _absorb(into: _Run, other: _Run) -> None:
+    into.glued = True
     into.nodes.extend(other.nodes)
     into.modules.extend(m for m in other.modules if m not in into.modules)
     into.params.extend(p for p in other.params if p not in into.params)

@@ -61,6 +61,7 @@ def build_block_graph(mf: ModelFile, batch_size: int | None = None,
             bwd_temp_bytes=fig.bwd_temp_bytes,
             max_param_bytes=max((_nbytes(params[p]) for p in spec.params), default=0),
             selective=fig.selective,
+            one_call=spec.one_call,
         )
         for i, (spec, fig) in enumerate(zip(specs, measured.blocks))
     )

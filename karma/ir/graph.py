@@ -59,6 +59,9 @@ class Block:
     max_param_bytes: int  # its largest own parameter (an optimizer step's temporaries)
     # under selective recompute, one per policy that can run it (keeping most first)
     selective: tuple[Selective, ...] = ()
+    # its nodes are one call of its module and nothing of the caller's (not a head, tail or
+    # glue): the runtime can checkpoint it from that module's hooks
+    one_call: bool = False
 
     def __post_init__(self) -> None:
         for field in ("param_bytes", "act_bytes", "out_bytes", "fwd_flops", "bwd_flops",

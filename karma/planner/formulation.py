@@ -182,6 +182,16 @@ def one_choice_per_block(f: Formulation) -> None:
         f.lp += pulp.lpSum(f.x[i, c] for c in options) == 1, f"one_choice_{i}"
 
 
+def pairs_recompute_together(f: Formulation) -> None:
+    """[Constraint] a block recomputes with the next one exactly when the next one recomputes
+    with it ([Note: a checkpoint over two blocks] in karma/schedule.py)"""
+    for i, options in f.options.items():
+        first = [f.x[i, c] for c in options if c.with_next]
+        if first:
+            second = [f.x[i + 1, c] for c in f.options[i + 1] if c.with_prev]
+            f.lp += pulp.lpSum(first) == pulp.lpSum(second), f"pair_{i}"
+
+
 def _barrier_load(frags: dict[tuple[int, Choice], Fragment], common: Fragment,
                   st: Stages) -> Load:
     """The work of the stages before the update on each barrier stream, op by op."""
@@ -318,6 +328,7 @@ def node_host_memory_within_limits(f: Formulation) -> None:
 
 CONSTRAINTS: tuple[Callable[[Formulation], None], ...] = (
     one_choice_per_block,
+    pairs_recompute_together,
     stage_lasts_its_busiest_stream,
     shared_cores_slow_each_other,
     stages_run_in_order,
@@ -338,4 +349,5 @@ def _tag(c: Choice) -> str:
     host)."""
     least = c.policy.partition("@")[2] if c.act == "selective" else ""
     host = "h" if c.kept == "host" else ""
-    return f"{_ACT_TAGS[c.act]}{least}{host}{c.weights[0]}{c.optim[0]}{c.ahead}"
+    pair = "n" if c.with_next else "p" if c.with_prev else ""
+    return f"{_ACT_TAGS[c.act]}{least}{host}{pair}{c.weights[0]}{c.optim[0]}{c.ahead}"

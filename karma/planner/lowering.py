@@ -28,7 +28,7 @@ and the ILP stays exact.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from karma.planner.fragment import Fragment, ProtoOp
 from karma.planner.host_state import add_host_state, shard_bytes
@@ -63,13 +63,20 @@ class Choice:
     ahead: int = 1
     policy: str = ""  # selective: which ops it keeps (BlockEntry.policy); "" for other acts
     kept: str = "device"  # selective: where what it keeps waits for the backward (BlockEntry)
+    # recomputed in one checkpoint with the next block (BlockEntry.with_next), or the next
+    # block of such a pair ([Note: a checkpoint over two blocks] in karma/schedule.py)
+    with_next: bool = False
+    with_prev: bool = False
 
     def __post_init__(self) -> None:
+        paired = self.with_next or self.with_prev
         if self.act not in ACT_CHOICES or self.weights not in WEIGHT_CHOICES \
                 or self.optim not in OPTIM_CHOICES or self.ahead not in (1, 2) \
                 or bool(self.policy) != (self.act == "selective") \
                 or self.kept not in KEPT_CHOICES \
-                or (self.kept == "host" and self.act != "selective"):
+                or (self.kept == "host" and self.act != "selective") \
+                or (paired and (self.act not in RECOMPUTE_ACTS or self.kept != "device")) \
+                or (self.with_next and (self.with_prev or self.weights != "resident")):
             raise ValueError(f"not a choice: {self}")
         if self.weights == "streamed" and self.optim != "host":
             raise ValueError("streamed weights are stepped on the host")
@@ -94,6 +101,27 @@ def valid_choices(problem: Problem, i: int) -> list[Choice]:
             if a == "selective" and i < n - 1 \
                     and problem.blocks[i].selective_under(policy).leaves:
                 out.append(Choice(a, w, o, 1, policy, kept="host"))
+            if a in RECOMPUTE_ACTS:
+                out += _paired(problem, i, Choice(a, w, o, 1, policy))
+    return out
+
+
+def pairs_agree(choices) -> bool:
+    """Whether each block with with_next has a next block with with_prev, and only those
+    ([Note: a checkpoint over two blocks] in karma/schedule.py)."""
+    previous = [False] + [c.with_next for c in choices[:-1]]
+    return all(c.with_prev == before for c, before in zip(choices, previous)) \
+        and not (choices and choices[-1].with_next)
+
+
+def _paired(problem: Problem, i: int, c: Choice) -> list[Choice]:
+    """Choice c of a recomputing block in one checkpoint with the next block or the
+    previous one, where the blocks allow it (BlockCost.joins_next)."""
+    out = []
+    if problem.blocks[i].joins_next and c.weights == "resident":
+        out.append(replace(c, with_next=True))
+    if i > 0 and problem.blocks[i - 1].joins_next:
+        out.append(replace(c, with_prev=True))
     return out
 
 
@@ -197,8 +225,8 @@ def fragment(problem: Problem, i: int, c: Choice, training: Training = PLAIN) ->
     st = Stages(n, problem.world_size)
     f = Fragment()
     fwd = f.op(("forward", i), "forward", i, st.fwd(i), "compute", b.fwd_s)
-    if c.act in RECOMPUTE_ACTS:
-        f.op(("recompute", i), "recompute", i, st.bwd(i), "compute",
+    if c.act in RECOMPUTE_ACTS:  # with the next block's recompute where they are a pair
+        f.op(("recompute", i), "recompute", i, st.bwd(i + 1 if c.with_next else i), "compute",
              b.fwd_s if c.act == "recompute" else b.selective_under(c.policy).recompute_s)
     bwd = f.op(("backward", i), "backward", i, st.bwd(i), "compute", b.bwd_s)
     f.buffer(f"tmp.f.{i}", i, b.fwd_temp_bytes, fwd, fwd)
@@ -216,8 +244,12 @@ def _activations(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice, f
     a shared saved tensor is held] in problem.py)."""
     b = problem.blocks[i]
     for h in problem.held_by_first_reader[i]:
+        # recomputed with the next block, what it returns is made again before that block's
+        # backward: the next block holds it only through its forward (BlockCost.joins_next:
+        # no later block reads it)
+        free = ("forward", i + 1) if c.with_next else ("backward", h.freed_after(c.act))
         f.buffer(f"shared.{h.made_by}.{i}.{h.next_reader}", i, h.bytes,
-                 ("forward", h.made_by), ("backward", h.freed_after(c.act)))
+                 ("forward", h.made_by), free)
     if c.act == "keep":
         f.buffer(f"act.{i}", i, b.act_bytes, fwd, bwd)
     elif c.act == "swap":
@@ -232,7 +264,8 @@ def _activations(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice, f
         f.host_bytes += b.swap_bytes
         f.pinned_bytes += b.swap_bytes
     else:
-        f.buffer(f"ckpt.{i}", i, b.ckpt_bytes, fwd, bwd)
+        # the next block of a pair takes its inputs from the previous block's recompute
+        f.buffer(f"ckpt.{i}", i, 0 if c.with_prev else b.ckpt_bytes, fwd, bwd)
         # the recompute makes its own saved tensors again, shared ones it made included; a
         # selective one all but those its policy's ops made, which it kept
         remade = b.act_bytes + b.shared_made_bytes
@@ -425,6 +458,9 @@ _UPDATE_RANK = {"host_step": 0, "all_gather": 1, "upload": 2}  # a block's, with
 def assemble(problem: Problem, choices: list[Choice], training: Training = PLAIN
              ) -> tuple[tuple[Op, ...], tuple[Buffer, ...]]:
     """The schedule's ops (in issue order, with dependencies and uses) and buffers."""
+    if not pairs_agree(choices):
+        raise ValueError("a block recomputes with the next one only where the next one "
+                         f"recomputes with it: {choices}")
     frags = [common_fragment(problem)] + [fragment(problem, i, c, training)
                                           for i, c in enumerate(choices)]
     update = Stages(len(problem.blocks), problem.world_size).update
@@ -494,7 +530,9 @@ def _weight_uses(problem: Problem, choices: list[Choice]) -> dict[tuple, tuple[s
         bwd = tuple(weight_buffer(o, choices[o], "bwd", j, n) for o in owners)
         uses[("forward", j)] = fwd
         kept = (kept_buffer(j, choices[j].kept),) if choices[j].act == "selective" else ()
-        uses[("recompute", j)] = (f"ckpt.{j}",) + kept + bwd
+        # the next block of a pair recomputes from what the previous block's recompute makes
+        inputs = f"act.{j - 1}@re" if choices[j].with_prev else f"ckpt.{j}"
+        uses[("recompute", j)] = (inputs,) + kept + bwd
         uses[("backward", j)] = (_act_buffer(j, choices[j]),) + kept + bwd
     return uses
 

@@ -63,6 +63,9 @@ class PlanOptions:
     # whether a block may recompute selectively (--no-selective: not; karma/selective_policy.py,
     # [Note: selective recompute])
     selective: bool = True
+    # whether two recomputing blocks may recompute under one checkpoint (--no-pairs: not;
+    # [Note: a checkpoint over two blocks] in karma/schedule.py)
+    pairs: bool = True
     # derived and checked in __post_init__
     profile: Hardware = field(init=False, repr=False, compare=False)  # `hardware`, loaded
     # ranks per node: nproc_per_node, or the profile's default where it is None
@@ -130,13 +133,14 @@ class PlanOptions:
         """The karma-plan command that plans `model` (the path as given) with these options,
         without -o: --hardware always (its default may change), --gpu-mem and --batch-size
         where given, every other option where it is not its default."""
-        flags = {  # each option's flag, in this order; measure and selective are switches
+        flags = {  # each option's flag, in this order; measure, selective, pairs: switches
             "gpu_mem": "--gpu-mem", "batch_size": "--batch-size", "world_size": "--world-size",
             "nproc_per_node": "--nproc-per-node", "host_mem": "--host-mem",
             "host_state": "--host-state", "dtype": "--dtype", "accumulate": "--accumulate",
             "clip_grad_norm": "--clip-grad-norm", "strategy": "--strategy", "seed": "--seed",
             "time_limit_s": "--time-limit", "gap": "--gap", "blocks": "--blocks",
-            "measure": None, "host_optimizer": "--host-optimizer", "selective": None}
+            "measure": None, "host_optimizer": "--host-optimizer", "selective": None,
+            "pairs": None}
         defaults = {f.name: f.default for f in fields(PlanOptions)}
         hardware = self.hardware if isinstance(self.hardware, str) else self.hardware.name
         args = ["karma-plan", model, "--hardware", hardware]
@@ -149,6 +153,8 @@ class PlanOptions:
                 args.append("--no-measure" if value == "estimate" else "--remeasure")
             elif name == "selective":
                 args.append("--no-selective")
+            elif name == "pairs":
+                args.append("--no-pairs")
             elif name in ("gpu_mem", "host_mem"):  # exactly, in the largest unit that divides
                 unit, power = next((u, k) for u, k in (("T", 4), ("G", 3), ("M", 2), ("K", 1),
                                                        ("", 0)) if value % 1024 ** k == 0)

@@ -25,7 +25,13 @@ from karma.planner.lowering import Training
 from karma.planner.options import PlanOptions
 from karma.planner.plan import Evaluation, Plan, evaluate
 from karma.planner.prefetch import refine_prefetch
-from karma.planner.problem import Measurements, Problem, build_problem, without_selective
+from karma.planner.problem import (
+    Measurements,
+    Problem,
+    build_problem,
+    without_pairs,
+    without_selective,
+)
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,10 @@ class Planning:
                                              self.measured, 1, "replicated", o.host_mem))
 
     def _choosable(self, problem: Problem) -> Problem:
-        """`problem` with the choices the options allow (--no-selective: none selective)."""
-        return problem if self.options.selective else without_selective(problem)
+        """`problem` with the choices the options allow (--no-selective: none selective;
+        --no-pairs: no two blocks under one checkpoint)."""
+        problem = problem if self.options.selective else without_selective(problem)
+        return problem if self.options.pairs else without_pairs(problem)
 
     def evaluate(self, plan: Plan, problem: Problem | None = None) -> Evaluation:
         return evaluate(problem or self.problem, plan, self.capacity_bytes, self.training)

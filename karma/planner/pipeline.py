@@ -113,7 +113,7 @@ def schedule_from(graph: BlockGraph, model: ModelRef, options: PlanOptions, ev: 
             index=b.index, name=b.name, modules=b.modules, params=b.params,
             shared_params=b.shared_params, act=c.act, weights=c.weights, optim=c.optim,
             param_bytes=b.param_bytes, act_bytes=b.act_bytes,
-            policy=c.policy, kept=c.kept,
+            policy=c.policy, kept=c.kept, with_next=c.with_next,
         )
         for b, c in zip(graph.blocks, ev.plan.choices)
     )

@@ -49,6 +49,7 @@ class Plan:
             "recompute": acts["recompute"],
             "selective": acts["selective"],
             "kept_on_host": sum(c.kept == "host" for c in self.choices),
+            "pairs": sum(c.with_next for c in self.choices),  # two blocks, one checkpoint
             "streamed_weights": sum(c.weights == "streamed" for c in self.choices),
             "host_optimizer": sum(c.optim == "host" for c in self.choices),
         }

@@ -65,6 +65,10 @@ class BlockCost:
     # selective recompute (karma/selective_policy.py, [Note: selective recompute]), one per policy
     # that can run the block (keeping most first); none: it cannot
     selective: tuple[SelectiveCost, ...] = ()
+    # it may recompute in one checkpoint with the next block ([Note: a checkpoint over two
+    # blocks] in karma/schedule.py): each is one call of its module, and what it makes only
+    # the next block reads, which reads nothing another block made
+    joins_next: bool = False
 
     def selective_under(self, policy: str) -> SelectiveCost:
         """Its costs under `policy`, one of those that can run it."""
@@ -277,8 +281,8 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
         replace(_block_cost(b, i, shared_saved[i], hw, dtype, world_size, optimizer, measured,
                             share, shared_made[i]),
                 in_bytes=in_bytes[i], shared_made_bytes=shared_made[i],
-                held_in_bytes=held_in[i])
-        for i, b in enumerate(graph.blocks))
+                held_in_bytes=held_in[i], joins_next=joins)
+        for i, (b, joins) in enumerate(zip(graph.blocks, joins_next(graph), strict=True)))
     loss_act_bytes = graph.loss_act_bytes
     loss_s = (measured.loss_s if measured.loss_s is not None
               else 3 * loss_act_bytes / hw.mem_bytes_per_s)
@@ -306,9 +310,36 @@ def build_problem(graph: BlockGraph, hw: Hardware, dtype: str = "fp32", world_si
     )
 
 
+def without_pairs(problem: Problem) -> Problem:
+    """`problem` with no two blocks able to recompute under one checkpoint (karma-plan
+    --no-pairs)."""
+    return replace(problem, blocks=tuple(replace(b, joins_next=False) for b in problem.blocks))
+
+
 def without_selective(problem: Problem) -> Problem:
     """`problem` with no block able to recompute selectively (karma-plan --no-selective)."""
     return replace(problem, blocks=tuple(replace(b, selective=()) for b in problem.blocks))
+
+
+def joins_next(graph: BlockGraph) -> list[bool]:
+    """Per block, whether it may recompute in one checkpoint with the next (BlockCost.
+    joins_next): both blocks one call of their module (Block.one_call), every edge out of it
+    into the next block and every edge into the next block out of it, and what it saves
+    with others saved by the next block only."""
+    n = len(graph.blocks)
+    out_to: list[set[int]] = [set() for _ in range(n)]
+    in_from: list[set[int]] = [set() for _ in range(n)]
+    for e in graph.edges:
+        out_to[e.src].add(e.dst)
+        in_from[e.dst].add(e.src)
+    shared_readers: list[set[int]] = [set() for _ in range(n)]
+    for sh in graph.shared_saved:
+        if sh.producer >= 0:
+            shared_readers[sh.producer].update(sh.readers)
+    return [i + 1 < n and graph.blocks[i].one_call and graph.blocks[i + 1].one_call
+            and out_to[i] == {i + 1} and in_from[i + 1] == {i}
+            and shared_readers[i] <= {i, i + 1}
+            for i in range(n)]
 
 
 def _shared_saved(graph: BlockGraph) -> tuple[list[int], list[int], list[int],

@@ -82,8 +82,9 @@ class PlanReport:
             f"decisions: {c['keep']} keep, {c['swap']} swap, {c['recompute']} recompute"
             + (f", {c['selective']} selective" if c['selective'] else "")
             + (f" ({c['kept_on_host']} with their kept outputs on the host)"
-               if c['kept_on_host'] else "") + "; "
-            f"{c['streamed_weights']} streamed weights; {c['host_optimizer']} on the host "
+               if c['kept_on_host'] else "")
+            + (f", {c['pairs']} pair(s) recomputed under one checkpoint" if c['pairs'] else "")
+            + f"; {c['streamed_weights']} streamed weights; {c['host_optimizer']} on the host "
             "optimizer",
             f"block times: {self.block_times}",
             f"predicted step {format_seconds(ev.step_s)}: "

@@ -26,7 +26,7 @@ from karma.ir.optimizer import optimizer_profile
 from karma.modelfile import ModelFile, load_model_file
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import load_hardware
-from karma.planner.lowering import PLAIN, Choice, Training
+from karma.planner.lowering import PLAIN, Choice, Training, valid_choices
 from karma.planner.options import PlanOptions
 from karma.planner.pipeline import make_schedule
 from karma.planner.plan import evaluate
@@ -118,22 +118,27 @@ def plan(mf: ModelFile, strategy: str, fraction: float = 1.0,
          graph: BlockGraph | None = None, seed: int = 0, world_size: int = 1,
          hardware: str = HARDWARE, dtype: str = "fp32", accumulate: int = 1,
          clip_grad_norm: float | None = None, host_state: str = "auto",
-         nproc_per_node: int | None = None, kept_on_host: bool = False) -> Schedule:
+         nproc_per_node: int | None = None, kept_on_host: bool = False,
+         paired: bool = False) -> Schedule:
     """Plan `mf` in-process at `fraction` of keep_all's stage peak (with the same training
     options), for the CPU backend (or the hardware profile named), its host state as asked
     (karma-plan's --host-state). `kept_on_host`: a baseline's recompute blocks made
     selective, all but the last keeping their policy's outputs on the host (kept: host).
+    `paired`: a baseline's recomputing blocks recomputed two under one checkpoint wherever
+    the blocks allow it (Choice.with_next).
 
     Raises InfeasiblePlan when the strategy does not fit that budget.
     """
     graph = graph or block_graph(mf, dtype)
     training = (dtype, accumulate, clip_grad_norm)
     key = (id(mf), id(graph), strategy, fraction, seed, world_size, hardware, training,
-           host_state, nproc_per_node, kept_on_host)
+           host_state, nproc_per_node, kept_on_host, paired)
     if key not in _SCHEDULES:
         _LOADED.setdefault(id(mf), (mf, model_env(mf)))
         _KEEP_ALIVE.append(graph)
         baselines = {strategy: _kept_on_host(BASELINES[strategy])} if kept_on_host else {}
+        if paired:
+            baselines = {strategy: _paired(baselines.get(strategy, BASELINES[strategy]))}
         with mock.patch.dict(BASELINES, baselines):
             _SCHEDULES[key] = _plan(mf, graph, strategy, fraction, seed, world_size, hardware,
                                     training, host_state, nproc_per_node)
@@ -154,6 +159,24 @@ def _kept_on_host(baseline):
             for i, (b, c) in enumerate(zip(problem.blocks, plan.choices)))
         return dataclasses.replace(plan, choices=choices)
     return kept_on_host
+
+
+def _paired(baseline):
+    """`baseline` with its recomputing blocks paired, from the first block up, wherever
+    lowering's choices allow it (two recomputing blocks, the first's weights resident,
+    BlockCost.joins_next)."""
+    def paired(problem, capacity_bytes, training=PLAIN):
+        plan = baseline(problem, capacity_bytes, training)
+        choices = list(plan.choices)
+        for i in range(len(choices) - 1):
+            c, d = choices[i], choices[i + 1]
+            if not c.with_prev and dataclasses.replace(c, with_next=True) in \
+                    valid_choices(problem, i) and dataclasses.replace(d, with_prev=True) in \
+                    valid_choices(problem, i + 1):
+                choices[i] = dataclasses.replace(c, with_next=True)
+                choices[i + 1] = dataclasses.replace(d, with_prev=True)
+        return dataclasses.replace(plan, choices=tuple(choices))
+    return paired
 
 
 def _plan(mf: ModelFile, graph: BlockGraph, strategy: str, fraction: float,

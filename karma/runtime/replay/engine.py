@@ -230,8 +230,9 @@ class Engine:
                 if self.updates.updating:
                     self.weights[op.block].device_step()
                 continue
-            if op.kind == "recompute" and kind == "backward" and op.block == block:
-                self._start(op)  # runs inside the backward, when it unpacks
+            if op.kind == "recompute" and kind == "backward" and (
+                    op.block == block or op.block == block - 1 and self.blocks[op.block].with_next):
+                self._start(op)  # runs inside the backward, when it unpacks (a pair's both)
                 continue
             if kind == "end" and op.kind in ("backward", "recompute"):
                 self._start(op)  # a block whose input needs no gradient: no hook fires

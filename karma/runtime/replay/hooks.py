@@ -10,8 +10,9 @@ thread. `BlockHooks` tells the engine where that execution is:
   output: the last block's backward starts with the first gradient to reach it;
 - the modules of recompute and selective blocks run under non-reentrant checkpointing, in the
   contexts of their act (selective.py; a selective block's kept outputs in its `KeptSwap`
-  where they wait on the host, kept.py), and a swap block's forward under its `SwapStore`'s
-  saved-tensors hooks (swap.py).
+  where they wait on the host, kept.py), a block with `with_next` and the next one under one
+  checkpoint (pair.py), and a swap block's forward under its `SwapStore`'s saved-tensors
+  hooks (swap.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from karma.modelfile import output_tensors
 from karma.runtime.replay.kept import KeptSwap
+from karma.runtime.replay.pair import Pairs
 from karma.runtime.replay.selective import checkpoint_contexts
 from karma.runtime.replay.swap import SwapStore
 from karma.runtime.replay.training_options import MixedPrecision
@@ -42,6 +44,7 @@ class BlockHooks:
         self.swaps = {i: s for i, s in swaps.items() if isinstance(s, SwapStore)}
         self.kept = {i: s for i, s in swaps.items() if isinstance(s, KeptSwap)}
         self.precision = precision
+        self.pairs = Pairs(blocks, precision)  # blocks recomputed two under one checkpoint
         self._enter: Callable[[int], None] | None = None  # None: not following
         self._backward: Callable[[int], None] | None = None  # None: a forward without grads
         self._calls: dict[int, int] = defaultdict(int)  # id(module) -> calls this forward
@@ -63,6 +66,7 @@ class BlockHooks:
         self._ran_in_block = set()
         self._swap_hooks = None
         self._output_grad_seen = False
+        self.pairs.abandon()
 
     def leave_block(self) -> None:
         """The running block's forward has ended (the next block's starts, or the loss)."""
@@ -77,6 +81,7 @@ class BlockHooks:
         """Stop following; a swap block's saved-tensor hooks are left (else they would catch
         every later autograd op in the process)."""
         self.leave_block()
+        self.pairs.abandon()
         self._enter = self._backward = None
 
     def remove(self) -> None:
@@ -158,6 +163,8 @@ class BlockHooks:
             block = self.blocks[self._current if self._current in blocks else blocks[0]]
             # a selective block's kept outputs go to the host in a training replay only
             kept = self.kept.get(block.index) if self._backward is not None else None
+            if self._backward is not None and self.pairs.covers(block):
+                return self.pairs.call(block, forward, buffers, args, kwargs)
             contexts = partial(checkpoint_contexts, block, buffers, kept)
             output = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts,
                                 **kwargs)

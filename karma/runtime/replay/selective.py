@@ -40,7 +40,7 @@ def checkpoint_contexts(block: BlockEntry, buffers: list[torch.Tensor],
     `kept`: where a selective block with kept: host keeps its outputs, kept.py): (the context
     of its forward, that of its recompute)."""
     if block.act != "selective":
-        return contextlib.nullcontext(), _restore_buffers(buffers)
+        return contextlib.nullcontext(), restore_buffers(buffers)
     policy = checkpoint_policy(block.policy)
     forward, recompute = (create_selective_checkpoint_contexts(policy) if kept is None
                           else kept.contexts(policy))
@@ -54,7 +54,7 @@ def _recompute(block: BlockEntry, replay: AbstractContextManager,
     every op run under it up in what the forward recorded (one the forward did not run, such
     as the restore's clone, is an error there), so the restore runs outside it."""
     try:
-        with _restore_buffers(buffers), replay:
+        with restore_buffers(buffers), replay:
             yield
     except RuntimeError as e:
         if _MUTATED not in str(e):
@@ -68,7 +68,7 @@ def _recompute(block: BlockEntry, replay: AbstractContextManager,
 
 
 @contextlib.contextmanager
-def _restore_buffers(buffers: list[torch.Tensor]) -> Iterator[None]:
+def restore_buffers(buffers: list[torch.Tensor]) -> Iterator[None]:
     """Recomputing a forward must not update running statistics a second time."""
     saved = [b.clone() for b in buffers]
     try:
