@@ -47,6 +47,7 @@ from karma.api import plan_options, plan_report  # noqa: E402
 from karma.planner import formulation, ilp, lowering  # noqa: E402
 from karma.planner.fragment import ProtoBuffer  # noqa: E402
 from karma.planner.memory import buffer_spans, host_temp_by_stage, stage_memory  # noqa: E402
+from karma.planner.plan import evaluate  # noqa: E402
 from karma.schedule import HOST_TEMP_PREFIX  # noqa: E402
 from karma.units import format_bytes  # noqa: E402
 
@@ -250,6 +251,15 @@ def exact_objective(report) -> tuple[float, float, int]:
     return float(plan.note.rpartition("objective ")[2].split()[0]), plan.solve_s, held
 
 
+def relaxed_step(report) -> float:
+    """The simulated step of the ILP's plan for report's problem and budget with the lowering
+    as patched now (some copies free), CBC started from report's plan (which the patch only
+    makes faster: the bound is never slower than the plan, whatever CBC reaches in 60 s)."""
+    problem, chosen = report.problem, report.chosen
+    plan = ilp.solve_ilp(problem, chosen.capacity_bytes, start=chosen.plan)
+    return evaluate(problem, plan, chosen.capacity_bytes).step_s
+
+
 def bounds(path: str, env: dict[str, str], batch: int, parts: int | None = 2) -> dict:
     """The ideal's step, the ILP plan's as karma makes it, solved to a zero gap, with kept
     copies free, with the held outputs free too, and (the ILP's objective, a zero gap) with
@@ -257,9 +267,9 @@ def bounds(path: str, env: dict[str, str], batch: int, parts: int | None = 2) ->
     made = plan_one(path, env, batch, selective=True)
     exact = plan_one(path, env, batch, selective=True, gap=0.0)
     with kept_copies_free():
-        kept_free = plan_one(path, env, batch, selective=True)
+        kept_free = relaxed_step(made)
         with held_outputs_free():
-            held_free = plan_one(path, env, batch, selective=True)
+            held_free = relaxed_step(made)
     offered_s = offered_solve_s = offered_blocks = None
     if parts is not None:
         with held_outputs_offered(parts):
@@ -267,7 +277,7 @@ def bounds(path: str, env: dict[str, str], batch: int, parts: int | None = 2) ->
     return {"ideal_s": made.schedule.predicted.ideal_s, "ilp_s": made.chosen.step_s,
             "exact_s": exact.chosen.step_s, "exact_solve_s": exact.chosen.plan.solve_s,
             "exact_status": exact.chosen.plan.status,
-            "kept_free_s": kept_free.chosen.step_s, "held_free_s": held_free.chosen.step_s,
+            "kept_free_s": kept_free, "held_free_s": held_free,
             "offered_s": offered_s, "offered_solve_s": offered_solve_s,
             "offered_blocks": offered_blocks, "parts": parts}
 

@@ -3,12 +3,13 @@ karma/schedule.py): a block with `with_next` and the next one.
 
 The schedules are baselines whose recomputing blocks are paired wherever the blocks allow it
 (karma.testing.exactness.plan's `paired`): they train bitwise equal to plain PyTorch (dropout
-drawing the same numbers, BatchNorm's statistics updated once, autocast, selective policies)
-on one rank and on two, each block's forward running once more in the pair's recompute. What
+drawing the same numbers, BatchNorm's statistics updated once, autocast, selective policies,
+and every training option together) on one rank and on two, each block's forward running
+once more in the pair's recompute. What
 the first block returns is gone from the forward to the backward (the memory the pair is
 for); a model that makes something between the two blocks is refused with the block's name.
-The planner offers the pair where the IR allows it, its fragments hold what a pair holds, the
-ILP keeps both halves together, the checks refuse the edits the runtime cannot follow, and
+The planner offers the pair where the IR allows it and the first block's output is saved by
+both blocks, its fragments hold what a pair holds, the ILP keeps both halves together, the checks refuse the edits the runtime cannot follow, and
 karma-inspect counts the pairs.
 """
 
@@ -23,13 +24,21 @@ import torch
 from karma.cli.inspect import check_predicted, render, summary
 from karma.errors import KarmaError
 from karma.planner.hardware import load_hardware
-from karma.planner.lowering import Choice, Stages, fragment, valid_choices
-from karma.planner.problem import build_problem, joins_next
+from karma.planner.lowering import (
+    Choice,
+    Stages,
+    fragment,
+    mark_pairs,
+    offers_pair,
+    valid_choices,
+)
+from karma.planner.problem import HeldSaved, build_problem, joins_next
 from karma.runtime.replay.pair import Pairs
 from karma.runtime.replay.training_options import MixedPrecision
 from karma.schedule import BlockEntry, ScheduleFileError, dump_schedule
 from karma.schedule_check import validate
 from karma.schedule_load import load_schedule
+from karma.selective_policy import SELECTIVE_POLICY
 from karma.testing.exactness import (
     assert_bitwise_equal,
     block_graph,
@@ -42,6 +51,9 @@ from tests.dist_helpers import train_job
 from tests.runtime_helpers import load_small
 from tests.test_runtime import STEPS, Probe, load_model_pt
 from tests.test_selective import RANKS, assert_ranks_follow_the_averaged_loop, reference
+from tests.test_training_options import OPTIONS, model_file
+from tests.test_training_options import STEPS as TRAINING_STEPS
+from tests.test_training_options import reference as option_reference
 
 CASES = [("resnet", "recompute_all", "fp32"), ("gpt", "selective_all", "bf16"),
          ("hf_gpt2", "recompute_all", "fp32"), ("mlp", "recompute_all", "fp32"),
@@ -79,6 +91,20 @@ def test_pairs_train_bitwise_equal_to_plain_pytorch(name, strategy, dtype, tmp_p
         assert probe.calls[i] == probe.calls[i + 1] == 2 * STEPS, probe.calls
 
 
+@pytest.mark.parametrize("name", ["resnet", pytest.param("gpt", marks=pytest.mark.slow)])
+def test_pairs_with_every_training_option_equal_the_plain_loop(name, tmp_path):
+    """bf16, four micro-batches a step, gradient clipping and a LambdaLR together (the test
+    matrix's "all", tests/test_training_options.py)."""
+    options, scheduled = OPTIONS["all"]
+    schedule = plan(load_small(name), "recompute_all", paired=True, **options)
+    assert any(b.with_next for b in schedule.blocks)
+    report = run(schedule, model_file(name, scheduled), TRAINING_STEPS,
+                 checkpoint_dir=tmp_path)
+    ref = option_reference(name, "all", **host_stepped(schedule))
+    assert report.losses == ref.losses and report.grad_norms == ref.grad_norms
+    assert_bitwise_equal(load_model_pt(tmp_path, TRAINING_STEPS), ref.model.state_dict())
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory) -> dict:
     """The fast cases planned for two ranks (sharded host state), paired, trained in one
@@ -109,7 +135,8 @@ class Layer(torch.nn.Module):
 
 def entry(index: int, act: str = "recompute", with_next: bool = False) -> BlockEntry:
     return BlockEntry(index, f"l{index}", (f"l{index}",), (), (), act, "resident", "device", 0,
-                      0, with_next=with_next)
+                      0, policy=SELECTIVE_POLICY if act == "selective" else "",
+                      with_next=with_next)
 
 
 def run_pair(between=None, pairs: Pairs | None = None):
@@ -161,6 +188,22 @@ def test_a_forward_that_stops_inside_a_pair_closes_its_checkpoint():
     loss.backward()
 
 
+class InPlace(Layer):
+    def forward(self, x):
+        return torch.relu_(self.fc(x))  # changes what its linear layer returned
+
+
+def test_a_kept_output_changed_in_place_in_a_pair_names_its_block_and_the_fix():
+    blocks = [entry(0, "selective", with_next=True), entry(1, "selective")]
+    pairs = Pairs(blocks, MixedPrecision("cpu", None))
+    layers = [Layer(), InPlace()]
+    h = pairs.call(blocks[0], layers[0].forward, [], (torch.randn(4, 8),), {})
+    out = pairs.call(blocks[1], layers[1].forward, [], (h,), {})
+    with pytest.raises(KarmaError, match=r"block 1 \(l1\) is selective .*make that op out "
+                                         r"of place"):
+        out.sum().backward()
+
+
 # --- the planner ---------------------------------------------------------------------------
 
 def test_the_ir_allows_a_pair_of_layers_but_not_a_block_with_its_callers_ops():
@@ -203,19 +246,38 @@ def test_a_pair_recomputes_the_first_block_before_the_second_and_frees_its_outpu
     # the second block checkpoints no input
     assert not any(b.name == f"ckpt.{i + 1}" for b in second.buffers)
     assert problem.blocks[i + 1].ckpt_bytes > 0 or problem.blocks[i + 1].held_in_bytes > 0
+    # what an earlier block made and the pair's first block reads (a skip connection around
+    # the pair) is held as it would be without the pair
+    skip = HeldSaved(i - 1, i, i + 2, 1 << 20)
+    around = dataclasses.replace(problem, held_saved=problem.held_saved + (skip,))
+    name = f"shared.{i - 1}.{i}.{i + 2}"
+    assert buf(fragment(around, i, Choice("recompute", with_next=True)), name).free == \
+        buf(fragment(around, i, Choice("recompute")), name).free == ("backward", i)
 
 
-def test_the_planner_offers_pairs_only_where_the_blocks_allow_them():
+def test_the_planner_offers_pairs_where_the_first_blocks_output_is_shared():
+    """A ResNet block's output, saved by its last ReLU and the next block: offered. A
+    transformer layer's, saved by the next layer alone: the IR allows the pair, the planner
+    does not offer it (lowering.offers_pair)."""
+    gpt = build_problem(block_graph(load_small("gpt")), load_hardware("v100-16g"))
+    assert any(b.joins_next for b in gpt.blocks)
+    assert not any(c.with_next for i in range(len(gpt.blocks)) for c in valid_choices(gpt, i))
     problem = resnet_problem()
     for i, b in enumerate(problem.blocks):
         offered = valid_choices(problem, i)
         firsts = [c for c in offered if c.with_next]
-        seconds = [c for c in offered if c.with_prev]
-        assert bool(firsts) == b.joins_next
-        assert bool(seconds) == (i > 0 and problem.blocks[i - 1].joins_next)
-        assert all(c.weights == "resident" for c in firsts)
-        assert all(c.act in ("recompute", "selective") and c.kept == "device"
-                   for c in firsts + seconds)
+        assert bool(firsts) == b.joins_next == offers_pair(problem, i)
+        assert all(c.weights == "resident" and c.act in ("recompute", "selective")
+                   and c.kept == "device" for c in firsts)
+        assert not any(c.with_prev for c in offered)  # marked after the solve
+    # the second block of a pair: any choice that recomputes, marked with_prev
+    first, second = Choice("recompute", with_next=True), Choice("selective", "streamed",
+                                                                "host", policy="p")
+    assert mark_pairs((first, second)) == (first, dataclasses.replace(second, with_prev=True))
+    for no in (Choice("keep"), Choice("swap"), first, Choice("selective", policy="p",
+                                                             kept="host")):
+        assert mark_pairs((first, no)) is None
+    assert mark_pairs((Choice("keep"), first)) is None  # a pair of one block
     with pytest.raises(ValueError, match="not a choice"):
         Choice("keep", with_next=True)
     with pytest.raises(ValueError, match="not a choice"):

@@ -28,7 +28,7 @@ import pytest
 
 from karma.planner.baselines import BASELINES, keep_all
 from karma.planner.ilp import min_capacity_bytes, solve_ilp
-from karma.planner.lowering import Choice, pairs_agree, valid_choices
+from karma.planner.lowering import Choice, mark_pairs, valid_choices
 from karma.planner.memory import stage_memory
 from karma.planner.plan import Evaluation, InfeasiblePlan, Plan, evaluate
 from karma.planner.prefetch import refine_prefetch
@@ -175,9 +175,10 @@ def keep_all_peak(problem: Problem) -> int:
 
 
 def all_plans(problem: Problem):
-    """Every plan: each block's valid choice, the halves of each pair together."""
-    return filter(pairs_agree, itertools.product(*(valid_choices(problem, i)
-                                                   for i in range(len(problem.blocks)))))
+    """Every plan: each block's valid choice, each pair's second block marked (mark_pairs;
+    None where a pair has no second)."""
+    return filter(None, map(mark_pairs, itertools.product(
+        *(valid_choices(problem, i) for i in range(len(problem.blocks))))))
 
 
 def brute_force(problem: Problem, capacity: int) -> Evaluation | None:

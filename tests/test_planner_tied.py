@@ -152,12 +152,17 @@ def test_a_host_steps_temporaries_count_from_its_gradients_copy_to_the_host_on()
     assert ev.peak_device_bytes <= ev.stage_peak_bytes
 
 
+def unpaired(choices: list[Choice]) -> list[Choice]:
+    """The choices of no pair (a plan of one block's pair choices alone is not a plan)."""
+    return [c for c in choices if not (c.with_next or c.with_prev)]
+
+
 @pytest.mark.parametrize("training", [Training(), Training(clip=True), Training(2)])
 def test_with_host_temporaries_stage_memory_is_never_below_the_simulated_peak(training):
     for seed in range(6):
         problem = with_host_temps(random_problem(random.Random(seed), 5))
         for choices in [[Choice("keep", "resident", "host")] * 5,
-                        [valid_choices(problem, i)[-1] for i in range(5)]]:
+                        [unpaired(valid_choices(problem, i))[-1] for i in range(5)]]:
             ev = evaluate(problem, Plan("x", tuple(choices)), HUGE, training)
             assert ev.peak_device_bytes <= ev.stage_peak_bytes, (seed, training)
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import pulp
 
 from karma.planner import lowering
-from karma.planner.fragment import Fragment
+from karma.planner.fragment import Fragment, ProtoBuffer
 from karma.planner.lowering import Choice, Stages, Training
 from karma.planner.memory import buffer_spans, host_temp_bytes, host_temp_first_stage
 from karma.planner.problem import Problem
@@ -140,7 +140,7 @@ def formulate(problem: Problem, limits: Limits, training: Training,
     st = Stages(n, problem.world_size)
     # copies one stage ahead here; a pass after the solve considers two (prefetch.py)
     options = {i: [c for c in lowering.valid_choices(problem, i) if c.ahead == 1] for i in range(n)}
-    frags = {(i, c): lowering.fragment(problem, i, c, training)
+    frags = {(i, c): ilp_fragment(problem, i, c, training)
              for i in range(n) for c in options[i]}
     micro = training.accumulate > 1
     lp = pulp.LpProblem("karma_plan", pulp.LpMinimize)
@@ -173,6 +173,20 @@ def formulate(problem: Problem, limits: Limits, training: Training,
     return f
 
 
+def ilp_fragment(problem: Problem, i: int, c: Choice, training: Training) -> Fragment:
+    """Block i's fragment under c as the ILP sums it. The first block of a pair also carries
+    what its second block's fragment drops once marked with_prev (lowering.mark_pairs): the
+    second block's checkpoint, a buffer of negative bytes over that checkpoint's stages. The
+    second block recomputes (pairs_recompute_together), so its fragment holds that
+    checkpoint and the sum is the plan's: one variable a choice of the first block, none
+    more for the second."""
+    f = lowering.fragment(problem, i, c, training)
+    if c.with_next and (ckpt := problem.blocks[i + 1].ckpt_bytes):
+        f.buffers.append(ProtoBuffer(f"ckpt.{i + 1}@pair", i + 1, -ckpt, ("forward", i + 1),
+                                     ("backward", i + 1)))
+    return f
+
+
 # --- the constraints, one family each, added in this order -----------------------------
 
 
@@ -183,13 +197,14 @@ def one_choice_per_block(f: Formulation) -> None:
 
 
 def pairs_recompute_together(f: Formulation) -> None:
-    """[Constraint] a block recomputes with the next one exactly when the next one recomputes
-    with it ([Note: a checkpoint over two blocks] in karma/schedule.py)"""
+    """[Constraint] a block recomputes with the next one only where the next one recomputes
+    and can be its second ([Note: a checkpoint over two blocks] in karma/schedule.py;
+    lowering.can_pair)"""
     for i, options in f.options.items():
         first = [f.x[i, c] for c in options if c.with_next]
         if first:
-            second = [f.x[i + 1, c] for c in f.options[i + 1] if c.with_prev]
-            f.lp += pulp.lpSum(first) == pulp.lpSum(second), f"pair_{i}"
+            second = [f.x[i + 1, c] for c in f.options[i + 1] if lowering.can_pair(c)]
+            f.lp += pulp.lpSum(first) <= pulp.lpSum(second), f"pair_{i}"
 
 
 def _barrier_load(frags: dict[tuple[int, Choice], Fragment], common: Fragment,

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pulp
 
 from karma.planner.formulation import GIB, Limits, formulate
 from karma.planner.host_state import HostUse
-from karma.planner.lowering import PLAIN, Choice, Training, fragment
+from karma.planner.lowering import PLAIN, Choice, Training, fragment, mark_pairs
 from karma.planner.memory import stage_memory
 from karma.planner.plan import InfeasiblePlan, Plan
 from karma.planner.problem import Problem
@@ -153,7 +153,7 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     f = formulate(problem, limits, training, minimize_capacity)
     if start is not None:
         for (i, c), var in f.x.items():
-            var.setInitialValue(1 if start.choices[i] == c else 0)
+            var.setInitialValue(1 if replace(start.choices[i], with_prev=False) == c else 0)
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=1,
                                warmStart=start is not None,
                                options=["randomSeed 1", "randomCbcSeed 1", "preprocess off"])
@@ -166,8 +166,8 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
         return _Solution(Plan("ilp", (), status="no-solution", solve_s=solve_s,
                               note=f"CBC found no solution in {time_limit_s:g} s "
                                    f"({pulp.LpStatus[f.lp.status]})"))
-    choices = tuple(next(c for c in options if (f.x[i, c].value() or 0) > 0.5)
-                    for i, options in f.options.items())
+    choices = mark_pairs(tuple(next(c for c in options if (f.x[i, c].value() or 0) > 0.5)
+                               for i, options in f.options.items()))
     status = "optimal" if f.lp.sol_status == pulp.LpSolutionOptimal else "time-limit"
     plan = Plan("ilp", choices, status=status, solve_s=solve_s,
                 note=f"CBC {status}, objective {pulp.value(f.step):.6f} s")

@@ -92,6 +92,7 @@ def valid_choices(problem: Problem, i: int) -> list[Choice]:
                                else ("keep", "recompute"))]
     acts += [("selective", s.policy) for s in problem.blocks[i].selective]
     wo = [("resident", "device"), ("resident", "host"), ("streamed", "host")]
+    pairs = offers_pair(problem, i)
     out = []
     for a, policy in acts:
         for w, o in wo:
@@ -101,9 +102,25 @@ def valid_choices(problem: Problem, i: int) -> list[Choice]:
             if a == "selective" and i < n - 1 \
                     and problem.blocks[i].selective_under(policy).leaves:
                 out.append(Choice(a, w, o, 1, policy, kept="host"))
-            if a in RECOMPUTE_ACTS:
-                out += _paired(problem, i, Choice(a, w, o, 1, policy))
+            if a in RECOMPUTE_ACTS and pairs and w == "resident":
+                out.append(Choice(a, w, o, 1, policy, with_next=True))
     return out
+
+
+def offers_pair(problem: Problem, i: int) -> bool:
+    """Whether block i is offered to recompute with the next one ([Note: a checkpoint over
+    two blocks] in karma/schedule.py): where the blocks allow it (BlockCost.joins_next) and
+    what it returns is saved by both blocks (a ResNet block's output, its last ReLU's and the
+    next block's first convolution's), which a pair frees for most of the step. Where the
+    next block alone saves it (a transformer layer's output), a pair frees only the next
+    block's checkpoint for a stage more of the first block's activations: offered there, it
+    saved nothing in the golden plans that took it and slowed GPT-2 XL's solve 2 to 7 times
+    (bench/RESULTS.md, "The ILP on real models"); the runtime runs such a pair all the same
+    (a schedule may name it). The next block's choice is any that recomputes (can_pair), marked with_prev once the plan is made
+    (mark_pairs); the ILP credits the checkpoint it drops to this block's choice
+    (formulation.ilp_fragment)."""
+    return problem.blocks[i].joins_next and any(
+        h.made_by == i for h in problem.held_by_first_reader[i])
 
 
 def pairs_agree(choices) -> bool:
@@ -114,15 +131,24 @@ def pairs_agree(choices) -> bool:
         and not (choices and choices[-1].with_next)
 
 
-def _paired(problem: Problem, i: int, c: Choice) -> list[Choice]:
-    """Choice c of a recomputing block in one checkpoint with the next block or the
-    previous one, where the blocks allow it (BlockCost.joins_next)."""
-    out = []
-    if problem.blocks[i].joins_next and c.weights == "resident":
-        out.append(replace(c, with_next=True))
-    if i > 0 and problem.blocks[i - 1].joins_next:
-        out.append(replace(c, with_prev=True))
-    return out
+def mark_pairs(choices) -> tuple[Choice, ...] | None:
+    """`choices` (of valid_choices, which offer a pair's first block only) with the second
+    block of each pair marked with_prev; None where a with_next block's next block cannot
+    be its second (it keeps or swaps, keeps on the host, has with_next itself, or there is
+    none)."""
+    out = list(choices)
+    for i, c in enumerate(choices):
+        if not c.with_next:
+            continue
+        if i + 1 == len(out) or not can_pair(out[i + 1]):
+            return None
+        out[i + 1] = replace(out[i + 1], with_prev=True)
+    return tuple(out)
+
+
+def can_pair(c: Choice) -> bool:
+    """Whether a block under choice c can be the second block of a pair (mark_pairs)."""
+    return c.act in RECOMPUTE_ACTS and c.kept == "device" and not c.with_next
 
 
 @dataclass(frozen=True)
@@ -244,10 +270,11 @@ def _activations(f: Fragment, problem: Problem, st: Stages, i: int, c: Choice, f
     a shared saved tensor is held] in problem.py)."""
     b = problem.blocks[i]
     for h in problem.held_by_first_reader[i]:
-        # recomputed with the next block, what it returns is made again before that block's
+        # recomputed with the next block, what it made is made again before that block's
         # backward: the next block holds it only through its forward (BlockCost.joins_next:
         # no later block reads it)
-        free = ("forward", i + 1) if c.with_next else ("backward", h.freed_after(c.act))
+        free = ("forward", i + 1) if c.with_next and h.made_by == i else \
+            ("backward", h.freed_after(c.act))
         f.buffer(f"shared.{h.made_by}.{i}.{h.next_reader}", i, h.bytes,
                  ("forward", h.made_by), free)
     if c.act == "keep":

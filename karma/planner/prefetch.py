@@ -38,7 +38,7 @@ def refine_prefetch(problem: Problem, plan: Plan, capacity_bytes: int,
         if c.ahead != 1 or not (c.act == "swap" or c.weights == "streamed"):
             continue
         candidate = replace(c, ahead=2)
-        if candidate not in valid_choices(problem, i):
+        if replace(candidate, with_prev=False) not in valid_choices(problem, i):
             continue
         new = fragment(problem, i, candidate, training)
         touched = {o.stage for o in frags[i].ops + new.ops}

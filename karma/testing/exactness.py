@@ -26,7 +26,7 @@ from karma.ir.optimizer import optimizer_profile
 from karma.modelfile import ModelFile, load_model_file
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import load_hardware
-from karma.planner.lowering import PLAIN, Choice, Training, valid_choices
+from karma.planner.lowering import PLAIN, Choice, Training, can_pair
 from karma.planner.options import PlanOptions
 from karma.planner.pipeline import make_schedule
 from karma.planner.plan import evaluate
@@ -162,17 +162,16 @@ def _kept_on_host(baseline):
 
 
 def _paired(baseline):
-    """`baseline` with its recomputing blocks paired, from the first block up, wherever
-    lowering's choices allow it (two recomputing blocks, the first's weights resident,
-    BlockCost.joins_next)."""
+    """`baseline` with its recomputing blocks paired, from the first block up, wherever the
+    blocks allow it (BlockCost.joins_next, the first's weights resident, the second
+    can_pair), whether or not the planner would offer it (lowering.offers_pair)."""
     def paired(problem, capacity_bytes, training=PLAIN):
         plan = baseline(problem, capacity_bytes, training)
         choices = list(plan.choices)
         for i in range(len(choices) - 1):
             c, d = choices[i], choices[i + 1]
-            if not c.with_prev and dataclasses.replace(c, with_next=True) in \
-                    valid_choices(problem, i) and dataclasses.replace(d, with_prev=True) in \
-                    valid_choices(problem, i + 1):
+            if not c.with_prev and problem.blocks[i].joins_next and can_pair(c) \
+                    and c.weights == "resident" and can_pair(d):
                 choices[i] = dataclasses.replace(c, with_next=True)
                 choices[i + 1] = dataclasses.replace(d, with_prev=True)
         return dataclasses.replace(plan, choices=tuple(choices))

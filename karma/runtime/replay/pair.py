@@ -34,7 +34,7 @@ from torch.utils.checkpoint import (
 )
 
 from karma.errors import KarmaError
-from karma.runtime.replay.selective import restore_buffers
+from karma.runtime.replay.selective import raise_if_kept_output_mutated, restore_buffers
 from karma.runtime.replay.training_options import MixedPrecision
 from karma.schedule import BlockEntry
 from karma.selective_policy import kept_by
@@ -88,8 +88,12 @@ class _Pair:
 
     @contextlib.contextmanager
     def _restoring(self, replay) -> Iterator[None]:
-        with restore_buffers(self.first.buffers + self.second.buffers), replay:
-            yield
+        try:
+            with restore_buffers(self.first.buffers + self.second.buffers), replay:
+                yield
+        except RuntimeError as e:
+            raise_if_kept_output_mutated(self.running, e)
+            raise
 
     def recompute(self, *args, **kwargs) -> None:
         """Both forwards again, in the forward's order (the checkpoint's fn)."""

@@ -57,8 +57,14 @@ def _recompute(block: BlockEntry, replay: AbstractContextManager,
         with restore_buffers(buffers), replay:
             yield
     except RuntimeError as e:
-        if _MUTATED not in str(e):
-            raise
+        raise_if_kept_output_mutated(block, e)
+        raise
+
+
+def raise_if_kept_output_mutated(block: BlockEntry, e: RuntimeError) -> None:
+    """A KarmaError naming the block and the fix where `e` is checkpoint's refusal of a kept
+    output changed in place; nothing otherwise."""
+    if _MUTATED in str(e):
         raise KarmaError(
             f"block {block.index} ({block.name}) is selective ({block.policy}), and the model "
             "changed in place the output of an op its policy keeps (say an "
