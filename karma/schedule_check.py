@@ -385,7 +385,8 @@ class _Checker:
                 raise _Broken(f"{self.op(op)} runs where the model runs the {kind} of "
                               f"{self.block(i)} (rule: compute order: forwards from block 0 "
                               "up, the loss, then backwards from the last block down, each "
-                              "recompute just before its block's backward); put the compute "
+                              "recompute just before its block's backward, a pair's two "
+                              "(with_next) before the second block's); put the compute "
                               f"ops in that order, {_FIX}")
 
     def dependencies(self) -> None:

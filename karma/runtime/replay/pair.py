@@ -17,6 +17,16 @@ pair began with: the same ops in the same order as the forward, so the same valu
 Where a block is selective, its policy decides for its own ops (one selective context
 for the pair, whose policy follows the running block); the recompute restores both blocks'
 buffers afterwards (running statistics are updated once, by the forward).
+
+[Note: nothing between the two blocks] The checkpoint stays open from the first block's
+call to the second's, so whatever runs between them (the caller's code, the first module's
+forward hooks, the second's pre-hooks) would be recorded but not run again. The planner
+pairs blocks whose IR shows nothing between them, but hooks and in-place ops escape the IR:
+between the two calls a saved-tensor hook refuses anything autograd would save, the
+selective policy refuses an op a policy keeps, and the second call refuses a tensor made
+meanwhile or an output of the first changed in place; each names the blocks and the fix
+(`karma-plan --no-pairs`). Ops that save nothing and keep nothing (the engine's copies,
+views) pass: the recompute does not need them.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -64,8 +75,19 @@ class _Pair:
         self.running: BlockEntry = first.block
         self.precision = precision
         self.outputs: list | None = None  # the first block's output leaves, until the second
+        self.versions: dict[int, int] = {}  # the output tensors' versions when it returned
         self.made_before: int = _next_sequence_nr()
         self.generator: Iterator | None = None
+        self.between: contextlib.ExitStack | None = None  # [Note: nothing between the two]
+
+    def refuse(self, what: str) -> KarmaError:
+        """[Note: nothing between the two blocks]: what ran between them, named."""
+        first, second = self.first.block, self.second_block
+        return KarmaError(
+            f"between block {first.index} ({first.name}) and block {second.index} "
+            f"({second.name}), which recompute under one checkpoint (with_next), {what}; the "
+            "recompute would not run it again. Re-plan with karma-plan --no-pairs (the plan "
+            "cannot see a module's hooks or an in-place change)")
 
     def contexts(self):
         """checkpoint's context_fn: selective contexts whose policy follows the running
@@ -76,6 +98,12 @@ class _Pair:
 
         def decide(ctx, op, *args, **kwargs) -> CheckpointPolicy:
             block = self.running
+            if block is None:  # between the two blocks
+                if any(kept_by(b.policy)(op, args) for b in (self.first.block,
+                                                              self.second_block)
+                       if b.act == "selective"):
+                    raise self.refuse(f"the model ran {op}, an op a selective policy keeps")
+                return CheckpointPolicy.PREFER_RECOMPUTE
             if block.act != "selective":
                 return CheckpointPolicy.PREFER_RECOMPUTE
             if block.index not in keeps:
@@ -133,6 +161,8 @@ class Pairs:
     def abandon(self) -> None:
         """A forward that ended before the second block ran: close the checkpoint."""
         pair, self._open = self._open, None
+        if pair is not None and pair.between is not None:
+            pair.between.close()
         if pair is not None and pair.generator is not None:
             pair.generator.close()
 
@@ -150,10 +180,16 @@ class Pairs:
             self.abandon()
             raise
         pair.outputs = tree_flatten(out)[0]
+        pair.versions = {id(t): t._version for t in pair.outputs if isinstance(t, torch.Tensor)}
+        pair.running = None
+        pair.between = contextlib.ExitStack()
+        pair.between.enter_context(torch.autograd.graph.saved_tensors_hooks(
+            partial(_refuse_saving, pair), _never_unpacked))
         return out
 
     def _second(self, block, forward, buffers, args, kwargs):
         pair = self._open
+        pair.between.close()
         try:
             pair.second = _call_of(block, forward, buffers, args, kwargs, pair)
             pair.outputs = None  # the pair holds them no longer
@@ -183,16 +219,24 @@ def _call_of(block: BlockEntry, forward: Callable, buffers: list[torch.Tensor],
         if not isinstance(leaf, torch.Tensor):
             continue
         if id(leaf) in made:
+            if leaf._version != pair.versions[id(leaf)]:
+                raise pair.refuse("the model changed in place a tensor the first block "
+                                  "returned and the second takes")
             slots[pos] = made[id(leaf)]
             leaves[pos] = None
         elif leaf.grad_fn is not None and leaf.grad_fn._sequence_nr() >= pair.made_before:
-            first = pair.first.block
-            raise KarmaError(
-                f"block {block.index} ({block.name}) takes a tensor made after block "
-                f"{first.index} ({first.name}) began, not one that block returned, so the two "
-                f"cannot recompute in one checkpoint; set with_next to false on block "
-                f"{first.index} in the schedule, or re-plan with karma-plan")
+            raise pair.refuse("the model made a tensor the second block takes (not one the "
+                              "first returned, in a tensor, tuple, list or dict)")
     return _Call(block, forward, buffers, spec, leaves, slots)
+
+
+def _refuse_saving(pair: _Pair, tensor: torch.Tensor):
+    raise pair.refuse(f"autograd saved a tensor of shape {tuple(tensor.shape)} for an op's "
+                      "backward")
+
+
+def _never_unpacked(packed):
+    raise AssertionError("nothing is packed between the two blocks")
 
 
 def _next_sequence_nr() -> int:
