@@ -1,8 +1,8 @@
 """Two blocks under one checkpoint: a block with `with_next` and the block after it.
 
     pairs = Pairs(blocks, precision)
-    out = pairs.first(block, forward, buffers, args, kwargs)    # block i's module call
-    out = pairs.second(block, forward, buffers, args, kwargs)   # block i+1's
+    if pairs.covers(block):  # a block with with_next, or the next one (BlockHooks' wrapper)
+        out = pairs.call(block, forward, buffers, args, kwargs)
 
 [Note: a checkpoint over two blocks] (karma/schedule.py) says what the schedule asks. The
 checkpoint is torch.utils.checkpoint's non-reentrant one in its generator form, as
@@ -78,7 +78,7 @@ class _Pair:
         self.versions: dict[int, int] = {}  # the output tensors' versions when it returned
         self.made_before: int = _next_sequence_nr()
         self.generator: Iterator | None = None
-        self.between: contextlib.ExitStack | None = None  # [Note: nothing between the two]
+        self.between: contextlib.ExitStack | None = None  # [Note: nothing between the two blocks]
 
     def refuse(self, what: str) -> KarmaError:
         """[Note: nothing between the two blocks]: what ran between them, named."""
