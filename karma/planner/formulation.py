@@ -364,5 +364,5 @@ def _tag(c: Choice) -> str:
     host)."""
     least = c.policy.partition("@")[2] if c.act == "selective" else ""
     host = "h" if c.kept == "host" else ""
-    pair = "n" if c.with_next else "p" if c.with_prev else ""
+    pair = "n" if c.with_next else ""  # a pair's second is marked after the solve
     return f"{_ACT_TAGS[c.act]}{least}{host}{pair}{c.weights[0]}{c.optim[0]}{c.ahead}"

@@ -151,9 +151,10 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     checked and its solution turned into a Plan."""
     started = time.perf_counter()
     f = formulate(problem, limits, training, minimize_capacity)
-    if start is not None:
+    if start is not None:  # the options leave a pair's second unmarked (lowering.mark_pairs)
+        unmarked = [replace(c, with_prev=False) for c in start.choices]
         for (i, c), var in f.x.items():
-            var.setInitialValue(1 if replace(start.choices[i], with_prev=False) == c else 0)
+            var.setInitialValue(1 if unmarked[i] == c else 0)
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=1,
                                warmStart=start is not None,
                                options=["randomSeed 1", "randomCbcSeed 1", "preprocess off"])

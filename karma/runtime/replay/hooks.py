@@ -161,10 +161,10 @@ class BlockHooks:
 
         def checkpointed(*args, **kwargs):
             block = self.blocks[self._current if self._current in blocks else blocks[0]]
-            # a selective block's kept outputs go to the host in a training replay only
-            kept = self.kept.get(block.index) if self._backward is not None else None
             if self._backward is not None and self.pairs.covers(block):
                 return self.pairs.call(block, forward, buffers, args, kwargs)
+            # a selective block's kept outputs go to the host in a training replay only
+            kept = self.kept.get(block.index) if self._backward is not None else None
             contexts = partial(checkpoint_contexts, block, buffers, kept)
             output = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts,
                                 **kwargs)

@@ -92,23 +92,18 @@ class _Pair:
     def contexts(self):
         """checkpoint's context_fn: selective contexts whose policy follows the running
         block, where a block is selective; the recompute restoring both blocks' buffers."""
-        if "selective" not in (self.first.block.act, self.second_block.act):
+        keeps = {b.index: kept_by(b.policy) for b in (self.first.block, self.second_block)
+                 if b.act == "selective"}
+        if not keeps:
             return contextlib.nullcontext(), self._restoring(contextlib.nullcontext())
-        keeps = {}
 
         def decide(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-            block = self.running
-            if block is None:  # between the two blocks
-                if any(kept_by(b.policy)(op, args) for b in (self.first.block,
-                                                              self.second_block)
-                       if b.act == "selective"):
+            if self.running is None:  # between the two blocks
+                if any(keep(op, args) for keep in keeps.values()):
                     raise self.refuse(f"the model ran {op}, an op a selective policy keeps")
                 return CheckpointPolicy.PREFER_RECOMPUTE
-            if block.act != "selective":
-                return CheckpointPolicy.PREFER_RECOMPUTE
-            if block.index not in keeps:
-                keeps[block.index] = kept_by(block.policy)
-            return CheckpointPolicy.MUST_SAVE if keeps[block.index](op, args) else \
+            keep = keeps.get(self.running.index)
+            return CheckpointPolicy.MUST_SAVE if keep is not None and keep(op, args) else \
                 CheckpointPolicy.PREFER_RECOMPUTE
 
         forward, recompute = create_selective_checkpoint_contexts(decide)
