@@ -58,8 +58,9 @@ def plan(model: Model, gpu_mem: str | int = "16G", hardware: str | Hardware | No
     or "bf16" for mixed precision), accumulate, clip_grad_norm, nproc_per_node, host_mem,
     host_state, strategy, seed, time_limit_s, gap, blocks, measure ("cached", "fresh" or
     "estimate"), host_optimizer ("fused" or "as-given"), selective (False: no selective
-    recompute), pairs (False: no two blocks recomputed under one checkpoint). `log` gets notes about the model and about measuring (default: the "karma"
-    logger). Raises InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
+    recompute), pairs (False: no two blocks recomputed under one checkpoint). `log` gets
+    notes about the model and about measuring (default: the "karma" logger). Raises
+    InfeasiblePlan (with min_capacity_bytes) if nothing fits."""
     functions = {name: options.pop(name) for name in MODEL_KEYWORDS if name in options}
     if functions or not isinstance(model, (str, Path, ModelFile)):
         model = as_model(model, **functions)

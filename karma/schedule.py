@@ -376,7 +376,7 @@ class BlockEntry:
 # module (nothing of its caller's runs between them), this one's weights resident, what a
 # selective one keeps on the device; two blocks a checkpoint at most (the next block has
 # no with_next). The runtime
-# (karma/runtime/replay/pair.py) and the planner (lowering.py's fragment) follow it.
+# (karma/runtime/replay/pair.py) and the planner (karma/planner/pairs.py, lowering.py) follow it.
 
 
 @dataclass(frozen=True)

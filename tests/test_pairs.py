@@ -9,8 +9,8 @@ once more in the pair's recompute. What
 the first block returns is gone from the forward to the backward (the memory the pair is
 for); a model that makes something between the two blocks is refused with the block's name.
 The planner offers the pair where the IR allows it and the first block's output is saved by
-both blocks, its fragments hold what a pair holds, the ILP keeps both halves together, the checks refuse the edits the runtime cannot follow, and
-karma-inspect counts the pairs.
+both blocks, its fragments hold what a pair holds, the ILP keeps both halves together, the
+checks refuse the edits the runtime cannot follow, and karma-inspect counts the pairs.
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from karma.planner.lowering import (
     Choice,
     Stages,
     fragment,
-    mark_pairs,
-    offers_pair,
     valid_choices,
 )
+from karma.planner.pairs import mark_pairs, offers_pair
 from karma.planner.problem import HeldSaved, build_problem, joins_next
 from karma.runtime.replay.pair import Pairs
 from karma.runtime.replay.training_options import MixedPrecision
@@ -271,7 +270,7 @@ def test_a_pair_recomputes_the_first_block_before_the_second_and_frees_its_outpu
 def test_the_planner_offers_pairs_where_the_first_blocks_output_is_shared():
     """A ResNet block's output, saved by its last ReLU and the next block: offered. A
     transformer layer's, saved by the next layer alone: the IR allows the pair, the planner
-    does not offer it (lowering.offers_pair)."""
+    does not offer it (pairs.offers_pair)."""
     gpt = build_problem(block_graph(load_small("gpt")), load_hardware("v100-16g"))
     assert any(b.joins_next for b in gpt.blocks)
     assert not any(c.with_next for i in range(len(gpt.blocks)) for c in valid_choices(gpt, i))

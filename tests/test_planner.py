@@ -28,8 +28,9 @@ import pytest
 
 from karma.planner.baselines import BASELINES, keep_all
 from karma.planner.ilp import min_capacity_bytes, solve_ilp
-from karma.planner.lowering import Choice, mark_pairs, valid_choices
+from karma.planner.lowering import Choice, valid_choices
 from karma.planner.memory import stage_memory
+from karma.planner.pairs import mark_pairs
 from karma.planner.plan import Evaluation, InfeasiblePlan, Plan, evaluate
 from karma.planner.prefetch import refine_prefetch
 from karma.planner.problem import BlockCost, HeldSaved, Problem, SelectiveCost

@@ -34,6 +34,7 @@ from karma.planner import lowering
 from karma.planner.fragment import Fragment, ProtoBuffer
 from karma.planner.lowering import Choice, Stages, Training
 from karma.planner.memory import buffer_spans, host_temp_bytes, host_temp_first_stage
+from karma.planner.pairs import can_pair
 from karma.planner.problem import Problem
 from karma.schedule import LAST_MICRO_BATCH_KINDS, is_barrier
 
@@ -175,7 +176,7 @@ def formulate(problem: Problem, limits: Limits, training: Training,
 
 def ilp_fragment(problem: Problem, i: int, c: Choice, training: Training) -> Fragment:
     """Block i's fragment under c as the ILP sums it. The first block of a pair also carries
-    what its second block's fragment drops once marked with_prev (lowering.mark_pairs): the
+    what its second block's fragment drops once marked with_prev (pairs.mark_pairs): the
     second block's checkpoint, a buffer of negative bytes over that checkpoint's stages. The
     second block recomputes (pairs_recompute_together), so its fragment holds that
     checkpoint and the sum is the plan's: one variable a choice of the first block, none
@@ -199,11 +200,11 @@ def one_choice_per_block(f: Formulation) -> None:
 def pairs_recompute_together(f: Formulation) -> None:
     """[Constraint] a block recomputes with the next one only where the next one recomputes
     and can be its second ([Note: a checkpoint over two blocks] in karma/schedule.py;
-    lowering.can_pair)"""
+    pairs.can_pair)"""
     for i, options in f.options.items():
         first = [f.x[i, c] for c in options if c.with_next]
         if first:
-            second = [f.x[i + 1, c] for c in f.options[i + 1] if lowering.can_pair(c)]
+            second = [f.x[i + 1, c] for c in f.options[i + 1] if can_pair(c)]
             f.lp += pulp.lpSum(first) <= pulp.lpSum(second), f"pair_{i}"
 
 

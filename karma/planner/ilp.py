@@ -19,8 +19,9 @@ import pulp
 
 from karma.planner.formulation import GIB, Limits, formulate
 from karma.planner.host_state import HostUse
-from karma.planner.lowering import PLAIN, Choice, Training, fragment, mark_pairs
+from karma.planner.lowering import PLAIN, Choice, Training, fragment
 from karma.planner.memory import stage_memory
+from karma.planner.pairs import mark_pairs
 from karma.planner.plan import InfeasiblePlan, Plan
 from karma.planner.problem import Problem
 from karma.units import format_bytes
@@ -151,7 +152,7 @@ def _solve(problem: Problem, limits: Limits, time_limit_s: float, gap: float,
     checked and its solution turned into a Plan."""
     started = time.perf_counter()
     f = formulate(problem, limits, training, minimize_capacity)
-    if start is not None:  # the options leave a pair's second unmarked (lowering.mark_pairs)
+    if start is not None:  # the options leave a pair's second unmarked (pairs.mark_pairs)
         unmarked = [replace(c, with_prev=False) for c in start.choices]
         for (i, c), var in f.x.items():
             var.setInitialValue(1 if unmarked[i] == c else 0)

@@ -28,10 +28,11 @@ and the ILP stays exact.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from karma.planner.fragment import Fragment, ProtoOp
 from karma.planner.host_state import add_host_state, shard_bytes
+from karma.planner.pairs import offers_pair, pairs_agree
 from karma.planner.problem import Problem
 from karma.schedule import (
     ACT_CHOICES,
@@ -105,50 +106,6 @@ def valid_choices(problem: Problem, i: int) -> list[Choice]:
             if a in RECOMPUTE_ACTS and pairs and w == "resident":
                 out.append(Choice(a, w, o, 1, policy, with_next=True))
     return out
-
-
-def offers_pair(problem: Problem, i: int) -> bool:
-    """Whether block i is offered to recompute with the next one ([Note: a checkpoint over
-    two blocks] in karma/schedule.py): where the blocks allow it (BlockCost.joins_next) and
-    what it returns is saved by both blocks (a ResNet block's output, its last ReLU's and the
-    next block's first convolution's), which a pair frees for most of the step. Where the
-    next block alone saves it (a transformer layer's output), a pair frees only the next
-    block's checkpoint for a stage more of the first block's activations: offered there, it
-    saved nothing in the golden plans that took it and slowed GPT-2 XL's solve 2 to 7 times
-    (bench/RESULTS.md, "The ILP on real models"); the runtime runs such a pair all the same
-    (a schedule may name it). The next block's choice is any that recomputes (can_pair), marked with_prev once the plan is made
-    (mark_pairs); the ILP credits the checkpoint it drops to this block's choice
-    (formulation.ilp_fragment)."""
-    return problem.blocks[i].joins_next and any(
-        h.made_by == i for h in problem.held_by_first_reader[i])
-
-
-def pairs_agree(choices) -> bool:
-    """Whether each block with with_next has a next block with with_prev, and only those
-    ([Note: a checkpoint over two blocks] in karma/schedule.py)."""
-    previous = [False] + [c.with_next for c in choices[:-1]]
-    return all(c.with_prev == before for c, before in zip(choices, previous)) \
-        and not (choices and choices[-1].with_next)
-
-
-def mark_pairs(choices) -> tuple[Choice, ...] | None:
-    """`choices` (of valid_choices, which offer a pair's first block only) with the second
-    block of each pair marked with_prev; None where a with_next block's next block cannot
-    be its second (it keeps or swaps, keeps on the host, has with_next itself, or there is
-    none)."""
-    out = list(choices)
-    for i, c in enumerate(choices):
-        if not c.with_next:
-            continue
-        if i + 1 == len(out) or not can_pair(out[i + 1]):
-            return None
-        out[i + 1] = replace(out[i + 1], with_prev=True)
-    return tuple(out)
-
-
-def can_pair(c: Choice) -> bool:
-    """Whether a block under choice c can be the second block of a pair (mark_pairs)."""
-    return c.act in RECOMPUTE_ACTS and c.kept == "device" and not c.with_next
 
 
 @dataclass(frozen=True)

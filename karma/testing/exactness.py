@@ -26,8 +26,9 @@ from karma.ir.optimizer import optimizer_profile
 from karma.modelfile import ModelFile, load_model_file
 from karma.planner.baselines import BASELINES
 from karma.planner.hardware import load_hardware
-from karma.planner.lowering import PLAIN, Choice, Training, can_pair
+from karma.planner.lowering import PLAIN, Choice, Training
 from karma.planner.options import PlanOptions
+from karma.planner.pairs import can_pair
 from karma.planner.pipeline import make_schedule
 from karma.planner.plan import evaluate
 from karma.planner.problem import build_problem
@@ -164,7 +165,7 @@ def _kept_on_host(baseline):
 def _paired(baseline):
     """`baseline` with its recomputing blocks paired, from the first block up, wherever the
     blocks allow it (BlockCost.joins_next, the first's weights resident, the second
-    can_pair), whether or not the planner would offer it (lowering.offers_pair)."""
+    can_pair), whether or not the planner would offer it (pairs.offers_pair)."""
     def paired(problem, capacity_bytes, training=PLAIN):
         plan = baseline(problem, capacity_bytes, training)
         choices = list(plan.choices)
